@@ -1,0 +1,168 @@
+"""Find the compiled extension ``fastdl._C``: built by pip (AOT), JIT-built from ``csrc/`` with ninja, or missing.
+
+Loading the extension registers its C++/CUDA kernels with the dispatcher under ``fastdl_cpp::*``. Nothing here
+compiles unless asked (``FASTDL_JIT=1`` or ``load_extension(jit=True)``), and nothing initialises CUDA.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import threading
+import time
+import warnings
+
+from . import _build
+
+_lock = threading.RLock()
+_state: dict = {"attempted": False, "module": None, "source": "missing", "error": None, "path": None}
+
+FIX = (
+    "build it with `pip install --no-build-isolation .` (or `-e .`) in the fastdl source tree, "
+    "or set FASTDL_JIT=1 in a source checkout to JIT-compile csrc/ with ninja"
+)
+
+
+def _jit_requested() -> bool:
+    return os.environ.get("FASTDL_JIT", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def is_source_checkout() -> bool:
+    return os.path.isdir(_build.CSRC) and os.path.exists(os.path.join(_build.ROOT, "setup.py"))
+
+
+def jit_build_dir() -> str:
+    import torch
+
+    base = os.environ.get("FASTDL_JIT_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "fastdl", "jit"
+    )
+    tag = f"torch{torch.__version__.replace('+', '_')}"
+    return os.path.join(base, tag)
+
+
+def _jit_build(verbose: bool = False):
+    if not is_source_checkout():
+        raise RuntimeError("fastdl: JIT build needs a source checkout (csrc/ next to the fastdl package)")
+    cfg = _build.build_config(jit=True)
+    if not cfg.enabled:
+        raise RuntimeError("fastdl: JIT build requested but " + "; ".join(cfg.notes))
+    _build.use_cuda_home(cfg.cuda_home or _build.find_cuda_home())
+    from torch.utils import cpp_extension
+
+    build_dir = jit_build_dir()
+    os.makedirs(build_dir, exist_ok=True)
+    stamp_path = os.path.join(build_dir, "fastdl.stamp")
+    fingerprint = cfg.fingerprint()
+    try:
+        with open(stamp_path) as f:
+            up_to_date = f.read().strip() == fingerprint
+    except OSError:
+        up_to_date = False
+    t0 = time.perf_counter()
+    if not up_to_date:
+        what = f"{len(cfg.sources)} sources, CUDA {'for ' + cfg.archs if cfg.with_cuda else 'skipped'}"
+        print(f"fastdl: JIT-compiling csrc/ ({what}) into {build_dir} ...", flush=True)
+    mod = cpp_extension.load(
+        name="fastdl_C",
+        sources=cfg.sources,
+        extra_cflags=cfg.cxx_flags,
+        extra_cuda_cflags=cfg.nvcc_flags,
+        extra_include_paths=cfg.include_dirs,
+        extra_ldflags=cfg.ldflags,
+        build_directory=build_dir,
+        with_cuda=cfg.with_cuda,
+        is_python_module=True,
+        verbose=verbose,
+    )
+    if not up_to_date:
+        print(f"fastdl: JIT build done in {time.perf_counter() - t0:.1f} s", flush=True)
+        with open(stamp_path, "w") as f:
+            f.write(fingerprint)
+    _state["path"] = getattr(mod, "__file__", build_dir)
+    return mod
+
+
+def load_extension(jit: bool | None = None, verbose: bool = False):
+    """Load ``fastdl._C`` and return it (or None when it is missing and no JIT build was asked for).
+
+    ``jit=True`` (or FASTDL_JIT=1) builds ``csrc/`` with ninja into a cache and loads that build; it rebuilds only
+    when a source changed. ``jit=None`` follows FASTDL_JIT; otherwise the pip-built module is imported.
+    """
+    if jit is None:
+        jit = _jit_requested()
+    with _lock:
+        if _state["module"] is not None and (not jit or _state["source"] == "jit"):
+            return _state["module"]
+        if jit:
+            _state["attempted"] = True
+            try:
+                _state.update(module=_jit_build(verbose), source="jit", error=None)
+            except Exception as exc:  # report, then let the caller see it
+                _state.update(error=f"JIT build failed: {exc}")
+                raise
+            return _state["module"]
+        if not _state["attempted"]:
+            _state["attempted"] = True
+            try:
+                mod = importlib.import_module("fastdl._C")
+                _state.update(module=mod, source="aot", error=None, path=getattr(mod, "__file__", None))
+            except ImportError as exc:
+                _state.update(error=str(exc))
+        return _state["module"]
+
+
+def ensure_loaded() -> bool:
+    """True when the compiled kernels are registered (loads them on first call)."""
+    return load_extension() is not None
+
+
+def warn_if_missing() -> None:
+    """Called once by ``import fastdl``: import the AOT module (cheap: no compile, no CUDA init) and say so once
+    when it is missing. With FASTDL_JIT=1 the JIT build happens on first use instead."""
+    if _jit_requested():
+        return
+    if not ensure_loaded() and not os.environ.get("FASTDL_NO_EXTENSION_WARNING"):
+        warnings.warn(
+            f"fastdl: compiled extension fastdl._C not available ({_state['error']}); "
+            f"using the PyTorch reference kernels. To fix: {FIX}.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+def extension_info() -> dict:
+    mod = _state["module"]
+    return {
+        "source": _state["source"] if mod is not None else "missing",
+        "path": _state["path"],
+        "with_cuda": bool(getattr(mod, "with_cuda", False)),
+        "error": _state["error"],
+    }
+
+
+def cpu_features() -> dict:
+    """ISA extensions of this CPU: from the extension (cpuid) when loaded, else from /proc/cpuinfo."""
+    mod = _state["module"]
+    if mod is not None and hasattr(mod, "cpu_features"):
+        return dict(mod.cpu_features())
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    names = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16")
+    return {n: n in flags for n in names}
+
+
+def cpu_isa() -> str:
+    """The best ISA level fastdl's CPU kernels use here: avx512_bf16 > avx512_vnni > avx2 > none."""
+    f = cpu_features()
+    for name in ("avx512_bf16", "avx512_vnni", "avx2"):
+        if f.get(name):
+            return name
+    return "none"

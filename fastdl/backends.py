@@ -1,0 +1,159 @@
+"""Which implementation serves an op on a device.
+
+Backends:
+  cpp     the compiled extension fastdl._C (C++ CPU kernels, CUDA C++ kernels), registered as ``fastdl_cpp::<op>``
+  triton  Triton kernels (``fastdl.kernels``) on CUDA; on the CPU only under TRITON_INTERPRET=1 (tests)
+  torch   the pure-PyTorch reference in ``fastdl.ops`` (always available)
+
+Choose with ``FASTDL_BACKEND=auto|cpp|triton|torch`` or ``with fastdl.use_backend("torch"): ...``. ``auto`` takes the
+first available backend in the op's preference order for the device and records why the others were passed over
+(``fastdl info`` prints it); an explicit choice that cannot be honoured raises ``BackendUnavailableError``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import os
+import threading
+
+BACKENDS = ("cpp", "triton", "torch")
+_VALID = ("auto",) + BACKENDS
+
+# Per-op registry filled by fastdl.ops: name -> {"prefer": {device_type: (backends...)}, "triton": callable or None,
+# "supports": callable(args) -> str | None (reason a backend cannot take these inputs)}
+_OPS: dict[str, dict] = {}
+_local = threading.local()
+
+
+class BackendUnavailableError(RuntimeError):
+    """An explicitly requested backend cannot serve this op on this device."""
+
+
+def register_op(name: str, prefer: dict[str, tuple[str, ...]], triton_impl=None, supports=None) -> None:
+    _OPS[name] = {"prefer": prefer, "triton": triton_impl, "supports": supports}
+
+
+def requested() -> str:
+    """The backend asked for: the innermost ``use_backend`` block, else FASTDL_BACKEND, else 'auto'."""
+    stack = getattr(_local, "stack", None)
+    if stack:
+        return stack[-1]
+    env = os.environ.get("FASTDL_BACKEND", "auto").strip().lower() or "auto"
+    if env not in _VALID:
+        raise ValueError(f"FASTDL_BACKEND={env!r} is not one of {', '.join(_VALID)}")
+    return env
+
+
+@contextlib.contextmanager
+def use_backend(name: str):
+    """Run the ops inside the block with backend ``name`` ('auto', 'cpp', 'triton' or 'torch'); per thread."""
+    name = name.strip().lower()
+    if name not in _VALID:
+        raise ValueError(f"unknown fastdl backend {name!r}; expected one of {', '.join(_VALID)}")
+    stack = getattr(_local, "stack", None)
+    if stack is None:
+        stack = _local.stack = []
+    stack.append(name)
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+@functools.cache
+def _triton_importable() -> tuple[bool, str]:
+    if importlib.util.find_spec("triton") is None:
+        return False, "triton is not installed"
+    return True, ""
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "") == "1"
+
+
+@functools.cache
+def _cuda_usable() -> tuple[bool, str]:
+    import torch
+
+    if not torch.cuda.is_available():
+        return False, "no CUDA device"
+    return True, ""
+
+
+def available(backend: str, op: str, device_type: str) -> tuple[bool, str]:
+    """Can ``backend`` serve ``op`` on ``device_type``? Returns (ok, reason-if-not)."""
+    import torch
+
+    if backend == "torch":
+        return True, ""
+    if backend == "cpp":
+        from . import _extension
+
+        if not _extension.ensure_loaded():
+            return False, "compiled extension fastdl._C is not loaded"
+        key = {"cpu": "CPU", "cuda": "CUDA"}.get(device_type)
+        if key is None:
+            return False, f"no C++ kernels for device type {device_type!r}"
+        if not torch._C._dispatch_has_kernel_for_dispatch_key(f"fastdl_cpp::{op}", key):
+            if key == "CUDA" and not _extension.extension_info()["with_cuda"]:
+                return False, "fastdl._C was built without CUDA sources"
+            return False, f"fastdl._C has no {key} kernel for {op}"
+        return True, ""
+    if backend == "triton":
+        info = _OPS.get(op)
+        if info is None or info["triton"] is None:
+            return False, f"no Triton kernel for {op}"
+        ok, why = _triton_importable()
+        if not ok:
+            return False, why
+        if device_type == "cpu":
+            if not _interpreting():
+                return False, "Triton runs on the CPU only in interpreter mode (TRITON_INTERPRET=1)"
+            return True, ""
+        if device_type != "cuda":
+            return False, f"no Triton kernels for device type {device_type!r}"
+        return _cuda_usable()
+    raise ValueError(f"unknown fastdl backend {backend!r}")
+
+
+def preference(op: str, device_type: str) -> tuple[str, ...]:
+    info = _OPS.get(op)
+    prefer = info["prefer"] if info else {}
+    return prefer.get(device_type, ("torch",))
+
+
+def select(op: str, device_type: str, args: tuple = ()) -> str:
+    """The backend that serves ``op`` for these inputs on ``device_type`` right now."""
+    want = requested()
+    supports = (_OPS.get(op) or {}).get("supports")
+    if want != "auto":
+        ok, why = available(want, op, device_type)
+        if ok and supports is not None and args:
+            reason = supports(want, args)
+            ok, why = reason is None, reason
+        if not ok:
+            raise BackendUnavailableError(
+                f"fastdl: backend {want!r} was requested for {op} on {device_type} but cannot serve it: {why}. "
+                f"Use FASTDL_BACKEND=auto (or fastdl.use_backend('auto')) to fall back automatically."
+            )
+        return want
+    for backend in preference(op, device_type):
+        ok, _ = available(backend, op, device_type)
+        if ok and (supports is None or not args or supports(backend, args) is None):
+            return backend
+    return "torch"
+
+
+def explain(op: str, device_type: str) -> list[tuple[str, bool, str]]:
+    """For ``fastdl info``: each backend in preference order, whether it is available, and why not."""
+    rows = []
+    for backend in preference(op, device_type):
+        ok, why = available(backend, op, device_type)
+        rows.append((backend, ok, why))
+    return rows
+
+
+def registered_ops() -> list[str]:
+    return sorted(_OPS)

@@ -1,0 +1,5 @@
+import sys
+
+from ..cli import main
+
+main(["bench", *(sys.argv[1:] or ["fused_linear"])])

@@ -1,0 +1,10 @@
+"""fastdl ops: the one place each op is defined (schema, fake kernel, autograd, reference, backend routing).
+
+One module per capability, named like its kernels (csrc/cpu/<name>.cpp, csrc/cuda/<name>.cu, kernels/<name>.py).
+The raw ops are ``torch.ops.fastdl.<name>``; the functions here are their Python wrappers.
+"""
+
+from ._library import SCHEMAS
+from .fused_linear import ACTIVATIONS, fused_linear
+
+__all__ = ["ACTIVATIONS", "SCHEMAS", "fused_linear"]

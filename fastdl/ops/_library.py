@@ -1,0 +1,101 @@
+"""How a fastdl op is defined: one schema string, used twice.
+
+``fastdl::<op>``      the public op: schema, fake kernel, autograd, autocast rule, and one dispatch kernel
+                      (CompositeExplicitAutograd, so every device) that routes to the backend chosen by
+                      ``fastdl.backends`` for the device of the inputs.
+``fastdl_cpp::<op>``  the same schema, implemented by the compiled extension with TORCH_LIBRARY_IMPL for CPU
+                      and CUDA (csrc/). No C++ file defines a schema.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .. import backends
+
+LIB = torch.library.Library("fastdl", "DEF")
+CPP_LIB = torch.library.Library("fastdl_cpp", "FRAGMENT")
+
+SCHEMAS: dict[str, str] = {}
+
+
+def _device_type(args) -> str:
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a.device.type
+        if isinstance(a, (list, tuple)):
+            for b in a:
+                if isinstance(b, torch.Tensor):
+                    return b.device.type
+    return "cpu"
+
+
+def _load_triton(path: str) -> Callable:
+    """Resolve 'module:function' under fastdl.kernels lazily (importing triton is not free)."""
+    cache: dict = {}
+
+    def call(*args):
+        fn = cache.get("fn")
+        if fn is None:
+            import importlib
+
+            mod_name, fn_name = path.split(":")
+            fn = cache["fn"] = getattr(importlib.import_module(f"fastdl.kernels.{mod_name}"), fn_name)
+        return fn(*args)
+
+    return call
+
+
+def define(
+    name: str,
+    schema: str,
+    *,
+    reference: Callable,
+    fake: Callable,
+    prefer: dict[str, tuple[str, ...]],
+    triton: str | None = None,
+    supports: Callable | None = None,
+) -> torch._ops.OpOverloadPacket:
+    """Define ``fastdl::name`` and ``fastdl_cpp::name`` from one schema and route calls between backends.
+
+    ``prefer`` maps a device type to the backends to try in ``auto`` mode, best first. ``triton`` names the
+    launcher as 'module:function' in fastdl.kernels. ``supports(backend, args)`` returns None when the backend can
+    take these inputs, else the reason it cannot (the auto choice then moves on).
+    """
+    SCHEMAS[name] = schema
+    LIB.define(name + schema)
+    CPP_LIB.define(name + schema)
+    triton_impl = _load_triton(triton) if triton else None
+    backends.register_op(name, prefer, triton_impl=triton_impl, supports=supports)
+
+    def route(*args):
+        backend = backends.select(name, _device_type(args), args)
+        if backend == "cpp":
+            return getattr(torch.ops.fastdl_cpp, name)(*args)
+        if backend == "triton":
+            return triton_impl(*args)
+        return reference(*args)
+
+    LIB.impl(name, route, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"fastdl::{name}", fake, lib=LIB)
+    return getattr(torch.ops.fastdl, name)
+
+
+def register_autocast_rule(name: str, cast: Callable) -> None:
+    """Autocast for ``fastdl::name``: ``cast(args, dtype)`` returns the arguments to call the op with.
+
+    Unlike ``torch.library.register_autocast`` (which casts every float input), fastdl's mixed-precision ops keep
+    fp32 master weights and cast only the activations; the kernels round the weight tile by tile.
+    """
+    op = getattr(torch.ops.fastdl, name).default
+    for device_type in ("cpu", "cuda"):
+        key_name = "Autocast" + torch._C._dispatch_key_for_device(device_type)
+        key = getattr(torch._C.DispatchKey, key_name)
+
+        def kernel(keyset, *args, _key=key, _device=device_type):
+            with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(_key)):
+                return op(*cast(args, torch.get_autocast_dtype(_device)))
+
+        LIB.impl(name, kernel, key_name, with_keyset=True)

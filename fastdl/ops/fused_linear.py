@@ -1,0 +1,297 @@
+"""Fused mixed-precision linear: ``y = act(x @ weight.T + bias) + residual``, forward and backward.
+
+Semantics (every backend implements exactly this):
+  * compute dtype ``c = x.dtype`` (float32, bfloat16, float16; float64 on the reference path);
+  * ``weight`` is ``[N, K]`` in ``c`` or float32 (fp32 master weights with low-precision activations, as under
+    autocast): a float32 weight is rounded to ``c`` before the product, exactly as autocast would;
+  * the product accumulates in fp32; bias, activation and residual are applied to the fp32 accumulator and the
+    result is rounded to ``c`` once;
+  * in training the op also returns the pre-activation (rounded to ``c``) so the backward can apply the
+    activation derivative fused with the bias-gradient reduction, without recomputing the GEMM.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ._library import define, register_autocast_rule
+
+ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu")
+_FLOAT = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+SCHEMA = (
+    "(Tensor x, Tensor weight, Tensor? bias, str activation, Tensor? residual, bool save_preact) -> (Tensor, Tensor)"
+)
+BACKWARD_SCHEMA = (
+    "(Tensor grad_out, Tensor x, Tensor weight, Tensor preact, str activation, bool[3] output_mask) "
+    "-> (Tensor, Tensor, Tensor)"
+)
+
+
+# ----------------------------------------------------------------------------------------------- argument checks
+def check_activation(activation: str) -> None:
+    torch._check_value(
+        activation in ACTIVATIONS,
+        lambda: f"fused_linear: unknown activation {activation!r}; expected one of {', '.join(ACTIVATIONS)}",
+    )
+
+
+def check_args(x, weight, bias, activation, residual) -> tuple[int, int]:
+    """Validate the forward arguments; returns (K, N). Shared by the fake kernel and the reference."""
+    check_activation(activation)
+    torch._check_value(
+        x.dtype in _FLOAT,
+        lambda: f"fused_linear: x must be a floating tensor (float32, bfloat16, float16), got dtype {x.dtype}",
+    )
+    torch._check_value(x.dim() >= 1, lambda: "fused_linear: x must have at least 1 dimension [..., K]")
+    torch._check_value(
+        weight.dim() == 2, lambda: f"fused_linear: weight must be 2-D [N, K], got shape {tuple(weight.shape)}"
+    )
+    torch._check_value(
+        weight.dtype == x.dtype or weight.dtype == torch.float32,
+        lambda: f"fused_linear: weight dtype must be x's dtype ({x.dtype}) or torch.float32, got {weight.dtype}",
+    )
+    K, N = x.shape[-1], weight.shape[0]
+    torch._check_value(
+        weight.shape[1] == K,
+        lambda: f"fused_linear: weight must have shape [N, K] with K = x.shape[-1] = {K}, "
+        f"got weight of shape {tuple(weight.shape)} (mismatched K)",
+    )
+    torch._check(
+        weight.device == x.device,
+        lambda: f"fused_linear: x and weight must be on the same device, got x on {x.device}, "
+        f"weight on {weight.device}",
+    )
+    if bias is not None:
+        torch._check_value(
+            bias.dtype in _FLOAT, lambda: f"fused_linear: bias must be a floating tensor, got dtype {bias.dtype}"
+        )
+        torch._check_value(
+            bias.dim() == 1 and bias.shape[0] == N,
+            lambda: f"fused_linear: bias must have shape [N] = [{N}], got {tuple(bias.shape)}",
+        )
+        torch._check(
+            bias.device == x.device,
+            lambda: f"fused_linear: bias must be on x's device {x.device}, got {bias.device}",
+        )
+    if residual is not None:
+        out_shape = (*x.shape[:-1], N)
+        torch._check_value(
+            residual.dtype in _FLOAT,
+            lambda: f"fused_linear: residual must be a floating tensor, got dtype {residual.dtype}",
+        )
+        torch._check_value(
+            tuple(residual.shape) == out_shape,
+            lambda: f"fused_linear: residual must have the output's shape {out_shape}, got {tuple(residual.shape)}",
+        )
+        torch._check(
+            residual.device == x.device,
+            lambda: f"fused_linear: residual must be on x's device {x.device}, got {residual.device}",
+        )
+    return K, N
+
+
+# -------------------------------------------------------------------------------------- activations (reference)
+def activation_fn(x: torch.Tensor, activation: str) -> torch.Tensor:
+    if activation == "relu":
+        return F.relu(x)
+    if activation == "gelu":
+        return F.gelu(x)
+    if activation == "gelu_tanh":
+        return F.gelu(x, approximate="tanh")
+    if activation == "silu":
+        return F.silu(x)
+    return x
+
+
+def activation_grad(p: torch.Tensor, activation: str) -> torch.Tensor:
+    """d act / d p, evaluated in p's dtype (the reference uses fp32 or fp64)."""
+    if activation == "relu":
+        return (p > 0).to(p.dtype)
+    if activation == "gelu":
+        cdf = 0.5 * (1.0 + torch.erf(p * (1.0 / math.sqrt(2.0))))
+        return cdf + p * torch.exp(-0.5 * p * p) * (1.0 / math.sqrt(2.0 * math.pi))
+    if activation == "gelu_tanh":
+        k = math.sqrt(2.0 / math.pi)
+        t = torch.tanh(k * (p + 0.044715 * p**3))
+        return 0.5 * (1.0 + t) + 0.5 * p * (1.0 - t * t) * k * (1.0 + 3.0 * 0.044715 * p * p)
+    if activation == "silu":
+        s = torch.sigmoid(p)
+        return s * (1.0 + p * (1.0 - s))
+    return torch.ones_like(p)
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _empty(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    return torch.empty(0, dtype=dtype or x.dtype, device=x.device)
+
+
+# ------------------------------------------------------------------------------------------------ forward op
+def _fake(x, weight, bias, activation, residual, save_preact):
+    _, N = check_args(x, weight, bias, activation, residual)
+    out = x.new_empty((*x.shape[:-1], N))
+    preact = x.new_empty((*x.shape[:-1], N)) if save_preact and activation != "none" else _empty(x)
+    return out, preact
+
+
+def _reference(x, weight, bias, activation, residual, save_preact):
+    """Pure-PyTorch reference: the contract above, written plainly (fp32 accumulation, one rounding)."""
+    check_args(x, weight, bias, activation, residual)
+    c, acc = x.dtype, _acc_dtype(x.dtype)
+    pre = torch.matmul(x.to(acc), weight.to(c).to(acc).t())
+    if bias is not None:
+        pre = pre + bias.to(acc)
+    out = activation_fn(pre, activation)
+    if residual is not None:
+        out = out + residual.to(acc)
+    preact = pre.to(c) if save_preact and activation != "none" else _empty(x)
+    return out.to(c).contiguous(), preact
+
+
+def _cpp_supports(backend: str, args) -> str | None:
+    x, weight = args[0], args[1]
+    if backend == "cpp" and x.device.type == "cpu" and x.dtype not in (torch.float32, torch.bfloat16):
+        return f"the C++ CPU kernel takes float32/bfloat16, not {x.dtype}"
+    if backend == "triton" and x.dtype == torch.float64:
+        return "the Triton kernel takes float32/bfloat16/float16, not float64"
+    if backend == "triton" and x.device.type == "cpu" and torch.bfloat16 in (x.dtype, weight.dtype):
+        return "bfloat16 is not supported by the Triton interpreter"
+    if backend == "cpp" and x.dtype == torch.float64:
+        return "float64 is served by the reference"
+    return None
+
+
+fused_linear_op = define(
+    "fused_linear",
+    SCHEMA,
+    reference=_reference,
+    fake=_fake,
+    prefer={"cpu": ("cpp", "torch"), "cuda": ("triton", "cpp", "torch")},
+    triton="fused_linear:fused_linear_fwd",
+    supports=_cpp_supports,
+)
+
+
+# ----------------------------------------------------------------------------------------------- backward op
+def _check_backward(grad_out, x, weight, preact, activation):
+    check_activation(activation)
+    N = weight.shape[0]
+    out_shape = (*x.shape[:-1], N)
+    torch._check_value(
+        tuple(grad_out.shape) == out_shape,
+        lambda: f"fused_linear_backward: grad_out must have shape {out_shape}, got {tuple(grad_out.shape)}",
+    )
+    if activation != "none":
+        torch._check_value(
+            tuple(preact.shape) == out_shape,
+            lambda: f"fused_linear_backward: preact must have shape {out_shape} for activation {activation!r}, "
+            f"got {tuple(preact.shape)} (call fused_linear with save_preact=True when gradients are needed)",
+        )
+
+
+def _fake_backward(grad_out, x, weight, preact, activation, output_mask):
+    _check_backward(grad_out, x, weight, preact, activation)
+    gx = torch.empty_like(x, memory_format=torch.contiguous_format) if output_mask[0] else _empty(x)
+    gw = weight.new_empty(weight.shape) if output_mask[1] else _empty(x, weight.dtype)
+    gb = x.new_empty((weight.shape[0],), dtype=_acc_dtype(x.dtype)) if output_mask[2] else _empty(x, torch.float32)
+    return gx, gw, gb
+
+
+def _reference_backward(grad_out, x, weight, preact, activation, output_mask):
+    _check_backward(grad_out, x, weight, preact, activation)
+    c, acc = x.dtype, _acc_dtype(x.dtype)
+    K, N = x.shape[-1], weight.shape[0]
+    g = grad_out.reshape(-1, N).to(acc)
+    dpre = g if activation == "none" else g * activation_grad(preact.reshape(-1, N).to(acc), activation)
+    gb = dpre.sum(0) if output_mask[2] else _empty(x, acc)
+    dpre_c = dpre.to(c).to(acc)
+    gx = gw = None
+    if output_mask[0]:
+        gx = (dpre_c @ weight.to(c).to(acc)).to(c).reshape(x.shape)
+    if output_mask[1]:
+        gw = (dpre_c.t() @ x.reshape(-1, K).to(acc)).to(weight.dtype)
+    return (gx if gx is not None else _empty(x)), (gw if gw is not None else _empty(x, weight.dtype)), gb
+
+
+fused_linear_backward_op = define(
+    "fused_linear_backward",
+    BACKWARD_SCHEMA,
+    reference=_reference_backward,
+    fake=_fake_backward,
+    prefer={"cpu": ("cpp", "torch"), "cuda": ("triton", "cpp", "torch")},
+    triton="fused_linear:fused_linear_bwd",
+    supports=lambda backend, args: _cpp_supports(backend, (args[1], args[2])),
+)
+
+
+# ----------------------------------------------------------------------------------------------- autograd
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, activation, residual, save_preact = inputs
+    _, preact = output
+    ctx.activation = activation
+    ctx.has_preact = bool(save_preact) and activation != "none"
+    ctx.bias_dtype = bias.dtype if bias is not None else None
+    ctx.residual_dtype = residual.dtype if residual is not None else None
+    ctx.save_for_backward(x, weight, preact)
+
+
+def _backward(ctx, grad_out, _grad_preact):
+    x, weight, preact = ctx.saved_tensors
+    need_x, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+    need_r = ctx.needs_input_grad[4]
+    if ctx.activation != "none" and not ctx.has_preact and (need_x or need_w or need_b):
+        raise RuntimeError(
+            "fused_linear: gradients were requested but the op ran with save_preact=False; "
+            "call fastdl.ops.fused_linear (which sets it) or pass save_preact=True"
+        )
+    gx = gw = gb = None
+    if need_x or need_w or need_b:
+        gx, gw, gb = fused_linear_backward_op(
+            grad_out.contiguous(), x, weight, preact, ctx.activation, [need_x, need_w, need_b]
+        )
+        gx = gx if need_x else None
+        gw = gw if need_w else None
+        gb = gb.to(ctx.bias_dtype) if need_b else None
+    gr = grad_out.to(ctx.residual_dtype) if need_r else None
+    return gx, gw, gb, None, gr, None
+
+
+torch.library.register_autograd("fastdl::fused_linear", _backward, setup_context=_setup_context)
+
+
+def _autocast_cast(args, dtype):
+    x, *rest = args
+    if x.is_floating_point() and x.dtype != torch.float64:
+        x = x.to(dtype)
+    return (x, *rest)
+
+
+register_autocast_rule("fused_linear", _autocast_cast)
+
+
+# ------------------------------------------------------------------------------------------------ public API
+def fused_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    activation: str = "none",
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``act(x @ weight.T + bias) + residual`` in one kernel (fp32 accumulation, epilogue fused).
+
+    x: ``[..., K]`` float32/bfloat16 (float16 on CUDA); weight: ``[N, K]`` in x's dtype or float32 (master weights);
+    bias: ``[N]`` or None; activation: one of ``none, relu, gelu, gelu_tanh, silu`` ("gelu" is the erf form);
+    residual: ``[..., N]`` or None (added after the activation). Returns ``[..., N]`` in x's dtype (under autocast,
+    the autocast dtype). Differentiable in x, weight, bias and residual.
+    """
+    need_grad = torch.is_grad_enabled() and (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    )
+    out, _ = fused_linear_op(x, weight, bias, activation, residual, bool(need_grad and activation != "none"))
+    return out

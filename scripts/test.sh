@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The whole test suite on a fresh machine: environment, build (C++ and CUDA sources), lint, tests.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+source scripts/setup_env.sh
+python - <<'PY'
+import fastdl, sys
+info = fastdl.info(print_result=True)
+if info["extension"]["source"] == "missing":
+    sys.exit("fastdl._C did not build: see the pip output above")
+PY
+echo "== ruff"
+ruff check fastdl kernels tests scripts setup.py
+echo "== clang-format"
+find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' | xargs clang-format --dry-run --Werror
+echo "== pytest"
+python -m pytest -q "$@"

@@ -1,0 +1,67 @@
+"""Build script of fastdl-kernels: the Python package ``fastdl`` and its compiled extension ``fastdl._C``.
+
+Install with ``pip install --no-build-isolation .`` (or ``-e .``): the extension compiles against the torch
+already installed, so pip must not build in an isolated environment with a second torch.
+Switches: FASTDL_NO_EXTENSION=1 (no compiled extension), FASTDL_NO_CUDA=1 (CPU sources only),
+TORCH_CUDA_ARCH_LIST (CUDA targets, default "8.0;9.0a"). See fastdl/_build.py.
+"""
+
+import importlib.util
+import os
+import sys
+
+from setuptools import find_packages, setup
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _load_build_module():
+    spec = importlib.util.spec_from_file_location("fastdl_build", os.path.join(ROOT, "fastdl", "_build.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _extensions():
+    build = _load_build_module()
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        print("fastdl setup: torch is not installed in this environment: building no extension.")
+        print("fastdl setup: install torch first, then `pip install --no-build-isolation .`")
+        return [], {}
+    cfg = build.build_config(jit=False)
+    for note in cfg.notes:
+        print(f"fastdl setup: {note}")
+    if not cfg.enabled:
+        return [], {}
+    build.use_cuda_home(cfg.cuda_home)
+    os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 1))
+    from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
+
+    rel = [os.path.relpath(s, ROOT) for s in cfg.sources]
+    if cfg.with_cuda:
+        ext = CUDAExtension(
+            "fastdl._C",
+            rel,
+            include_dirs=cfg.include_dirs,
+            extra_compile_args={"cxx": cfg.cxx_flags, "nvcc": cfg.nvcc_flags},
+            extra_link_args=cfg.ldflags,
+        )
+    else:
+        ext = CppExtension(
+            "fastdl._C", rel, include_dirs=cfg.include_dirs, extra_compile_args={"cxx": cfg.cxx_flags}
+        )
+    print(f"fastdl setup: compiling {len(rel)} source file(s), CUDA: {'yes' if cfg.with_cuda else 'no'}")
+    return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}
+
+
+ext_modules, cmdclass = _extensions()
+
+setup(
+    packages=find_packages(include=["fastdl", "fastdl.*"]) + ["fastdl.kernels"],
+    package_dir={"fastdl.kernels": "kernels"},
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+)

@@ -1,0 +1,389 @@
+"""Fused mixed-precision linear: every CPU backend against a float64 reference, gradients, opcheck, compile,
+bad inputs, the FusedLinear module (state_dict, autocast, DDP)."""
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import cpu_backends, rel_err, requires_cuda
+from torch import nn
+
+import fastdl
+from fastdl import backends
+from fastdl.nn import FusedLinear
+from fastdl.ops import ACTIVATIONS, fused_linear
+from fastdl.ops.fused_linear import activation_fn
+
+BACKENDS = cpu_backends("fused_linear")
+HAS_CPP = "cpp" in BACKENDS
+
+
+def ref64(x, w, b, act, res):
+    """float64 reference of the op's contract (weight rounded to x's dtype first)."""
+    pre = x.double() @ w.to(x.dtype).double().t()
+    if b is not None:
+        pre = pre + b.double()
+    out = activation_fn(pre, act)
+    if res is not None:
+        out = out + res.double()
+    return out
+
+
+def eager_err(x, w, b, act, res, ref):
+    """PyTorch's own error at x's dtype (F.linear + activation + add), the bar a low-precision kernel is held to."""
+    c = x.dtype
+    y = activation_fn(F.linear(x, w.to(c), None if b is None else b.to(c)), act)
+    if res is not None:
+        y = y + res.to(c)
+    return rel_err(y, ref)
+
+
+def make(M, K, N, dtype, bias=True, res=False, w_dtype=None, lead=()):
+    x = torch.randn(*lead, M, K, dtype=dtype)
+    w = (torch.randn(N, K) / max(K, 1) ** 0.5).to(w_dtype or dtype)
+    b = torch.randn(N).to(dtype) if bias else None
+    r = torch.randn(*lead, M, N).to(dtype) if res else None
+    return x, w, b, r
+
+
+def check_close(out, x, w, b, act, res):
+    ref = ref64(x, w, b, act, res)
+    assert out.shape == ref.shape and out.dtype == x.dtype
+    err = rel_err(out, ref)
+    if x.dtype == torch.float32:
+        assert err <= 2e-5, err
+    else:
+        assert err <= 2 * eager_err(x, w, b, act, res, ref) + 1e-4, (err, eager_err(x, w, b, act, res, ref))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("act", ACTIVATIONS)
+@pytest.mark.parametrize("M,K,N", [(1, 7, 33), (7, 33, 1), (33, 127, 7), (127, 64, 65), (5, 256, 300)])
+def test_forward_matches_reference(backend, dtype, act, M, K, N):
+    x, w, b, r = make(M, K, N, dtype, bias=(M % 2 == 1), res=(N % 2 == 1))
+    with fastdl.use_backend(backend):
+        out = fused_linear(x, w, b, act, r)
+    check_close(out, x, w, b, act, r)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("M", [1, 3, 16, 40, 300])
+def test_small_and_large_m_paths(backend, M):
+    """The C++ kernel switches between its own small-M kernel and a GEMM + fused epilogue by M."""
+    for dtype in (torch.bfloat16, torch.float32):
+        x, w, b, r = make(M, 512, 96, dtype, res=True)
+        with fastdl.use_backend(backend):
+            out = fused_linear(x, w, b, "gelu", r)
+        check_close(out, x, w, b, "gelu", r)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mixed_precision_fp32_weight(backend):
+    x, _, b, r = make(9, 130, 70, torch.bfloat16, res=True)
+    w = torch.randn(70, 130) / 130**0.5  # fp32 master weight
+    with fastdl.use_backend(backend):
+        out = fused_linear(x, w, b.float(), "silu", r)
+    check_close(out, x, w, b.float(), "silu", r)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_leading_dims_and_noncontiguous(backend):
+    x = torch.randn(4, 3, 40, 2)[..., 0].transpose(0, 1)  # [3, 4, 40], not contiguous
+    assert not x.is_contiguous()
+    w = torch.randn(50, 80)[:, ::2]  # [50, 40] strided
+    b = torch.randn(100)[::2]
+    res = torch.randn(3, 50, 4).transpose(1, 2)
+    with fastdl.use_backend(backend):
+        out = fused_linear(x, w, b, "relu", res)
+    assert out.shape == (3, 4, 50)
+    check_close(out, x, w, b, "relu", res)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_batch_and_empty_k(backend):
+    with fastdl.use_backend(backend):
+        out = fused_linear(torch.randn(0, 16), torch.randn(8, 16), torch.randn(8), "gelu")
+        assert out.shape == (0, 8)
+        out = fused_linear(torch.randn(2, 0, 16), torch.randn(8, 16), None, "relu")
+        assert out.shape == (2, 0, 8)
+        b = torch.randn(8)
+        out = fused_linear(torch.randn(3, 0), torch.randn(8, 0), b, "none")  # K == 0: only the bias remains
+        torch.testing.assert_close(out, b.expand(3, 8))
+
+
+# --------------------------------------------------------------------------------------------------- backward
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("act", ACTIVATIONS)
+def test_backward_matches_reference(backend, dtype, act):
+    M, K, N = 33, 70, 45
+    x, w, b, r = make(M, K, N, dtype, res=True, lead=(2,))
+    g = torch.randn(2, M, N).to(dtype)
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w, b, r)]
+    with fastdl.use_backend(backend):
+        out = fused_linear(*leaves[:3], act, leaves[3])
+    out.backward(g)
+    ref_leaves = [t.detach().double().requires_grad_() for t in (x, w.to(dtype), b, r)]
+    ref64(ref_leaves[0], ref_leaves[1], ref_leaves[2], act, ref_leaves[3]).backward(g.double())
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    for name, got, want in zip("xwbr", leaves, ref_leaves):
+        assert got.grad is not None and got.grad.dtype == got.dtype, name
+        assert rel_err(got.grad, want.grad) <= tol, (name, rel_err(got.grad, want.grad))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_backward_mixed_fp32_master_weight(backend):
+    x = torch.randn(20, 64, dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(48, 64) / 8).requires_grad_()
+    b = torch.randn(48, requires_grad=True)
+    with fastdl.use_backend(backend):
+        fused_linear(x, w, b, "gelu").float().square().sum().backward()
+    assert w.grad.dtype == torch.float32 and b.grad.dtype == torch.float32 and x.grad.dtype == torch.bfloat16
+    xr, wr, br = (t.detach().double().requires_grad_() for t in (x, w.to(torch.bfloat16), b))
+    ref64(xr, wr, br, "gelu", None).square().sum().backward()
+    for got, want in ((x, xr), (w, wr), (b, br)):
+        assert rel_err(got.grad, want.grad) <= 3e-2
+
+
+def test_gradcheck_float64():
+    x = torch.randn(5, 6, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    r = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    for act in ("none", "gelu", "gelu_tanh", "silu"):
+        assert torch.autograd.gradcheck(lambda x, w, b, r, a=act: fused_linear(x, w, b, a, r), (x, w, b, r))
+
+
+def test_backward_needs_preact():
+    x = torch.randn(3, 4, requires_grad=True)
+    out, _ = torch.ops.fastdl.fused_linear(x, torch.randn(5, 4), None, "gelu", None, False)
+    with pytest.raises(RuntimeError, match="save_preact"):
+        out.sum().backward()
+
+
+# --------------------------------------------------------------------------------------- opcheck and compile
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_opcheck(backend):
+    x = torch.randn(7, 33, requires_grad=True)
+    w = torch.randn(9, 33, requires_grad=True)
+    b = torch.randn(9, requires_grad=True)
+    r = torch.randn(7, 9)
+    with fastdl.use_backend(backend):
+        torch.library.opcheck(torch.ops.fastdl.fused_linear.default, (x, w, b, "gelu", r, True))
+        torch.library.opcheck(torch.ops.fastdl.fused_linear.default, (x.detach().bfloat16(), w.detach(), None,
+                                                                      "relu", None, False))
+        g = torch.randn(7, 9)
+        pre = torch.randn(7, 9)
+        torch.library.opcheck(torch.ops.fastdl.fused_linear_backward.default,
+                              (g, x.detach(), w.detach(), pre, "silu", [True, True, True]))
+
+
+def test_compile_fullgraph():
+    model = nn.Sequential(FusedLinear(32, 64, activation="gelu"), FusedLinear(64, 16, activation="none"))
+    x = torch.randn(8, 32, requires_grad=True)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    out = compiled(x)
+    torch.testing.assert_close(out, model(x))
+    out.sum().backward()
+    assert x.grad is not None and model[0].weight.grad is not None
+
+
+@pytest.mark.slow
+def test_compile_inductor_fullgraph():
+    model = FusedLinear(16, 24, activation="silu")
+    x = torch.randn(4, 16)
+    out = torch.compile(model, fullgraph=True)(x)
+    torch.testing.assert_close(out, model(x))
+
+
+# ---------------------------------------------------------------------------------------------- bad inputs
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_inputs_raise_clear_errors(backend):
+    x, w = torch.randn(4, 8), torch.randn(5, 8)
+    with fastdl.use_backend(backend):
+        with pytest.raises((ValueError, RuntimeError), match="K"):
+            fused_linear(x, torch.randn(5, 7))
+        with pytest.raises((ValueError, RuntimeError), match="floating"):
+            fused_linear(x.to(torch.int32), w)
+        with pytest.raises((ValueError, RuntimeError), match="activation"):
+            fused_linear(x, w, None, "tanh")
+        with pytest.raises((ValueError, RuntimeError), match="residual"):
+            fused_linear(x, w, None, "relu", torch.randn(4, 6))
+        with pytest.raises((ValueError, RuntimeError), match="bias"):
+            fused_linear(x, w, torch.randn(6))
+        with pytest.raises((ValueError, RuntimeError), match="weight"):
+            fused_linear(x, torch.randn(5, 8, dtype=torch.float64))
+
+
+@requires_cuda
+def test_device_mismatch_raises():
+    with pytest.raises((ValueError, RuntimeError), match="device"):
+        fused_linear(torch.randn(4, 8), torch.randn(5, 8, device="cuda"))
+
+
+def test_explicit_backend_that_cannot_serve_raises():
+    x, w = torch.randn(4, 8), torch.randn(5, 8)
+    with fastdl.use_backend("triton"):
+        if backends.available("triton", "fused_linear", "cpu")[0]:
+            pytest.skip("Triton interpreter is active in this process")
+        with pytest.raises(fastdl.BackendUnavailableError, match="triton"):
+            fused_linear(x, w)
+    with pytest.raises(ValueError, match="unknown fastdl backend"):
+        with fastdl.use_backend("cudnn"):
+            pass
+
+
+def test_env_backend_choice(monkeypatch):
+    monkeypatch.setenv("FASTDL_BACKEND", "torch")
+    assert backends.select("fused_linear", "cpu", ()) == "torch"
+    monkeypatch.setenv("FASTDL_BACKEND", "nonsense")
+    with pytest.raises(ValueError, match="FASTDL_BACKEND"):
+        backends.requested()
+
+
+def test_auto_falls_back_for_unsupported_dtype():
+    x = torch.randn(3, 4, dtype=torch.float64)
+    assert backends.select("fused_linear", "cpu", (x, torch.randn(2, 4, dtype=torch.float64))) == "torch"
+
+
+# ------------------------------------------------------------------------------------------------- module
+def test_module_is_drop_in_for_linear():
+    lin = nn.Linear(20, 30)
+    fl = FusedLinear(20, 30, activation="none")
+    assert set(fl.state_dict()) == set(lin.state_dict())
+    fl.load_state_dict(lin.state_dict())
+    x = torch.randn(6, 20)
+    torch.testing.assert_close(fl(x), lin(x), rtol=1e-5, atol=1e-5)
+    fl2 = FusedLinear.from_linear(lin, activation="gelu")
+    assert fl2.weight is lin.weight
+    torch.testing.assert_close(fl2(x), F.gelu(lin(x)), rtol=1e-5, atol=1e-5)
+    back = fl2.to_linear()
+    assert isinstance(back, nn.Sequential) and back[0].weight is lin.weight
+    torch.testing.assert_close(back(x), fl2(x), rtol=1e-5, atol=1e-5)
+    assert isinstance(FusedLinear(3, 4, bias=False, activation="none").to_linear(), nn.Linear)
+    with pytest.raises(ValueError, match="activation"):
+        FusedLinear(3, 4, activation="swish")
+
+
+def test_module_residual_and_save_load():
+    m = FusedLinear(16, 16, activation="silu")
+    x = torch.randn(5, 16)
+    y = m(x, residual=x)
+    torch.testing.assert_close(y, F.silu(F.linear(x, m.weight, m.bias)) + x, rtol=1e-5, atol=1e-5)
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "m.pt")
+        torch.save(m.state_dict(), path)
+        m2 = FusedLinear(16, 16, activation="silu")
+        m2.load_state_dict(torch.load(path, weights_only=True))
+    torch.testing.assert_close(m2(x, residual=x), y)
+
+
+def test_module_autocast_bf16_cpu_trains_fp32_master_weights():
+    torch.manual_seed(0)
+    model = nn.Sequential(FusedLinear(16, 32, activation="gelu"), FusedLinear(32, 1, activation="none"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    x = torch.randn(64, 16)
+    y = x[:, :1] * 2 - x[:, 1:2]
+    losses = []
+    for _ in range(30):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x)
+            assert out.dtype == torch.bfloat16
+            loss = F.mse_loss(out.float(), y)
+        loss.backward()
+        assert model[0].weight.grad.dtype == torch.float32
+        opt.step()
+        losses.append(loss.item())
+    assert model[0].weight.dtype == torch.float32
+    assert losses[-1] < 0.5 * losses[0]
+
+
+def test_info_lists_backend_per_op():
+    d = fastdl.info(print_result=False)
+    assert "fused_linear" in d["ops"] and d["ops"]["fused_linear"]["cpu"]["backend"] in ("cpp", "torch")
+    assert d["cpu_isa"] in ("avx512_bf16", "avx512_vnni", "avx2", "none")
+    assert d["extension"]["source"] in ("aot", "jit", "missing")
+
+
+# ---------------------------------------------------------------------------------------------------- DDP
+def _ddp_worker(rank, world, port, result_dir):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = nn.Sequential(FusedLinear(12, 24, activation="gelu"), FusedLinear(24, 3, activation="none"))
+    ddp = DDP(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    data = torch.randn(64, 12, generator=g)
+    target = torch.randn(64, 3, generator=g)
+    shard = slice(rank * 32, (rank + 1) * 32)
+    for _ in range(5):
+        opt.zero_grad()
+        F.mse_loss(ddp(data[shard]), target[shard]).backward()
+        opt.step()
+    torch.save({k: v.detach() for k, v in model.state_dict().items()}, os.path.join(result_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_ddp_two_processes_gloo_matches_single_process():
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_ddp_worker, args=(2, port, d), nprocs=2, join=True)
+        r0 = torch.load(os.path.join(d, "rank0.pt"))
+        r1 = torch.load(os.path.join(d, "rank1.pt"))
+    torch.manual_seed(0)
+    model = nn.Sequential(FusedLinear(12, 24, activation="gelu"), FusedLinear(24, 3, activation="none"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    data = torch.randn(64, 12, generator=g)
+    target = torch.randn(64, 3, generator=g)
+    for _ in range(5):  # the global batch; DDP averages the two half-batch gradients = mean over 64
+        opt.zero_grad()
+        F.mse_loss(model(data), target).backward()
+        opt.step()
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(r0[k], r1[k], rtol=0, atol=0)
+        torch.testing.assert_close(r0[k], v, rtol=1e-4, atol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------------- CUDA
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("act", ACTIVATIONS)
+def test_cuda_forward_backward_every_backend(dtype, act):
+    for backend in ("triton", "cpp", "torch"):
+        if not backends.available(backend, "fused_linear", "cuda")[0]:
+            continue
+        x, w, b, r = (t.cuda() if t is not None else None for t in make(127, 96, 33, dtype, res=True))
+        with fastdl.use_backend(backend):
+            out = fused_linear(x, w, b, act, r)
+        check_close(out.cpu(), x.cpu(), w.cpu(), b.cpu(), act, r.cpu())
+
+
+@requires_cuda
+def test_cuda_module_autocast_fp16_gradscaler():
+    model = FusedLinear(64, 64, activation="gelu").cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cuda")
+    x = torch.randn(32, 64, device="cuda")
+    with torch.autocast("cuda", dtype=torch.float16):
+        loss = model(x).float().square().mean()
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert model.weight.dtype == torch.float32 and torch.isfinite(model.weight).all()
+
