@@ -25,16 +25,19 @@ from . import (  # noqa: E402
 from ._extension import load_extension  # noqa: E402
 from ._info import info  # noqa: E402
 from .backends import BackendUnavailableError, use_backend  # noqa: E402
+from .convert import convert, report  # noqa: E402
 
 _extension.warn_if_missing()
 
 __all__ = [
     "BackendUnavailableError",
     "backends",
+    "convert",
     "info",
     "load_extension",
     "nn",
     "ops",
+    "report",
     "use_backend",
     "__version__",
 ]
