@@ -1,0 +1,126 @@
+"""fastdl.convert / fastdl.report: policies, the do-no-harm rule of "auto", decision cache, checkpoints."""
+
+import copy
+import importlib
+import os
+import tempfile
+
+import pytest
+import torch
+from torch import nn
+
+import fastdl
+from fastdl.nn import FusedLinear
+
+convert_mod = importlib.import_module("fastdl.convert")  # the module (fastdl.convert is the function)
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 96), nn.SiLU(),
+        nn.Linear(96, 10),
+    )
+
+
+def test_fused_policy_fuses_activations_and_keeps_keys():
+    model = _model()
+    x = torch.randn(16, 64)
+    ref = model(x)
+    keys = set(model.state_dict())
+    fastdl.convert(model, "fused")
+    assert isinstance(model[0], FusedLinear) and model[0].activation == "gelu"
+    assert model[2].activation == "relu" and model[4].activation == "silu" and model[6].activation == "none"
+    assert isinstance(model[1], nn.Identity)
+    assert set(model.state_dict()) == keys
+    torch.testing.assert_close(model(x), ref, rtol=1e-5, atol=1e-5)
+    rep = fastdl.report(model)
+    assert [r["kernel"] for r in rep] == ["fused[gelu]", "fused[relu]", "fused[silu]", "fused[none]"]
+    assert "fused[gelu]" in str(rep)
+
+
+def test_filter_fn_and_unknown_policy():
+    model = _model()
+    fastdl.convert(model, "fused", filter_fn=lambda name, m: name != "6")
+    assert type(model[6]) is nn.Linear
+    assert any(r.get("note", "").startswith("skipped") or "filter_fn" in r["layer"] for r in fastdl.report(model))
+    with pytest.raises(ValueError, match="policy"):
+        fastdl.convert(_model(), "fp4")
+    with pytest.raises(ValueError, match="example_inputs"):
+        fastdl.convert(_model(), "auto")
+
+
+def test_auto_never_picks_a_slower_candidate(monkeypatch):
+    """With a timer that makes every candidate slower than the original, auto keeps every original layer."""
+    model = _model()
+    x = torch.randn(8, 64)
+    ref = model(x)
+    convert_mod._DECISIONS.clear()
+
+    def fake_time(fn, inp, device, reps=15):
+        # the original closure is named "original"; candidates are "run"
+        return 1.0 if fn.__name__ == "original" else 2.0
+
+    monkeypatch.setattr(convert_mod, "_time", fake_time)
+    fastdl.convert(model, "auto", example_inputs=(x,), candidates=("fused",))
+    assert all(type(model[i]) is nn.Linear for i in (0, 2, 4, 6))
+    torch.testing.assert_close(model(x), ref)
+    assert all(r["kernel"] == "original" for r in fastdl.report(model))
+
+
+def test_auto_takes_faster_candidate_within_error_and_caches(monkeypatch):
+    model = _model()
+    x = torch.randn(8, 64)
+    ref = model(x)
+    convert_mod._DECISIONS.clear()
+    calls = []
+
+    def fake_time(fn, inp, device, reps=15):
+        calls.append(fn.__name__)
+        return 1.0 if fn.__name__ == "original" else 0.5
+
+    monkeypatch.setattr(convert_mod, "_time", fake_time)
+    fastdl.convert(model, "auto", example_inputs=(x,), candidates=("fused",))
+    assert all(isinstance(model[i], FusedLinear) for i in (0, 2, 4, 6))
+    torch.testing.assert_close(model(x), ref, rtol=1e-5, atol=1e-5)
+    rep = fastdl.report(model)
+    assert all(r["speedup"] == pytest.approx(2.0) and r["error"] < 1e-5 for r in rep)
+    n_calls = len(calls)
+    model2 = fastdl.convert(_model(), "auto", example_inputs=(x,), candidates=("fused",))
+    assert len(calls) == n_calls, "second conversion of the same shapes must not re-measure"
+    assert all(r["note"] == "cached decision" for r in fastdl.report(model2))
+
+
+def test_auto_rejects_candidates_over_the_error_bound(monkeypatch):
+    model = _model()
+    x = torch.randn(8, 64)
+    convert_mod._DECISIONS.clear()
+    monkeypatch.setattr(convert_mod, "_time", lambda fn, inp, dev, reps=15: 1.0 if fn.__name__ == "original" else 0.1)
+    monkeypatch.setattr(convert_mod, "_rel_err", lambda out, ref: 0.5)
+    fastdl.convert(model, "auto", example_inputs=(x,), candidates=("fused",), max_error=0.01)
+    assert all(type(model[i]) is nn.Linear for i in (0, 2, 4, 6))
+
+
+def test_auto_real_timing_is_no_slower_than_original():
+    """Real measurement: every replaced layer was measured faster than the original on the captured inputs."""
+    convert_mod._DECISIONS.clear()
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))  # too small for any kernel to matter
+    x = torch.randn(2, 8)
+    fastdl.convert(model, "auto", example_inputs=(x,), candidates=("fused",))
+    for r in fastdl.report(model):
+        assert r["kernel"] == "original" or r["time_ms"] < r["orig_ms"]
+
+
+def test_converted_checkpoint_loads_in_another_process_state():
+    model = fastdl.convert(_model(), "fused")
+    x = torch.randn(4, 64)
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "ckpt.pt")
+        torch.save(model.state_dict(), path)
+        fresh = fastdl.convert(_model(), "fused")
+        for p in fresh.parameters():
+            torch.nn.init.zeros_(p)
+        fresh.load_state_dict(torch.load(path, weights_only=True))
+    torch.testing.assert_close(fresh(x), model(x))
+    plain = copy.deepcopy(_model())
+    plain.load_state_dict(model.state_dict())  # keys unchanged: loads back into the unconverted model
