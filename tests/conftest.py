@@ -1,8 +1,17 @@
+import importlib.util
 import os
 import warnings
 
-import pytest
-import torch
+# Without a GPU, Triton kernels are tested in Triton's interpreter on CPU tensors. Set for the whole session before
+# anything imports triton, so every test file sees the same mode (the CPU router then offers the triton backend).
+if importlib.util.find_spec("triton") is not None and "TRITON_INTERPRET" not in os.environ:
+    import torch as _torch
+
+    if not _torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Tests must not depend on how many cores the machine has; 2 threads is the CI machine.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
@@ -21,7 +30,14 @@ requires_cuda = pytest.mark.skipif(
 
 def cpu_backends(op: str) -> list[str]:
     """Backends that can serve `op` on the CPU in this environment (triton only in interpreter mode)."""
-    return [b for b in ("cpp", "torch") if backends.available(b, op, "cpu")[0]]
+    return [b for b in ("cpp", "triton", "torch") if backends.available(b, op, "cpu")[0]]
+
+
+def skip_unsupported(backend: str, *tensors) -> None:
+    """The Triton interpreter cannot run bf16 dots: skip those combinations with the reason."""
+    if backend == "triton" and any(t is not None and t.dtype == torch.bfloat16 for t in tensors):
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            pytest.skip("bf16 is not supported by the Triton interpreter (tested on the GPU)")
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -57,12 +57,14 @@ def define(
     prefer: dict[str, tuple[str, ...]],
     triton: str | None = None,
     supports: Callable | None = None,
+    check: Callable | None = None,
 ) -> torch._ops.OpOverloadPacket:
     """Define ``fastdl::name`` and ``fastdl_cpp::name`` from one schema and route calls between backends.
 
     ``prefer`` maps a device type to the backends to try in ``auto`` mode, best first. ``triton`` names the
     launcher as 'module:function' in fastdl.kernels. ``supports(backend, args)`` returns None when the backend can
-    take these inputs, else the reason it cannot (the auto choice then moves on).
+    take these inputs, else the reason it cannot (the auto choice then moves on). ``check(*args)`` validates the
+    arguments before any backend runs, so every backend reports bad input with the same message.
     """
     SCHEMAS[name] = schema
     LIB.define(name + schema)
@@ -71,6 +73,8 @@ def define(
     backends.register_op(name, prefer, triton_impl=triton_impl, supports=supports)
 
     def route(*args):
+        if check is not None:
+            check(*args)
         backend = backends.select(name, _device_type(args), args)
         if backend == "cpp":
             return getattr(torch.ops.fastdl_cpp, name)(*args)

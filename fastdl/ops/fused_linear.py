@@ -175,6 +175,7 @@ fused_linear_op = define(
     prefer={"cpu": ("cpp", "torch"), "cuda": ("triton", "cpp", "torch")},
     triton="fused_linear:fused_linear_fwd",
     supports=_cpp_supports,
+    check=lambda x, w, b, act, res, save: check_args(x, w, b, act, res),
 )
 
 
@@ -227,6 +228,7 @@ fused_linear_backward_op = define(
     prefer={"cpu": ("cpp", "torch"), "cuda": ("triton", "cpp", "torch")},
     triton="fused_linear:fused_linear_bwd",
     supports=lambda backend, args: _cpp_supports(backend, (args[1], args[2])),
+    check=lambda g, x, w, p, act, mask: _check_backward(g, x, w, p, act),
 )
 
 

@@ -1,0 +1,603 @@
+"""int8 quantized GEMM: per-token quantization, VNNI weight packing, W8A8 and weight-only int8 linear, and the
+quantization-aware-training (QAT) linear.
+
+Ops (schemas below; every backend implements exactly these semantics, bit for bit where stated):
+
+``quantize_per_token(x) -> (q, scale)``
+    Symmetric per-row int8 quantization of ``x [..., K]`` (float32/bfloat16/float16, any strides). Per row:
+    ``amax = max |x|`` in fp32; a row holding NaN/Inf gets ``scale = NaN`` and ``q = 0``; a zero row ``scale = 0``
+    and ``q = 0``; else ``inv = 127 / amax`` (one IEEE fp32 division), ``q = clamp(rint(x * inv), -127, 127)``
+    (one fp32 multiply, round half to even) and ``scale = amax / 127`` (IEEE fp32 division). ``q`` is int8
+    ``[..., K]`` contiguous, ``scale`` float32 ``x.shape[:-1]``. (Where ``127 / amax`` overflows - amax below
+    ~3.7e-37 - a zero ``x`` gives ``0 * inf = NaN``, which is quantized to 0.)
+``int8_pack_weight(w_q) -> (packed, comp)``
+    The VNNI layout of the C++ CPU kernels: ``[Np/16][Kp/4][16][4]`` bytes (Np = roundup(N, 16),
+    Kp = roundup(K, 4), zero padding) and ``comp[n] = 128 * sum_k w_q[n, k]`` (int32, the compensation of the
+    unsigned-activation trick of ``vpdpbusd``). CPU-only consumers; other backends ignore packed arguments.
+``int8_mm(a_q, b_q, a_scale, b_scale, bias, out_dtype, b_packed, b_comp)``
+    ``acc = a_q @ b_q.T`` exactly in int32; ``out_dtype=torch.int32`` returns ``acc``; otherwise
+    ``out = cast(((float(acc) * a_scale[m]) * b_scale[n]) + bias[n])`` in fp32, in this order, fused in the GEMM
+    epilogue (no int32 ``[M, N]`` tensor for float outputs).
+``int8_linear(x, w_q, w_scale, bias, w_packed, w_comp)``
+    Dynamic W8A8: quantize ``x`` per token, int8 GEMM, dequantize + bias; output ``[..., N]`` in ``x.dtype``.
+``int8_weight_only_linear(x, w_q, w_scale, bias)``
+    ``out = w_scale[n] * sum_k x[m, k] * w_q[n, k] + bias[n]``: activations stay float, int8 weights are converted
+    inside the kernel, fp32 accumulation, output in ``x.dtype``.
+``int8_linear_qat(x, weight, bias, weight_only)``
+    Quantization-aware training: the forward quantizes the float (master) ``weight`` per output channel and runs
+    ``int8_linear`` (or ``int8_weight_only_linear``); the backward is the straight-through estimator in the float
+    dtype (``grad_x = g @ W``, ``grad_W = g^T @ x`` accumulated in fp32 into the master weight's dtype,
+    ``grad_b = sum g``), computed by ``fused_linear_backward``.
+
+A packed weight may stand in for the plain one: when ``w_packed`` is given, ``w_q`` may be a stride-0 placeholder of
+shape ``[N, K]`` (``torch.empty((), dtype=torch.int8).expand(N, K)``), so that a CPU ``Int8Linear`` holds its
+weight once (packed). Kernels that use the packed weight never read ``w_q``'s data; the others unpack it.
+
+``int8_linear`` and ``int8_weight_only_linear`` are differentiable in ``x`` and ``bias`` (straight through the
+activation quantization, ``grad_x = g @ dequant(W)``), so gradients flow through frozen int8 layers (e.g. adapters
+trained on top of a quantized model). Under ``torch.autocast`` they (and ``int8_linear_qat``) run in the autocast
+dtype; weights and scales are never cast.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._library import LIB, define, register_autocast_rule
+from .fused_linear import fused_linear_backward_op
+
+__all__ = [
+    "int8_linear",
+    "int8_linear_qat",
+    "int8_mm",
+    "int8_pack_weight",
+    "int8_weight_only_linear",
+    "quantize_per_channel",
+    "quantize_per_token",
+]
+
+_X_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int32)
+_FLOAT = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+PACK_N, PACK_K = 16, 4  # VNNI tile: 16 output channels x 4 consecutive k
+
+QUANTIZE_SCHEMA = "(Tensor x) -> (Tensor, Tensor)"
+PACK_SCHEMA = "(Tensor w_q) -> (Tensor, Tensor)"
+MM_SCHEMA = (
+    "(Tensor a_q, Tensor b_q, Tensor a_scale, Tensor b_scale, Tensor? bias, ScalarType out_dtype, "
+    "Tensor? b_packed, Tensor? b_comp) -> Tensor"
+)
+LINEAR_SCHEMA = (
+    "(Tensor x, Tensor w_q, Tensor w_scale, Tensor? bias, Tensor? w_packed, Tensor? w_comp) -> Tensor"
+)
+WEIGHT_ONLY_SCHEMA = "(Tensor x, Tensor w_q, Tensor w_scale, Tensor? bias) -> Tensor"
+QAT_SCHEMA = "(Tensor x, Tensor weight, Tensor? bias, bool weight_only=False) -> Tensor"
+
+
+def _roundup(v, m):
+    return (v + m - 1) // m * m
+
+
+def packed_shape(n, k) -> tuple:
+    """Shape of ``int8_pack_weight``'s packed tensor for an ``[n, k]`` weight: ``(roundup(n, 16), roundup(k, 4))``."""
+    return _roundup(n, PACK_N), _roundup(k, PACK_K)
+
+
+# ----------------------------------------------------------------------------------------------- argument checks
+def _check_x(fn, x):
+    torch._check_value(
+        x.dtype in _X_DTYPES,
+        lambda: f"{fn}: x must be float32, bfloat16 or float16, got dtype {x.dtype}",
+    )
+    torch._check_value(x.dim() >= 1, lambda: f"{fn}: x must have at least 1 dimension [..., K], got a 0-dim tensor")
+
+
+def _check_int8_2d(fn, name, t, shape_doc):
+    torch._check_value(t.dtype == torch.int8, lambda: f"{fn}: {name} must be int8, got dtype {t.dtype}")
+    torch._check_value(t.dim() == 2, lambda: f"{fn}: {name} must be 2-D {shape_doc}, got shape {tuple(t.shape)}")
+
+
+def _check_vector(fn, name, t, n, ref, what, fp32=True):
+    if fp32:
+        torch._check_value(
+            t.dtype == torch.float32, lambda: f"{fn}: {name} must be float32, got dtype {t.dtype}"
+        )
+    else:
+        torch._check_value(t.dtype in _FLOAT, lambda: f"{fn}: {name} must be a floating tensor, got dtype {t.dtype}")
+    torch._check_value(
+        t.dim() == 1 and t.shape[0] == n,
+        lambda: f"{fn}: {name} must have shape [{what}] = [{n}], got {tuple(t.shape)}",
+    )
+    torch._check(
+        t.device == ref.device,
+        lambda: f"{fn}: {name} must be on the same device as the other inputs ({ref.device}), got {t.device}",
+    )
+
+
+def _check_same_device(fn, name, t, ref, ref_name):
+    torch._check(
+        t.device == ref.device,
+        lambda: f"{fn}: {name} must be on the same device as {ref_name} ({ref.device}), got {t.device}",
+    )
+
+
+def _check_packed(fn, packed, comp, N, K, ref, names=("w_packed", "w_comp")):
+    pn, cn = names
+    torch._check_value(
+        (packed is None) == (comp is None),
+        lambda: f"{fn}: {pn} and {cn} must be given together (both from int8_pack_weight) or both be None",
+    )
+    if packed is None:
+        return
+    Np, Kp = packed_shape(N, K)
+    torch._check_value(packed.dtype == torch.int8, lambda: f"{fn}: {pn} must be int8, got dtype {packed.dtype}")
+    torch._check_value(
+        packed.dim() == 2 and packed.shape[0] == Np and packed.shape[1] == Kp,
+        lambda: f"{fn}: {pn} must have shape [roundup(N, 16), roundup(K, 4)] = [{Np}, {Kp}] "
+        f"(from int8_pack_weight), got {tuple(packed.shape)}",
+    )
+    torch._check_value(comp.dtype == torch.int32, lambda: f"{fn}: {cn} must be int32, got dtype {comp.dtype}")
+    torch._check_value(
+        comp.dim() == 1 and comp.shape[0] == Np,
+        lambda: f"{fn}: {cn} must have shape [roundup(N, 16)] = [{Np}], got {tuple(comp.shape)}",
+    )
+    _check_same_device(fn, pn, packed, ref, "the weight")
+    _check_same_device(fn, cn, comp, ref, "the weight")
+
+
+def _check_weight(fn, x, w_q, w_scale, bias, name="w_q", scale_name="w_scale"):
+    """Checks shared by int8_linear and int8_weight_only_linear; returns (K, N)."""
+    _check_x(fn, x)
+    _check_int8_2d(fn, name, w_q, "[N, K]")
+    K, N = x.shape[-1], w_q.shape[0]
+    torch._check_value(
+        w_q.shape[1] == K,
+        lambda: f"{fn}: {name} must have shape [N, K] with K = x.shape[-1] = {K}, got {tuple(w_q.shape)} "
+        "(mismatched K)",
+    )
+    _check_same_device(fn, name, w_q, x, "x")
+    _check_vector(fn, scale_name, w_scale, N, x, "N")
+    if bias is not None:
+        _check_vector(fn, "bias", bias, N, x, "N", fp32=False)
+    return K, N
+
+
+def check_quantize(x):
+    _check_x("quantize_per_token", x)
+
+
+def check_pack(w_q):
+    _check_int8_2d("int8_pack_weight", "w_q", w_q, "[N, K]")
+
+
+def check_mm(a_q, b_q, a_scale, b_scale, bias, out_dtype, b_packed, b_comp):
+    fn = "int8_mm"
+    _check_int8_2d(fn, "a_q", a_q, "[M, K]")
+    _check_int8_2d(fn, "b_q", b_q, "[N, K]")
+    M, K, N = a_q.shape[0], a_q.shape[1], b_q.shape[0]
+    torch._check_value(
+        b_q.shape[1] == K,
+        lambda: f"{fn}: b_q must have shape [N, K] with K = a_q.shape[1] = {K}, got {tuple(b_q.shape)} (mismatched K)",
+    )
+    _check_same_device(fn, "b_q", b_q, a_q, "a_q")
+    torch._check_value(
+        out_dtype in _OUT_DTYPES,
+        lambda: f"{fn}: out_dtype must be one of float32, bfloat16, float16, int32, got {out_dtype}",
+    )
+    _check_vector(fn, "a_scale", a_scale, M, a_q, "M")
+    _check_vector(fn, "b_scale", b_scale, N, a_q, "N")
+    if bias is not None:
+        _check_vector(fn, "bias", bias, N, a_q, "N", fp32=False)
+    _check_packed(fn, b_packed, b_comp, N, K, b_q, names=("b_packed", "b_comp"))
+    return M, K, N
+
+
+def check_linear(x, w_q, w_scale, bias, w_packed, w_comp):
+    K, N = _check_weight("int8_linear", x, w_q, w_scale, bias)
+    _check_packed("int8_linear", w_packed, w_comp, N, K, w_q)
+    return K, N
+
+
+def check_weight_only(x, w_q, w_scale, bias):
+    return _check_weight("int8_weight_only_linear", x, w_q, w_scale, bias)
+
+
+def check_qat(x, weight, bias):
+    fn = "int8_linear_qat"
+    _check_x(fn, x)
+    torch._check_value(
+        weight.dim() == 2, lambda: f"{fn}: weight must be 2-D [N, K], got shape {tuple(weight.shape)}"
+    )
+    torch._check_value(
+        weight.dtype == x.dtype or weight.dtype == torch.float32,
+        lambda: f"{fn}: weight (the float master weight) must have x's dtype ({x.dtype}) or float32, "
+        f"got {weight.dtype}",
+    )
+    K, N = x.shape[-1], weight.shape[0]
+    torch._check_value(
+        weight.shape[1] == K,
+        lambda: f"{fn}: weight must have shape [N, K] with K = x.shape[-1] = {K}, got {tuple(weight.shape)} "
+        "(mismatched K)",
+    )
+    _check_same_device(fn, "weight", weight, x, "x")
+    if bias is not None:
+        _check_vector(fn, "bias", bias, N, x, "N", fp32=False)
+    return K, N
+
+
+# ------------------------------------------------------------------------------------------- reference helpers
+def quantize_rows_reference(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The contract's per-row quantization of a 2-D float tensor, written plainly in PyTorch (bit-exact)."""
+    M, K = x2.shape
+    if K == 0 or M == 0:
+        return torch.zeros((M, K), dtype=torch.int8, device=x2.device), torch.zeros(M, device=x2.device)
+    xf = x2.float()
+    a = xf.abs()
+    amax = torch.where(torch.isnan(a), math.inf, a).amax(dim=1)  # NaN counts as "not finite"
+    finite = torch.isfinite(amax)
+    ok = finite & (amax > 0)
+    safe = torch.where(ok, amax, 1.0)
+    c127 = torch.full_like(safe, 127.0)
+    # tensor / tensor: an IEEE division. (`127.0 / t` is t.reciprocal() * 127 in PyTorch, and a Python-scalar
+    # divisor is a multiply by its reciprocal on CUDA: neither is correctly rounded.)
+    inv = torch.div(c127, safe)
+    v = xf * inv[:, None]  # one fp32 multiply, no fma
+    v = torch.where(torch.isnan(v), 0.0, v).clamp_(-127.0, 127.0).round_()  # round half to even
+    q = torch.where(ok[:, None], v, 0.0).to(torch.int8)
+    scale = torch.where(ok, torch.div(safe, c127), torch.where(finite, 0.0, math.nan))
+    return q, scale
+
+
+def pack_reference(w_q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """VNNI packing with reshape/permute: element (n, k) lands at flat index
+    ((n // 16) * (Kp // 4) + k // 4) * 64 + (n % 16) * 4 + k % 4."""
+    N, K = w_q.shape
+    Np, Kp = packed_shape(N, K)
+    padded = torch.zeros((Np, Kp), dtype=torch.int8, device=w_q.device)
+    padded[:N, :K] = w_q
+    packed = padded.view(Np // PACK_N, PACK_N, Kp // PACK_K, PACK_K).permute(0, 2, 1, 3).contiguous().view(Np, Kp)
+    comp = torch.zeros(Np, dtype=torch.int32, device=w_q.device)
+    comp[:N] = w_q.sum(dim=1, dtype=torch.int32) * 128
+    return packed, comp
+
+
+def unpack_reference(packed: torch.Tensor, N: int, K: int) -> torch.Tensor:
+    """Inverse of ``pack_reference``: the plain ``[N, K]`` int8 weight."""
+    Np, Kp = packed.shape
+    blocks = packed.reshape(Np // PACK_N, Kp // PACK_K, PACK_N, PACK_K).permute(0, 2, 1, 3)
+    return blocks.reshape(Np, Kp)[:N, :K].contiguous()
+
+
+def is_placeholder(w_q: torch.Tensor) -> bool:
+    """True for the stride-0 stand-in of a weight that is held only in packed form."""
+    return w_q.numel() > 1 and all(s == 0 for s in w_q.stride())
+
+
+def plain_weight(w_q: torch.Tensor, w_packed: torch.Tensor | None) -> torch.Tensor:
+    """The ``[N, K]`` int8 weight, unpacked from ``w_packed`` when ``w_q`` is only a placeholder."""
+    if w_packed is not None and is_placeholder(w_q):
+        return unpack_reference(w_packed, w_q.shape[0], w_q.shape[1])
+    return w_q
+
+
+def _int_mm_is_exact(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Where torch._int_mm is used by the reference (tested exact there): CPU with K >= 16 (on torch 2.14 it returns
+    garbage for K == 1), CUDA within its documented limits (M > 16, K and N multiples of 8)."""
+    M, K = a.shape
+    N = b.shape[0]
+    if a.device.type == "cpu":
+        return K >= 16
+    if a.device.type == "cuda":
+        return M > 16 and K % 8 == 0 and N % 8 == 0 and K >= 16
+    return False
+
+
+def int32_acc_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """acc = a @ b.T exactly in int32: torch._int_mm where it is exact, else a float64 matmul (exact: every partial
+    sum is an integer below 2^53) wrapped to int32 like an int32 accumulator."""
+    M, K = a.shape
+    N = b.shape[0]
+    if M == 0 or N == 0 or K == 0:
+        return torch.zeros((M, N), dtype=torch.int32, device=a.device)
+    if _int_mm_is_exact(a, b):
+        return torch._int_mm(a.contiguous(), b.contiguous().t())
+    return torch.matmul(a.double(), b.double().t()).to(torch.int64).to(torch.int32)
+
+
+def dequant_reference(acc, a_scale, b_scale, bias, out_dtype):
+    """((float(acc) * a_scale[m]) * b_scale[n]) + bias[n] in fp32, then the cast (each step rounded in fp32)."""
+    out = acc.float() * a_scale.float()[:, None]
+    out = out * b_scale.float()[None, :]
+    if bias is not None:
+        out = out + bias.float()[None, :]
+    return out.to(out_dtype)
+
+
+# ------------------------------------------------------------------------------------------- quantize_per_token
+def _quantize_fake(x):
+    check_quantize(x)
+    return x.new_empty(x.shape, dtype=torch.int8), x.new_empty(x.shape[:-1], dtype=torch.float32)
+
+
+def _quantize_reference(x):
+    check_quantize(x)
+    K = x.shape[-1]
+    q, s = quantize_rows_reference(x.reshape(-1, K))
+    return q.reshape(x.shape), s.reshape(x.shape[:-1])
+
+
+def _supports_quantize(backend, args):
+    return None
+
+
+quantize_per_token_op = define(
+    "quantize_per_token",
+    QUANTIZE_SCHEMA,
+    reference=_quantize_reference,
+    fake=_quantize_fake,
+    prefer={"cpu": ("cpp", "torch"), "cuda": ("cpp", "triton", "torch")},
+    triton="int8:quantize_per_token",
+    supports=_supports_quantize,
+)
+
+
+# --------------------------------------------------------------------------------------------- int8_pack_weight
+def _pack_fake(w_q):
+    check_pack(w_q)
+    Np, Kp = packed_shape(w_q.shape[0], w_q.shape[1])
+    return w_q.new_empty((Np, Kp), dtype=torch.int8), w_q.new_empty((Np,), dtype=torch.int32)
+
+
+def _pack_reference(w_q):
+    check_pack(w_q)
+    return pack_reference(w_q)
+
+
+int8_pack_weight_op = define(
+    "int8_pack_weight",
+    PACK_SCHEMA,
+    reference=_pack_reference,
+    fake=_pack_fake,
+    prefer={"cpu": ("cpp", "torch"), "cuda": ("torch",)},
+)
+
+
+# ---------------------------------------------------------------------------------------------------- int8_mm
+def _mm_fake(a_q, b_q, a_scale, b_scale, bias, out_dtype, b_packed, b_comp):
+    M, _, N = check_mm(a_q, b_q, a_scale, b_scale, bias, out_dtype, b_packed, b_comp)
+    return a_q.new_empty((M, N), dtype=out_dtype)
+
+
+def _mm_reference(a_q, b_q, a_scale, b_scale, bias, out_dtype, b_packed, b_comp):
+    check_mm(a_q, b_q, a_scale, b_scale, bias, out_dtype, b_packed, b_comp)
+    acc = int32_acc_reference(a_q, plain_weight(b_q, b_packed))
+    if out_dtype == torch.int32:
+        return acc
+    return dequant_reference(acc, a_scale, b_scale, bias, out_dtype)
+
+
+def _supports_gemm(backend, args):
+    return None
+
+
+int8_mm_op = define(
+    "int8_mm",
+    MM_SCHEMA,
+    reference=_mm_reference,
+    fake=_mm_fake,
+    prefer={"cpu": ("cpp", "torch"), "cuda": ("triton", "cpp", "torch")},
+    triton="int8:int8_mm",
+    supports=_supports_gemm,
+)
+
+
+# ------------------------------------------------------------------------------------------------ int8_linear
+def _linear_fake(x, w_q, w_scale, bias, w_packed, w_comp):
+    _, N = check_linear(x, w_q, w_scale, bias, w_packed, w_comp)
+    return x.new_empty((*x.shape[:-1], N))
+
+
+def _linear_reference(x, w_q, w_scale, bias, w_packed, w_comp):
+    K, N = check_linear(x, w_q, w_scale, bias, w_packed, w_comp)
+    q, s = quantize_rows_reference(x.reshape(-1, K))
+    acc = int32_acc_reference(q, plain_weight(w_q, w_packed))
+    return dequant_reference(acc, s, w_scale, bias, x.dtype).reshape(*x.shape[:-1], N)
+
+
+int8_linear_op = define(
+    "int8_linear",
+    LINEAR_SCHEMA,
+    reference=_linear_reference,
+    fake=_linear_fake,
+    prefer={"cpu": ("cpp", "torch"), "cuda": ("triton", "cpp", "torch")},
+    triton="int8:int8_linear",
+    supports=_supports_gemm,
+)
+
+
+# ------------------------------------------------------------------------------------ int8_weight_only_linear
+def _weight_only_fake(x, w_q, w_scale, bias):
+    _, N = check_weight_only(x, w_q, w_scale, bias)
+    return x.new_empty((*x.shape[:-1], N))
+
+
+def _weight_only_reference(x, w_q, w_scale, bias):
+    K, N = check_weight_only(x, w_q, w_scale, bias)
+    acc = torch.matmul(x.reshape(-1, K).float(), w_q.float().t())  # fp32 accumulation
+    out = acc * w_scale[None, :]
+    if bias is not None:
+        out = out + bias.float()[None, :]
+    return out.to(x.dtype).reshape(*x.shape[:-1], N)
+
+
+int8_weight_only_linear_op = define(
+    "int8_weight_only_linear",
+    WEIGHT_ONLY_SCHEMA,
+    reference=_weight_only_reference,
+    fake=_weight_only_fake,
+    prefer={"cpu": ("cpp", "torch"), "cuda": ("triton", "cpp", "torch")},
+    triton="int8:int8_weight_only_linear",
+    supports=_supports_gemm,
+)
+
+
+# --------------------------------------------------------------- autograd of the inference ops (x and bias only)
+def _frozen_setup_context(ctx, inputs, output):
+    x, w_q, w_scale, bias = inputs[:4]
+    w_packed = inputs[4] if len(inputs) > 4 else None
+    ctx.x_shape = x.shape
+    ctx.x_dtype = x.dtype
+    ctx.bias_dtype = bias.dtype if bias is not None else None
+    ctx.save_for_backward(w_q, w_scale, w_packed)
+
+
+def _frozen_backward(ctx, grad_out):
+    """Straight through the activation quantization: grad_x = g @ dequant(W) in x's dtype, grad_bias = sum g."""
+    w_q, w_scale, w_packed = ctx.saved_tensors
+    N = w_q.shape[0]
+    g = grad_out.reshape(-1, N)
+    gx = gb = None
+    if ctx.needs_input_grad[0]:
+        c = ctx.x_dtype
+        w = plain_weight(w_q, w_packed)
+        gx = torch.matmul((g.float() * w_scale.float()[None, :]).to(c), w.to(c)).reshape(ctx.x_shape)
+    if ctx.needs_input_grad[3]:
+        gb = g.float().sum(0).to(ctx.bias_dtype)
+    return (gx, None, None, gb) + (None,) * (len(ctx.needs_input_grad) - 4)
+
+
+torch.library.register_autograd("fastdl::int8_linear", _frozen_backward, setup_context=_frozen_setup_context)
+torch.library.register_autograd(
+    "fastdl::int8_weight_only_linear", _frozen_backward, setup_context=_frozen_setup_context
+)
+
+
+# ------------------------------------------------------------------------------------------------ QAT linear
+# A composite op, not routed: its forward calls the routed ops above (so every backend serves it), its backward is
+# fused_linear_backward (routed as well). It has no fastdl_cpp twin.
+LIB.define("int8_linear_qat" + QAT_SCHEMA)
+
+
+def _qat_fake(x, weight, bias, weight_only=False):
+    _, N = check_qat(x, weight, bias)
+    return x.new_empty((*x.shape[:-1], N))
+
+
+def _qat_forward(x, weight, bias, weight_only=False):
+    check_qat(x, weight, bias)
+    w_q, w_scale = quantize_per_token_op(weight)  # per output channel, from the master weight
+    if weight_only:
+        return int8_weight_only_linear_op(x, w_q, w_scale, bias)
+    return int8_linear_op(x, w_q, w_scale, bias, None, None)
+
+
+LIB.impl("int8_linear_qat", _qat_forward, "CompositeExplicitAutograd")
+torch.library.register_fake("fastdl::int8_linear_qat", _qat_fake, lib=LIB)
+int8_linear_qat_op = torch.ops.fastdl.int8_linear_qat
+
+
+def _qat_setup_context(ctx, inputs, output):
+    x, weight, bias = inputs[:3]
+    ctx.bias_dtype = bias.dtype if bias is not None else None
+    ctx.save_for_backward(x, weight)
+
+
+def _qat_backward(ctx, grad_out):
+    """Straight-through estimator in the float dtype: the quantizers are treated as the identity."""
+    x, weight = ctx.saved_tensors
+    need_x, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+    gx = gw = gb = None
+    if need_x or need_w or need_b:
+        empty = torch.empty(0, dtype=x.dtype, device=x.device)
+        gx, gw, gb = fused_linear_backward_op(grad_out.contiguous(), x, weight, empty, "none", [need_x, need_w, need_b])
+        gx = gx if need_x else None
+        gw = gw if need_w else None
+        gb = gb.to(ctx.bias_dtype) if need_b else None
+    return gx, gw, gb, None
+
+
+torch.library.register_autograd("fastdl::int8_linear_qat", _qat_backward, setup_context=_qat_setup_context)
+
+
+# --------------------------------------------------------------------------------------------------- autocast
+def _autocast_x(args, dtype):
+    x, *rest = args
+    if x.is_floating_point() and x.dtype != torch.float64:
+        x = x.to(dtype)
+    return (x, *rest)
+
+
+for _name in ("int8_linear", "int8_weight_only_linear", "int8_linear_qat"):
+    register_autocast_rule(_name, _autocast_x)
+
+
+# ------------------------------------------------------------------------------------------------- public API
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 quantization of each row of ``x [..., K]``: returns ``(q int8 [..., K], scale fp32 [...])``
+    with ``x ~= q * scale[..., None]``. Round half to even, clamp to [-127, 127]; a zero row has scale 0, a row with
+    NaN/Inf has scale NaN (and q = 0)."""
+    return quantize_per_token_op(x)
+
+
+def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-channel int8 quantization of a weight ``[N, K]`` (float32/bfloat16/float16): ``(w_q, w_scale)``
+    with ``w ~= w_q * w_scale[:, None]``; the same formula as ``quantize_per_token`` applied to each row."""
+    torch._check_value(
+        w.dim() == 2, lambda: f"quantize_per_channel: w must be 2-D [N, K], got shape {tuple(w.shape)}"
+    )
+    return quantize_per_token_op(w)
+
+
+def int8_pack_weight(w_q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pack an int8 weight ``[N, K]`` into the VNNI layout of the C++ CPU kernels: ``(packed [Np, Kp] int8,
+    comp [Np] int32)``. Do it once (at model load), then pass both to ``int8_mm`` / ``int8_linear`` on the CPU."""
+    return int8_pack_weight_op(w_q)
+
+
+def int8_mm(
+    a_q: torch.Tensor,
+    b_q: torch.Tensor,
+    a_scale: torch.Tensor,
+    b_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float32,
+    b_packed: torch.Tensor | None = None,
+    b_comp: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``(a_q @ b_q.T) * a_scale[:, None] * b_scale[None, :] + bias`` with exact int32 accumulation and the dequant
+    fused in the epilogue. a_q ``[M, K]`` int8, b_q ``[N, K]`` int8, scales fp32; ``out_dtype=torch.int32`` returns
+    the raw accumulator. ``b_packed, b_comp = int8_pack_weight(b_q)`` speed up the CPU kernel."""
+    return int8_mm_op(a_q, b_q, a_scale, b_scale, bias, out_dtype, b_packed, b_comp)
+
+
+def int8_linear(
+    x: torch.Tensor,
+    w_q: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    w_packed: torch.Tensor | None = None,
+    w_comp: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Dynamic W8A8 linear: ``x [..., K]`` is quantized per token on the fly, multiplied with the int8 weight
+    ``w_q [N, K]`` (per-channel scales ``w_scale [N]``) in int32, dequantized (+ bias) in the epilogue; returns
+    ``[..., N]`` in x's dtype. A NaN/Inf in a row of x gives NaN in that output row only."""
+    return int8_linear_op(x, w_q, w_scale, bias, w_packed, w_comp)
+
+
+def int8_weight_only_linear(
+    x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Weight-only int8 linear: ``x @ (w_q * w_scale[:, None]).T + bias`` with the weight converted inside the kernel
+    (fp32 accumulation); returns ``[..., N]`` in x's dtype."""
+    return int8_weight_only_linear_op(x, w_q, w_scale, bias)
+
+
+def int8_linear_qat(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, weight_only: bool = False
+) -> torch.Tensor:
+    """Quantization-aware linear for training: the forward is ``int8_linear`` (``int8_weight_only_linear`` when
+    ``weight_only``) on the per-channel quantized ``weight``; the backward is straight-through in the float dtype to
+    the (fp32 master) weight. Differentiable in x, weight and bias."""
+    return int8_linear_qat_op(x, weight, bias, weight_only)
