@@ -6,5 +6,7 @@ with ``--csv``) and times fastdl against its PyTorch baseline in the same proces
 
 BENCHMARKS = {
     "fused_linear": "fastdl.bench.fused_linear",
+    "int8": "fastdl.bench.int8",
+    "sparse24": "fastdl.bench.sparse24",
     "loader": "fastdl.bench.loader",
 }

@@ -1,5 +1,6 @@
 """Drop-in replacements for ``nn.Linear`` that call fastdl's ops."""
 
 from .fused_linear import FusedLinear
+from .int8 import Int8Linear
 
-__all__ = ["FusedLinear"]
+__all__ = ["FusedLinear", "Int8Linear"]

@@ -6,5 +6,25 @@ The raw ops are ``torch.ops.fastdl.<name>``; the functions here are their Python
 
 from ._library import SCHEMAS
 from .fused_linear import ACTIVATIONS, fused_linear
+from .int8 import (
+    int8_linear,
+    int8_linear_qat,
+    int8_mm,
+    int8_pack_weight,
+    int8_weight_only_linear,
+    quantize_per_channel,
+    quantize_per_token,
+)
 
-__all__ = ["ACTIVATIONS", "SCHEMAS", "fused_linear"]
+__all__ = [
+    "ACTIVATIONS",
+    "SCHEMAS",
+    "fused_linear",
+    "int8_linear",
+    "int8_linear_qat",
+    "int8_mm",
+    "int8_pack_weight",
+    "int8_weight_only_linear",
+    "quantize_per_channel",
+    "quantize_per_token",
+]

@@ -76,6 +76,11 @@ WEIGHT_ONLY_SCHEMA = "(Tensor x, Tensor w_q, Tensor w_scale, Tensor? bias) -> Te
 QAT_SCHEMA = "(Tensor x, Tensor weight, Tensor? bias, bool weight_only=False) -> Tensor"
 
 
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t [..., K]`` as ``[M, K]`` (``reshape(-1, K)`` is ambiguous when K == 0)."""
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
+
+
 def _roundup(v, m):
     return (v + m - 1) // m * m
 
@@ -322,14 +327,8 @@ def _quantize_fake(x):
 
 
 def _quantize_reference(x):
-    check_quantize(x)
-    K = x.shape[-1]
-    q, s = quantize_rows_reference(x.reshape(-1, K))
+    q, s = quantize_rows_reference(_rows(x))
     return q.reshape(x.shape), s.reshape(x.shape[:-1])
-
-
-def _supports_quantize(backend, args):
-    return None
 
 
 quantize_per_token_op = define(
@@ -339,7 +338,7 @@ quantize_per_token_op = define(
     fake=_quantize_fake,
     prefer={"cpu": ("cpp", "torch"), "cuda": ("cpp", "triton", "torch")},
     triton="int8:quantize_per_token",
-    supports=_supports_quantize,
+    check=check_quantize,
 )
 
 
@@ -351,7 +350,6 @@ def _pack_fake(w_q):
 
 
 def _pack_reference(w_q):
-    check_pack(w_q)
     return pack_reference(w_q)
 
 
@@ -361,6 +359,7 @@ int8_pack_weight_op = define(
     reference=_pack_reference,
     fake=_pack_fake,
     prefer={"cpu": ("cpp", "torch"), "cuda": ("torch",)},
+    check=check_pack,
 )
 
 
@@ -371,15 +370,10 @@ def _mm_fake(a_q, b_q, a_scale, b_scale, bias, out_dtype, b_packed, b_comp):
 
 
 def _mm_reference(a_q, b_q, a_scale, b_scale, bias, out_dtype, b_packed, b_comp):
-    check_mm(a_q, b_q, a_scale, b_scale, bias, out_dtype, b_packed, b_comp)
     acc = int32_acc_reference(a_q, plain_weight(b_q, b_packed))
     if out_dtype == torch.int32:
         return acc
     return dequant_reference(acc, a_scale, b_scale, bias, out_dtype)
-
-
-def _supports_gemm(backend, args):
-    return None
 
 
 int8_mm_op = define(
@@ -389,7 +383,7 @@ int8_mm_op = define(
     fake=_mm_fake,
     prefer={"cpu": ("cpp", "torch"), "cuda": ("triton", "cpp", "torch")},
     triton="int8:int8_mm",
-    supports=_supports_gemm,
+    check=check_mm,
 )
 
 
@@ -400,8 +394,8 @@ def _linear_fake(x, w_q, w_scale, bias, w_packed, w_comp):
 
 
 def _linear_reference(x, w_q, w_scale, bias, w_packed, w_comp):
-    K, N = check_linear(x, w_q, w_scale, bias, w_packed, w_comp)
-    q, s = quantize_rows_reference(x.reshape(-1, K))
+    N = w_q.shape[0]
+    q, s = quantize_rows_reference(_rows(x))
     acc = int32_acc_reference(q, plain_weight(w_q, w_packed))
     return dequant_reference(acc, s, w_scale, bias, x.dtype).reshape(*x.shape[:-1], N)
 
@@ -413,7 +407,7 @@ int8_linear_op = define(
     fake=_linear_fake,
     prefer={"cpu": ("cpp", "torch"), "cuda": ("triton", "cpp", "torch")},
     triton="int8:int8_linear",
-    supports=_supports_gemm,
+    check=check_linear,
 )
 
 
@@ -424,8 +418,8 @@ def _weight_only_fake(x, w_q, w_scale, bias):
 
 
 def _weight_only_reference(x, w_q, w_scale, bias):
-    K, N = check_weight_only(x, w_q, w_scale, bias)
-    acc = torch.matmul(x.reshape(-1, K).float(), w_q.float().t())  # fp32 accumulation
+    N = w_q.shape[0]
+    acc = torch.matmul(_rows(x).float(), w_q.float().t())  # fp32 accumulation
     out = acc * w_scale[None, :]
     if bias is not None:
         out = out + bias.float()[None, :]
@@ -439,7 +433,7 @@ int8_weight_only_linear_op = define(
     fake=_weight_only_fake,
     prefer={"cpu": ("cpp", "torch"), "cuda": ("triton", "cpp", "torch")},
     triton="int8:int8_weight_only_linear",
-    supports=_supports_gemm,
+    check=check_weight_only,
 )
 
 
@@ -456,8 +450,7 @@ def _frozen_setup_context(ctx, inputs, output):
 def _frozen_backward(ctx, grad_out):
     """Straight through the activation quantization: grad_x = g @ dequant(W) in x's dtype, grad_bias = sum g."""
     w_q, w_scale, w_packed = ctx.saved_tensors
-    N = w_q.shape[0]
-    g = grad_out.reshape(-1, N)
+    g = _rows(grad_out)
     gx = gb = None
     if ctx.needs_input_grad[0]:
         c = ctx.x_dtype
@@ -544,9 +537,8 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-output-channel int8 quantization of a weight ``[N, K]`` (float32/bfloat16/float16): ``(w_q, w_scale)``
     with ``w ~= w_q * w_scale[:, None]``; the same formula as ``quantize_per_token`` applied to each row."""
-    torch._check_value(
-        w.dim() == 2, lambda: f"quantize_per_channel: w must be 2-D [N, K], got shape {tuple(w.shape)}"
-    )
+    if w.dim() != 2:
+        raise ValueError(f"quantize_per_channel: w must be 2-D [N, K], got shape {tuple(w.shape)}")
     return quantize_per_token_op(w)
 
 

@@ -1,0 +1,219 @@
+"""``fastdl bench int8``: fastdl's int8 linear layers against PyTorch, in one process on the same shapes.
+
+Providers (inference forward, no grad; activations bf16 unless noted):
+  bf16                 ``F.linear`` in bf16 (the baseline every ratio refers to)
+  fp32                 ``F.linear`` in fp32
+  int_mm+dequant       ``torch._int_mm`` on pre-quantized int8 activations, then the dequant (``acc * sx * sw``) and
+                       the cast to bf16 as separate PyTorch ops (activation quantization not included)
+  fbgemm_dynamic       ``torch.ao.quantization.quantize_dynamic`` ``nn.Linear`` (fbgemm, fp32 in/out, includes its
+                       activation quantization; CPU only)
+  fastdl_w8a8          ``fastdl.ops.int8_linear``: dynamic W8A8 including the per-token activation quantization
+                       (on the CPU with the weight packed once, as ``Int8Linear`` does)
+  fastdl_weight_only   ``fastdl.ops.int8_weight_only_linear``
+  fastdl_*[backend]    the same, forced to one backend (``--backends``)
+
+Columns: ms (median), GOP/s (2*M*N*K / t), x bf16 (bf16 time / time: > 1 is faster than bf16), % int8 peak (GOP/s
+over the measured int8 peak: ``torch._int_mm`` on a large square problem), W GB/s (weight bytes read per second).
+After the table every shape where an int8 provider is slower than bf16 is listed plainly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from .. import backends
+from ..ops import int8 as int8_ops
+from .common import env_columns, print_table, progress, sync, time_fn, write_csv
+
+DEFAULT_M = (1, 16, 128, 512)
+# LLaMA-7B MLP: gate/up projections 4096 -> 11008, down projection 11008 -> 4096
+LLAMA_SHAPES = ((4096, 11008), (11008, 4096))
+INT8_PROVIDERS = ("int_mm+dequant", "fbgemm_dynamic", "fastdl_w8a8", "fastdl_weight_only")
+
+_INT8_PEAK: dict = {}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--m", type=int, nargs="+", default=None, help="batch sizes for K = N = 4096 (default 1 16 128 512)")
+    p.add_argument("--kn", type=int, nargs=2, action="append", default=None, metavar=("K", "N"),
+                   help="in/out features instead of the defaults (repeatable)")
+    p.add_argument("--llama-m", type=int, nargs="*", default=None,
+                   help="M for the LLaMA-7B MLP shapes (default: 16 128 on CPU, 16 2048 4096 on CUDA; "
+                        "give no value to skip them)")  # fmt: skip
+    p.add_argument("--backends", nargs="+", default=None,
+                   help="fastdl backends to time besides auto (default: every available one except torch)")
+    p.add_argument("--no-baselines", action="store_true", help="time only bf16 and fastdl")
+    p.add_argument("--budget", type=float, default=None,
+                   help="seconds of timed runs per measurement (default 1.0 on CPU, 0.2 on CUDA)")
+    p.add_argument("--csv", default=None, help="write rows to this CSV file")
+
+
+def _shapes(args) -> list[tuple[int, int, int]]:
+    cuda = args.device.startswith("cuda")
+    ms = args.m or list(DEFAULT_M)
+    if args.kn:
+        return [(m, k, n) for k, n in args.kn for m in ms]
+    out = [(m, 4096, 4096) for m in ms]
+    llama_m = args.llama_m if args.llama_m is not None else ([16, 2048, 4096] if cuda else [16, 128])
+    out += [(m, k, n) for k, n in LLAMA_SHAPES for m in llama_m]
+    return out
+
+
+def measured_int8_peak(device: str) -> float:
+    """OP/s of ``torch._int_mm`` on a large square int8 problem here: what '% int8 peak' refers to. The best of
+    several runs (a peak, not a typical time: on a shared or CPU-quota-throttled machine the median is far lower)."""
+    if device not in _INT8_PEAK:
+        n = 8192 if device.startswith("cuda") else 2048
+        a = torch.randint(-127, 128, (n, n), dtype=torch.int8, device=device)
+        b = torch.randint(-127, 128, (n, n), dtype=torch.int8, device=device)
+        best = min(time_fn(lambda: torch._int_mm(a, b.t()), device, warmup=1, min_reps=1, max_reps=1)
+                   for _ in range(10))  # fmt: skip
+        _INT8_PEAK[device] = 2 * n**3 / best
+    return _INT8_PEAK[device]
+
+
+def _fbgemm_module(w: torch.Tensor, b: torch.Tensor):
+    """PyTorch's dynamic-quantized nn.Linear (fbgemm), or (None, reason)."""
+    try:
+        from torch.ao.quantization import quantize_dynamic
+    except ImportError as exc:  # removed in some future torch
+        return None, f"torch.ao.quantization unavailable ({exc})"
+    if "fbgemm" not in torch.backends.quantized.supported_engines:
+        return None, f"fbgemm engine unavailable (engines: {torch.backends.quantized.supported_engines})"
+    lin = torch.nn.Linear(w.shape[1], w.shape[0])
+    with torch.no_grad():
+        lin.weight.copy_(w.float())
+        lin.bias.copy_(b.float())
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.backends.quantized.engine = "fbgemm"
+            return quantize_dynamic(torch.nn.Sequential(lin), {torch.nn.Linear}, dtype=torch.qint8), None
+    except Exception as exc:
+        return None, f"quantize_dynamic failed: {type(exc).__name__}: {exc}"
+
+
+def _int_mm_ok(M, K, N, device) -> str | None:
+    if device.startswith("cuda") and not (M > 16 and K % 8 == 0 and N % 8 == 0):
+        return "torch._int_mm on CUDA needs M > 16 and K, N multiples of 8"
+    if K < 2:
+        return "torch._int_mm is wrong for K == 1 on CPU"
+    return None
+
+
+def _providers(args, M, K, N, x, w, b, w_q, w_scale, notes):
+    """name -> (callable, backend or None)."""
+    dev = args.device
+    cuda = dev.startswith("cuda")
+    xf, wf, bf = x.float(), w.float(), b.float()
+    provs = {"bf16": (lambda: F.linear(x, w, b), None)}
+    if not args.no_baselines:
+        provs["fp32"] = (lambda: F.linear(xf, wf, bf), None)
+        why = _int_mm_ok(M, K, N, dev)
+        if why is None:
+            xq, xs = int8_ops.quantize_rows_reference(x)
+            wt = w_q.t()
+
+            def int_mm_dequant():
+                acc = torch._int_mm(xq, wt)
+                return (acc.float() * xs[:, None] * w_scale[None, :] + bf).to(torch.bfloat16)
+
+            provs["int_mm+dequant"] = (int_mm_dequant, None)
+        else:
+            notes.add(f"int_mm+dequant skipped where {why}")
+        if cuda:
+            notes.add("fbgemm_dynamic skipped on CUDA (fbgemm is a CPU library)")
+        else:
+            mod, why = _fbgemm_module(w, b)
+            if mod is None:
+                notes.add(f"fbgemm_dynamic skipped: {why}")
+            else:
+                provs["fbgemm_dynamic"] = (lambda: mod(xf), None)
+    packed = comp = None
+    if not cuda and backends.available("cpp", "int8_linear", "cpu")[0]:
+        packed, comp = int8_ops.int8_pack_weight(w_q)  # once, like Int8Linear
+    provs["fastdl_w8a8"] = (lambda: int8_ops.int8_linear(x, w_q, w_scale, b, packed, comp), "auto")
+    provs["fastdl_weight_only"] = (lambda: int8_ops.int8_weight_only_linear(x, w_q, w_scale, b), "auto")
+    dtype = "cuda" if cuda else "cpu"
+    wanted = args.backends or [be for be in backends.BACKENDS if be != "torch"]
+    for be in wanted:
+        for op, name in (("int8_linear", "fastdl_w8a8"), ("int8_weight_only_linear", "fastdl_weight_only")):
+            if be in backends.preference(op, dtype) and backends.available(be, op, dtype)[0]:
+                provs[f"{name}[{be}]"] = (provs[name][0], be)
+    return provs
+
+
+def run(args) -> list[dict]:
+    device = args.device
+    cuda = device.startswith("cuda")
+    budget = args.budget if args.budget is not None else (0.2 if cuda else 1.0)
+    torch.manual_seed(0)
+    env = env_columns(device)
+    peak = measured_int8_peak(device)
+    print(f"int8 on {env['device_name']}; measured int8 peak (torch._int_mm, large square) {peak / 1e9:.0f} GOP/s")
+    for op in ("int8_linear", "int8_weight_only_linear"):
+        be = backends.select(op, "cuda" if cuda else "cpu")
+        print(f"  fastdl {op}: backend {be!r} in auto mode")
+    rows: list[dict] = []
+    notes: set[str] = set()
+    losses: list[str] = []
+    for M, K, N in progress(_shapes(args), desc="int8"):
+        x = torch.randn(M, K, device=device, dtype=torch.bfloat16)
+        w = (torch.randn(N, K, device=device) / K**0.5).to(torch.bfloat16)
+        b = torch.randn(N, device=device, dtype=torch.bfloat16) * 0.1
+        w_q, w_scale = int8_ops.quantize_per_channel(w.float())
+        ops = 2 * M * N * K
+        base = None
+        for name, (fn, be) in _providers(args, M, K, N, x, w, b, w_q, w_scale, notes).items():
+            ctx = backends.use_backend(be) if be else contextlib.nullcontext()
+            try:
+                with ctx, torch.no_grad():
+                    t = time_fn(fn, device, budget_s=budget)
+            except Exception as exc:  # a provider that cannot run here is reported, not fatal
+                print(f"  {name} failed at M={M} K={K} N={N}: {type(exc).__name__}: {exc}")
+                continue
+            if name == "bf16":
+                base = t
+            int8_weights = name.startswith(("fastdl", "int_mm", "fbgemm"))
+            ratio = base / t if base else None
+            rows.append({
+                "op": "int8", "device": device, "M": M, "K": K, "N": N, "provider": name, "ms": t * 1e3,
+                "gops": ops / t / 1e9, "x_vs_bf16": ratio, "pct_int8_peak": 100 * ops / t / peak,
+                "weight_gbps": N * K * (1 if int8_weights else 2 if name != "fp32" else 4) / t / 1e9,
+                **env,
+            })  # fmt: skip
+            if name.startswith("fastdl") and ratio is not None and ratio < 1.0:
+                noise = " (within 5%: may be timing noise)" if ratio >= 0.95 else ""
+                losses.append(f"  {name} at M={M} K={K} N={N}: {ratio:.2f}x bf16 F.linear "
+                              f"({t * 1e3:.3f} ms vs {base * 1e3:.3f} ms){noise}")  # fmt: skip
+        sync(device)
+    print_table(rows, [("M", "M"), ("K", "K"), ("N", "N"), ("provider", "provider"), ("ms", "ms"),
+                       ("gops", "GOP/s"), ("x_vs_bf16", "x bf16"), ("pct_int8_peak", "% int8 peak"),
+                       ("weight_gbps", "W GB/s")])  # fmt: skip
+    for note in sorted(notes):
+        print(f"note: {note}")
+    if losses:
+        print("int8 LOSES to bf16 F.linear (slower) here:")
+        print("\n".join(losses))
+    else:
+        print("fastdl int8 is at least as fast as bf16 F.linear at every measured shape.")
+    if args.csv:
+        write_csv(rows, args.csv)
+    return rows
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m fastdl.bench.int8", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    add_arguments(p)
+    run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

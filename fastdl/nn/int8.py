@@ -1,0 +1,386 @@
+"""``Int8Linear``: an ``nn.Linear`` with int8 weights (per-output-channel scales), for inference and for
+quantization-aware training (QAT).
+
+Modes
+  ``"dynamic"``      W8A8: activations are quantized per token on the fly, the GEMM runs in int8 with int32
+                     accumulation, dequant + bias in the epilogue (``fastdl.ops.int8_linear``).
+  ``"weight_only"``  activations stay float; the int8 weight is converted inside the kernel
+                     (``fastdl.ops.int8_weight_only_linear``).
+
+Inference (``trainable=False``, the default) holds only the int8 weight, its fp32 scales and the bias (about a quarter
+of the fp32 layer's bytes). On the CPU, when the C++ kernels are available, a dynamic-mode layer holds its weight
+*once*, in the VNNI-packed layout of the kernel (``weight_packed``/``weight_comp``, non-persistent buffers made at
+construction, load and device move - never per call); ``weight`` is then None and ``qweight`` unpacks it.
+
+QAT (``trainable=True``) holds fp32 master weights (``weight``, a Parameter, like ``nn.Linear``): in training mode the
+forward runs the int8 GEMM on the quantized weight and activations and the backward is straight-through in the float
+dtype (``fastdl.ops.int8_linear_qat``), so a standard (DDP) loop fine-tunes it; in eval mode it serves inference from
+int8 weights re-quantized from the master weights (on ``eval()``, or on the first eval call after an update).
+``freeze()`` turns it into an inference layer (drops the master weights).
+
+state_dict (format version 1)
+  inference: ``weight`` int8 ``[out, in]`` (the plain layout, also when held packed), ``weight_scale`` fp32 ``[out]``,
+             ``bias`` ``[out]`` (if any), ``_extra_state``
+  trainable: ``weight`` fp32 master ``[out, in]``, ``bias``, ``_extra_state``
+  ``_extra_state`` = ``{"format": "fastdl.Int8Linear", "version": 1, "mode": ..., "trainable": ...,
+  "in_features": ..., "out_features": ..., "quantization": "symmetric per-channel int8, scale = amax / 127"}``
+  (plain Python types: ``torch.load(weights_only=True)`` reads it). Any of these loads into any ``Int8Linear`` of the
+  same shape, and so does a plain ``nn.Linear`` checkpoint (float weights are quantized on load; an int8 weight
+  loaded into a trainable layer becomes its dequantized master weight). The checkpoint is device independent.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from .. import backends
+from ..ops import int8 as int8_ops
+
+MODES = ("dynamic", "weight_only")
+FORMAT = "fastdl.Int8Linear"
+FORMAT_VERSION = 1
+_QUANT_DOC = "symmetric per-channel int8, scale = amax / 127"
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"Int8Linear: mode must be one of {', '.join(repr(m) for m in MODES)}, got {mode!r}")
+
+
+def _quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    w = w.detach()
+    if w.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        w = w.float()
+    with torch.no_grad():
+        return int8_ops.quantize_per_token_op(w)  # per output channel
+
+
+def _cpu_packing_available() -> bool:
+    """The packed weight is worth holding only when a kernel that reads it serves int8_linear on the CPU."""
+    return backends.available("cpp", "int8_linear", "cpu")[0]
+
+
+class Int8Linear(nn.Module):
+    """Drop-in for ``nn.Linear(in_features, out_features, bias)`` with int8 weights. See the module docstring.
+
+    ``Int8Linear(in, out)`` is initialised like ``nn.Linear`` (then quantized); usually it is made with
+    ``Int8Linear.from_linear(linear, mode=...)`` or filled by ``load_state_dict``.
+    """
+
+    __constants__ = ["in_features", "out_features", "mode", "trainable"]
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        mode: str = "dynamic",
+        trainable: bool = False,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__()
+        _check_mode(mode)
+        self.in_features, self.out_features = int(in_features), int(out_features)
+        self.mode, self.trainable = mode, bool(trainable)
+        master_dtype = dtype or torch.float32
+        w = torch.empty((out_features, in_features), device=device, dtype=master_dtype)
+        nn.init.kaiming_uniform_(w, a=math.sqrt(5))
+        if bias:
+            bound = 1 / math.sqrt(in_features) if in_features > 0 else 0
+            b = torch.empty(out_features, device=device, dtype=master_dtype).uniform_(-bound, bound)
+            self.bias = nn.Parameter(b)
+        else:
+            self.register_parameter("bias", None)
+        self._init_weight(w)
+
+    # ------------------------------------------------------------------------------------------ representation
+    def _init_weight(self, w: torch.Tensor) -> None:
+        """Set the weight from a float ``[out, in]`` tensor (a copy is kept as master weight when trainable)."""
+        self._cache = None
+        self._cache_version = None
+        if self.trainable:
+            self.weight = nn.Parameter(w.detach().clone())
+            self.register_buffer("weight_scale", None, persistent=False)
+            self.register_buffer("weight_packed", None, persistent=False)
+            self.register_buffer("weight_comp", None, persistent=False)
+        else:
+            q, s = _quantize_weight(w)
+            self._set_quantized(q, s)
+
+    def _set_quantized(self, q: torch.Tensor, s: torch.Tensor) -> None:
+        """Inference layers: hold ``q`` plainly, or only its VNNI packing on the CPU when the C++ kernel reads it."""
+        self._buffers["weight_scale"] = s.float()
+        packed, comp = self._pack(q)
+        self._buffers["weight_packed"] = packed
+        self._buffers["weight_comp"] = comp
+        self._buffers["weight"] = None if packed is not None else q  # held once: packed, or plain
+
+    def _pack(self, q: torch.Tensor):
+        if self.mode != "dynamic" or q.device.type != "cpu" or q.numel() <= 1 or not _cpu_packing_available():
+            return None, None
+        with torch.no_grad():
+            return int8_ops.int8_pack_weight_op(q)
+
+    @property
+    def qweight(self) -> torch.Tensor:
+        """The int8 weight ``[out, in]`` in the plain layout (unpacked if held packed; quantized from the master
+        weight if trainable)."""
+        if self.trainable:
+            q, _ = _quantize_weight(self.weight)
+            return q
+        w = self._buffers.get("weight")
+        if w is not None:
+            return w
+        return int8_ops.unpack_reference(self.weight_packed, self.out_features, self.in_features)
+
+    def _quantized(self):
+        """(w_q, w_scale, w_packed, w_comp) for the inference ops. A weight held only packed is passed as a stride-0
+        placeholder of shape [out, in] (made per call: 1 byte, and never copied by deepcopy/clone into a dense
+        tensor that would then be taken for the weight)."""
+        if self.trainable:
+            w, scale, packed, comp = self._cache
+        else:
+            w, scale = self._buffers.get("weight"), self.weight_scale
+            packed, comp = self.weight_packed, self.weight_comp
+        if w is None:
+            w = packed.new_zeros(()).expand(self.out_features, self.in_features)
+        return w, scale, packed, comp
+
+    def _cache_stale(self) -> bool:
+        return self._cache is None or self._cache_version != (self.weight._version, self.weight.data_ptr())
+
+    @torch.no_grad()
+    def sync_quantized(self) -> None:
+        """Trainable layers: re-quantize the master weights for inference (done by ``eval()`` and, outside
+        ``torch.compile``, by the first eval-mode call after the weights changed)."""
+        if not self.trainable:
+            return
+        q, s = _quantize_weight(self.weight)
+        packed, comp = self._pack(q)
+        self._cache = (None if packed is not None else q, s, packed, comp)
+        self._cache_version = (self.weight._version, self.weight.data_ptr())
+
+    # ----------------------------------------------------------------------------------------------- forward
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight_only = self.mode == "weight_only"
+        if self.trainable:
+            if self.training:
+                return int8_ops.int8_linear_qat(x, self.weight, self.bias, weight_only)
+            if not torch.compiler.is_compiling() and self._cache_stale():
+                self.sync_quantized()
+            if self._cache is None:  # compiled before any sync: quantize on the fly (same result)
+                return int8_ops.int8_linear_qat(x, self.weight, self.bias, weight_only)
+        w_q, w_scale, w_packed, w_comp = self._quantized()
+        if weight_only:
+            return int8_ops.int8_weight_only_linear(x, w_q, w_scale, self.bias)
+        return int8_ops.int8_linear(x, w_q, w_scale, self.bias, w_packed, w_comp)
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        if not mode and self.trainable:
+            self.sync_quantized()
+        return self
+
+    def _apply(self, fn, recurse=True):
+        # Move/convert the plain int8 weight (never the packed copy or the placeholder), keep the scales fp32, then
+        # re-derive the packing for the new device.
+        if self.trainable:
+            super()._apply(fn, recurse)
+            self._cache = None
+            if not self.training:
+                self.sync_quantized()
+            return self
+        q = self.qweight
+        scale = self.weight_scale
+        self._buffers["weight"] = q
+        self._buffers["weight_packed"] = self._buffers["weight_comp"] = None
+        super()._apply(fn, recurse)
+        q = self._buffers["weight"]
+        new_scale = self._buffers["weight_scale"]
+        if new_scale.dtype != torch.float32:  # e.g. .half(): scales stay fp32 (not rounded through fp16)
+            new_scale = scale.to(new_scale.device)
+        self._set_quantized(q, new_scale)
+        return self
+
+    # ---------------------------------------------------------------------------------------------- state_dict
+    def get_extra_state(self) -> dict:
+        return {
+            "format": FORMAT,
+            "version": FORMAT_VERSION,
+            "mode": self.mode,
+            "trainable": self.trainable,
+            "in_features": self.in_features,
+            "out_features": self.out_features,
+            "quantization": _QUANT_DOC,
+        }
+
+    def set_extra_state(self, state) -> None:
+        if not isinstance(state, dict) or state.get("format") != FORMAT:
+            raise RuntimeError(f"Int8Linear: _extra_state is not a {FORMAT} record: {state!r}")
+        if int(state.get("version", 0)) > FORMAT_VERSION:
+            raise RuntimeError(
+                f"Int8Linear: checkpoint format version {state['version']} is newer than this fastdl's "
+                f"({FORMAT_VERSION}); upgrade fastdl to load it"
+            )
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        def val(t):
+            return t if keep_vars else t.detach()
+
+        if self.trainable:
+            destination[prefix + "weight"] = val(self.weight)
+        else:
+            destination[prefix + "weight"] = self.qweight.detach()
+            destination[prefix + "weight_scale"] = val(self.weight_scale)
+        if self.bias is not None:
+            destination[prefix + "bias"] = val(self.bias)
+        destination[prefix + "_extra_state"] = self.get_extra_state()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):  # fmt: skip
+        known = {"weight", "weight_scale", "bias", "_extra_state"}
+        for key in state_dict:
+            if key.startswith(prefix) and key[len(prefix):].split(".", 1)[0] not in known:
+                unexpected_keys.append(key)
+        extra = state_dict.get(prefix + "_extra_state")
+        if extra is not None:
+            try:
+                self.set_extra_state(extra)
+            except RuntimeError as exc:
+                error_msgs.append(str(exc))
+                return
+        shape = (self.out_features, self.in_features)
+        w = state_dict.get(prefix + "weight")
+        s = state_dict.get(prefix + "weight_scale")
+        b = state_dict.get(prefix + "bias")
+        if w is None:
+            missing_keys.append(prefix + "weight")
+        elif tuple(w.shape) != shape:
+            error_msgs.append(f"size mismatch for {prefix}weight: copying a param with shape {tuple(w.shape)} from "
+                              f"checkpoint, the shape in current model is {shape}.")  # fmt: skip
+            w = None
+        elif w.dtype == torch.int8 and s is None:
+            missing_keys.append(prefix + "weight_scale")
+            w = None
+        elif w.dtype == torch.int8 and (s.dtype != torch.float32 or tuple(s.shape) != (self.out_features,)):
+            error_msgs.append(f"{prefix}weight_scale must be float32 of shape [{self.out_features}], got "
+                              f"{s.dtype} {tuple(s.shape)}")  # fmt: skip
+            w = None
+        elif not (w.dtype == torch.int8 or w.is_floating_point()):
+            error_msgs.append(f"{prefix}weight must be int8 (with weight_scale) or floating, got {w.dtype}")
+            w = None
+        if self.bias is not None:
+            if b is None:
+                missing_keys.append(prefix + "bias")
+            elif tuple(b.shape) != (self.out_features,):
+                error_msgs.append(f"size mismatch for {prefix}bias: copying a param with shape {tuple(b.shape)} "
+                                  f"from checkpoint, the shape in current model is ({self.out_features},).")
+                b = None
+        elif b is not None:
+            unexpected_keys.append(prefix + "bias")
+            b = None
+        if w is not None:
+            self._load_weight(w, s)
+        if b is not None:
+            with torch.no_grad():
+                self.bias.copy_(b)
+
+    @torch.no_grad()
+    def _load_weight(self, w: torch.Tensor, s: torch.Tensor | None) -> None:
+        dev = self.weight_scale.device if not self.trainable else self.weight.device
+        if self.trainable:
+            if w.dtype == torch.int8:
+                w = w.float() * s.float()[:, None]  # the dequantized weight becomes the master weight
+            self.weight.copy_(w)
+            self._cache = None
+            if not self.training:
+                self.sync_quantized()
+            return
+        if w.dtype == torch.int8:
+            q, s = w.to(dev), s.to(dev)
+        else:
+            q, s = _quantize_weight(w.to(dev))
+        self._set_quantized(q.contiguous(), s.contiguous())
+
+    # ------------------------------------------------------------------------------------------ conversions
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, mode: str = "dynamic", trainable: bool = False) -> Int8Linear:
+        """Quantize an ``nn.Linear`` (per output channel). ``trainable=True`` keeps an fp32 copy of its weights as
+        QAT master weights (the linear itself is not modified)."""
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"Int8Linear.from_linear expects an nn.Linear, got {type(linear).__name__}")
+        _check_mode(mode)
+        mod = cls.__new__(cls)
+        nn.Module.__init__(mod)
+        mod.in_features, mod.out_features = linear.in_features, linear.out_features
+        mod.mode, mod.trainable = mode, bool(trainable)
+        w = linear.weight.detach()
+        if trainable:
+            w = w.float()
+        if linear.bias is not None:
+            mod.bias = nn.Parameter(linear.bias.detach().float().clone(), requires_grad=linear.bias.requires_grad)
+        else:
+            mod.register_parameter("bias", None)
+        mod._init_weight(w)
+        mod.train(linear.training)
+        return mod
+
+    def to_linear(self, dtype: torch.dtype = torch.float32) -> nn.Linear:
+        """The equivalent ``nn.Linear`` with the dequantized weight ``qweight * weight_scale`` (for a trainable
+        layer: the dequantized master weight, i.e. what eval mode computes with)."""
+        if self.trainable:
+            q, s = _quantize_weight(self.weight)
+        else:
+            q, s = self.qweight, self.weight_scale
+        dev = q.device
+        lin = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device=dev, dtype=dtype)
+        with torch.no_grad():
+            lin.weight.copy_(q.float() * s.float()[:, None])
+            if self.bias is not None:
+                lin.bias.copy_(self.bias)
+        return lin
+
+    def freeze(self) -> Int8Linear:
+        """An inference ``Int8Linear`` with this layer's current quantized weights (a trainable layer's master
+        weights are dropped); an inference layer returns itself."""
+        if not self.trainable:
+            return self
+        q, s = _quantize_weight(self.weight)
+        mod = Int8Linear.__new__(Int8Linear)
+        nn.Module.__init__(mod)
+        mod.in_features, mod.out_features, mod.mode, mod.trainable = (
+            self.in_features, self.out_features, self.mode, False)  # fmt: skip
+        if self.bias is not None:
+            mod.bias = nn.Parameter(self.bias.detach().clone(), requires_grad=False)
+        else:
+            mod.register_parameter("bias", None)
+        mod._cache = mod._cache_version = None
+        mod._set_quantized(q, s)
+        mod.eval()
+        return mod
+
+    def memory_bytes(self) -> int:
+        """Bytes of storage held by the layer's parameters, buffers and cached quantized tensors (each storage
+        counted once)."""
+        seen, total = set(), 0
+        tensors = list(self.parameters(recurse=False)) + list(self.buffers(recurse=False))
+        extra = []
+        if self.trainable and self._cache is not None:
+            extra += [t for t in self._cache if t is not None]
+        for t in tensors + extra:
+            st = t.untyped_storage()
+            key = (st.data_ptr(), t.device)
+            if key not in seen:
+                seen.add(key)
+                total += st.nbytes()
+        return total
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"mode={self.mode!r}, trainable={self.trainable}"
+        )

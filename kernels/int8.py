@@ -1,0 +1,698 @@
+"""Triton kernels for int8 quantized linear layers (the op contract lives in fastdl/ops/int8.py).
+
+Public launchers (same arguments as the ops):
+
+    quantize_per_token(x) -> (q, scale)
+    int8_mm(a_q, b_q, a_scale, b_scale, bias, out_dtype, b_packed, b_comp) -> out
+    int8_linear(x, w_q, w_scale, bias, w_packed, w_comp) -> out
+    int8_weight_only_linear(x, w_q, w_scale, bias) -> out
+
+Kernels:
+
+* ``_quant_kernel``: per-token quantization, BLOCK_M rows per program; the row is held in registers when it fits
+  (one read of x), else two passes over it (the second from L2).
+* ``_int8_mm_kernel``: int8 x int8 ``tl.dot`` with int32 accumulation (exact: integer adds are associative, so the
+  result is bit-identical to any other exact order) and the dequant ``((float(acc) * a_scale) * b_scale) + bias`` and
+  the cast fused in the epilogue; no int32 [M, N] tensor is written for float outputs. It is compiled with
+  ``enable_fp_fusion=False`` so the epilogue is not contracted into an fma (the contract fixes the rounding order).
+  With ``QUANT_A`` the per-token quantization is fused into its prologue: every program first reduces the row
+  maxima of its BLOCK_M rows of x, then quantizes the x tiles in registers right before the dot. This re-reads the
+  float rows once per column block, so it is used only for small M (``FUSE_MAX_M``; decode-like shapes, where x
+  is tiny and L2-resident and the saved launch and q round trip matter); larger M runs ``_quant_kernel`` once and
+  then the plain int8 GEMM (x read once, the GEMM reads 1-byte A tiles).
+* ``_wo_kernel``: weight-only int8: the int8 weight tile is loaded and converted to x's dtype in registers (exact:
+  |w| <= 127 is representable in bf16/fp16), ``tl.dot`` with fp32 accumulation, then ``* w_scale + bias``.
+* ``_wo_gemv_kernel``: weight-only for M <= ``GEMV_MAX_M`` (decode): no tensor-core padding of M to 16, each
+  program streams a [BLOCK_N, K] slab of the weight with coalesced 1-byte loads and keeps one accumulator row per
+  token; purely bandwidth bound (the weight is read exactly once).
+
+Round half to even: ``libdevice.rint`` (cvt.rni) on the GPU; the interpreter has no libdevice, so there the
+``(v + 1.5 * 2**23) - 1.5 * 2**23`` identity is used (exact for |v| <= 127 under round-to-nearest-even).
+Divisions are ``tl.math.div_rn`` (IEEE), never the approximate ``/``.
+
+Interpreter mode (``TRITON_INTERPRET=1``, CPU tensors): one small config per kernel instead of autotuning; 16-bit
+dot operands are upcast to fp32 (bf16 ``tl.dot`` is broken in the interpreter; int8 dot works there).
+
+This module imports triton and torch only (never ``fastdl``), and imports without a GPU.
+"""
+
+import functools
+import math
+import os
+import warnings
+
+import torch
+import triton
+import triton.language as tl
+
+try:  # triton >= 3.0
+    from triton.language.extra import libdevice
+except ImportError:  # pragma: no cover
+    libdevice = None
+
+__all__ = ["quantize_per_token", "int8_mm", "int8_linear", "int8_weight_only_linear"]
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_USE_RINT = (not _INTERPRET) and libdevice is not None
+
+_X_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int32)
+_FLOAT = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _env_int(name, default):
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+# int8_linear fuses the quantization into the GEMM prologue for M <= FUSE_MAX_M (see the module docstring).
+FUSE_MAX_M = _env_int("FASTDL_INT8_FUSE_MAX_M", 64)
+# int8_weight_only_linear uses the GEMV kernel for M <= GEMV_MAX_M.
+GEMV_MAX_M = _env_int("FASTDL_INT8_GEMV_MAX_M", 4)
+_GROUP = 8
+# Set to the error text if the fused-quantization GEMM fails to compile here (e.g. a Triton version without
+# register-operand int8 dots on this GPU): int8_linear then runs the two-kernel path, and says so once.
+_FUSED_ERROR = None
+
+# --------------------------------------------------------------------------------------------------------------
+# autotuning configs: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
+# --------------------------------------------------------------------------------------------------------------
+# int8 operands: 128-byte K slices match the 128B swizzle of Hopper/Ampere shared memory; the BLOCK_M=16 tiles are
+# for decode-like M (memory bound on the weight: narrow N tiles give enough programs to fill all SMs).
+_MM_GPU = [
+    (128, 256, 128, 8, 3),
+    (256, 128, 128, 8, 3),
+    (128, 128, 128, 8, 4),
+    (128, 128, 128, 4, 4),
+    (128, 64, 128, 4, 4),
+    (64, 128, 128, 4, 4),
+    (64, 64, 128, 4, 4),
+    (32, 64, 128, 4, 4),
+    (32, 128, 128, 4, 4),
+    (16, 64, 256, 4, 4),
+    (16, 128, 256, 4, 3),
+    (16, 32, 256, 4, 4),
+]
+# 16-bit activations times an int8 weight converted in registers.
+_WO_GPU = [
+    (128, 256, 64, 8, 3),
+    (128, 128, 64, 8, 3),
+    (128, 128, 64, 4, 4),
+    (64, 128, 64, 4, 4),
+    (64, 64, 64, 4, 4),
+    (128, 128, 32, 4, 4),
+    (32, 64, 128, 4, 4),
+    (16, 64, 128, 4, 4),
+    (16, 128, 128, 4, 4),
+    (16, 32, 256, 4, 4),
+]
+# GEMV: (BLOCK_N, BLOCK_K, num_warps, num_stages)
+_GEMV_GPU = [(16, 512, 4, 3), (32, 256, 4, 4), (64, 128, 4, 4), (32, 512, 8, 3), (64, 256, 8, 3)]
+_MM_INTERP = [(32, 32, 32, 4, 1)]
+_GEMV_INTERP = [(16, 32, 4, 1)]
+
+
+def _configs(tiles, interp_tiles):
+    return [
+        triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP": _GROUP}, num_warps=w, num_stages=s)
+        for m, n, k, w, s in (interp_tiles if _INTERPRET else tiles)
+    ]
+
+
+def _gemv_configs():
+    return [
+        triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
+        for n, k, w, s in (_GEMV_INTERP if _INTERPRET else _GEMV_GPU)
+    ]
+
+
+@functools.cache
+def _max_smem(device_index):
+    try:
+        props = torch.cuda.get_device_properties(device_index)
+        return int(getattr(props, "shared_memory_per_block_optin", 0) or props.shared_memory_per_block)
+    except Exception:  # no CUDA (interpreter): do not prune
+        return 1 << 30
+
+
+def _prune(configs, named_args, a_name, b_name, M):
+    """Keep the tiles that suit M (small-M tiles for decode, big tiles for large M) and fit in shared memory;
+    fewer candidates also means less autotuning time. Always keeps at least one config."""
+    if len(configs) <= 1:
+        return configs
+    if M <= 16:
+        by_m = [c for c in configs if c.kwargs["BLOCK_M"] == 16]
+    elif M <= 64:
+        by_m = [c for c in configs if 16 < c.kwargs["BLOCK_M"] <= 64]
+    elif M <= 256:
+        by_m = [c for c in configs if 32 <= c.kwargs["BLOCK_M"] <= 128]
+    else:
+        by_m = [c for c in configs if c.kwargs["BLOCK_M"] >= 64]
+    configs = by_m or configs
+    a, b = named_args[a_name], named_args[b_name]
+    if a.device.type != "cuda":
+        return configs
+    limit = _max_smem(a.device.index if a.device.index is not None else torch.cuda.current_device())
+
+    def smem(c):
+        kw = c.kwargs
+        return c.num_stages * kw["BLOCK_K"] * (kw["BLOCK_M"] * a.element_size() + kw["BLOCK_N"] * b.element_size())
+
+    fitting = [c for c in configs if smem(c) <= limit]
+    return fitting or [min(configs, key=smem)]
+
+
+def _prune_mm(configs, named_args, **kwargs):
+    return _prune(configs, named_args, "a_ptr", "b_ptr", named_args["M"])
+
+
+def _prune_wo(configs, named_args, **kwargs):
+    return _prune(configs, named_args, "x_ptr", "w_ptr", named_args["M"])
+
+
+# --------------------------------------------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _grouped_pid(pid, num_m, num_n, GROUP: tl.constexpr):
+    """Linear program id -> (pid_m, pid_n), walking GROUP row tiles per column tile so B tiles are reused from L2."""
+    per_group = GROUP * num_n
+    group_id = pid // per_group
+    first_m = group_id * GROUP
+    group_rows = tl.minimum(num_m - first_m, GROUP)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+    return pid_m, pid_n
+
+
+@triton.jit
+def _rint(v, USE_RINT: tl.constexpr):
+    """Round half to even, for |v| <= 127."""
+    if USE_RINT:
+        r = libdevice.rint(v)
+    else:
+        r = (v + 12582912.0) - 12582912.0  # 1.5 * 2**23: the sum lands where the fp32 spacing is 1
+    return r
+
+
+@triton.jit
+def _row_amax(x):
+    """max |x| per row of an fp32 tile, NaN counted as +inf (so the row is 'not finite'); masked lanes hold 0."""
+    a = tl.where(x != x, float("inf"), tl.abs(x))
+    return tl.max(a, axis=1)
+
+
+@triton.jit
+def _row_params(amax):
+    """(ok, inv, scale) of the contract: inv = 127 / amax, scale = amax / 127 (IEEE divisions); scale = 0 for a
+    zero row and NaN for a row that is not finite (ok = False: q = 0)."""
+    finite = amax < float("inf")
+    ok = finite & (amax > 0.0)
+    safe = tl.where(ok, amax, 1.0)
+    c127 = tl.full(safe.shape, 127.0, tl.float32)
+    inv = tl.math.div_rn(c127, safe)
+    scale = tl.where(ok, tl.math.div_rn(safe, c127), tl.where(finite, 0.0, float("nan")))
+    return ok, inv, scale
+
+
+@triton.jit
+def _quantize(x, inv, ok, USE_RINT: tl.constexpr):
+    """q = clamp(rint(x * inv), -127, 127) per row (one fp32 multiply), 0 in rows that are not ok."""
+    v = x * inv[:, None]
+    v = tl.where(v != v, 0.0, v)  # 0 * inf when 127 / amax overflowed
+    v = tl.minimum(tl.maximum(v, -127.0), 127.0)
+    v = _rint(v, USE_RINT)
+    return tl.where(ok[:, None], v, 0.0).to(tl.int8)
+
+
+@triton.jit
+def _cast_out(y, out_ptr, RNE_BF16: tl.constexpr):
+    """Cast the fp32 epilogue value to the output dtype. The interpreter's fp32 -> bf16 cast truncates; there the
+    round to nearest even is done by hand on the bits (the GPU cast is already RNE)."""
+    if RNE_BF16:
+        bits = y.to(tl.uint32, bitcast=True)
+        bits = ((bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16) << 16
+        y = tl.where(y != y, y, bits.to(tl.float32, bitcast=True))
+    return y.to(out_ptr.dtype.element_ty)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# per-token quantization
+# --------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _quant_kernel(
+    x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_xk,
+    USE_RINT: tl.constexpr, ONE_PASS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0).to(tl.int64)
+    offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)  # int64
+    mask_m = offs_m < M
+    arange_k = tl.arange(0, BLOCK_K)
+    x_rows = x_ptr + offs_m[:, None] * stride_xm
+    q_rows = q_ptr + offs_m[:, None] * K
+    if ONE_PASS:  # the whole row block in registers: x is read once
+        offs_k = arange_k.to(tl.int64)
+        mask = mask_m[:, None] & (arange_k < K)[None, :]
+        x = tl.load(x_rows + offs_k[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
+        ok, inv, scale = _row_params(_row_amax(x))
+        tl.store(q_rows + offs_k[None, :], _quantize(x, inv, ok, USE_RINT), mask=mask)
+    else:
+        amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + arange_k.to(tl.int64)
+            mask = mask_m[:, None] & (offs_k < K)[None, :]
+            x = tl.load(x_rows + offs_k[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, _row_amax(x))
+        ok, inv, scale = _row_params(amax)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + arange_k.to(tl.int64)
+            mask = mask_m[:, None] & (offs_k < K)[None, :]
+            x = tl.load(x_rows + offs_k[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
+            tl.store(q_rows + offs_k[None, :], _quantize(x, inv, ok, USE_RINT), mask=mask)
+    tl.store(s_ptr + offs_m, scale, mask=mask_m)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# int8 GEMM, dequant epilogue, optional fused quantization of A
+# --------------------------------------------------------------------------------------------------------------
+@triton.autotune(
+    configs=_configs(_MM_GPU, _MM_INTERP), key=["M", "N", "K"], prune_configs_by={"early_config_prune": _prune_mm}
+)
+@triton.jit
+def _int8_mm_kernel(
+    a_ptr, b_ptr, as_ptr, bs_ptr, bias_ptr, out_ptr,
+    M, N, K,
+    stride_am, stride_ak, stride_bn, stride_bk, stride_om, stride_on,
+    QUANT_A: tl.constexpr, OUT_INT32: tl.constexpr, HAS_BIAS: tl.constexpr, USE_RINT: tl.constexpr,
+    RNE_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0).to(tl.int64)
+    pid_m, pid_n = _grouped_pid(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # int64
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # int64
+    arange_k = tl.arange(0, BLOCK_K)
+    offs_k = arange_k.to(tl.int64)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak  # [BM, BK]
+    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn  # [BK, BN] = B^T tile
+    a_step = tl.full((), BLOCK_K, tl.int64) * stride_ak
+    b_step = tl.full((), BLOCK_K, tl.int64) * stride_bk
+    num_k = tl.cdiv(K, BLOCK_K)
+
+    if QUANT_A:  # prologue: the row maxima of this program's BLOCK_M rows of x
+        amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        p = a_ptrs
+        for kb in range(0, num_k):
+            mask_k = arange_k < K - kb * BLOCK_K
+            x = tl.load(p, mask=mask_m[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, _row_amax(x))
+            p += a_step
+        ok, inv, a_scale = _row_params(amax)
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    for kb in range(0, num_k):
+        mask_k = arange_k < K - kb * BLOCK_K
+        if QUANT_A:
+            x = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
+            a = _quantize(x, inv, ok, USE_RINT)
+        else:
+            a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0)
+        b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0)
+        acc = tl.dot(a, b, acc)  # int8 x int8 -> int32, exact
+        a_ptrs += a_step
+        b_ptrs += b_step
+
+    mask_mn = mask_m[:, None] & mask_n[None, :]
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+    if OUT_INT32:
+        tl.store(out_ptrs, acc, mask=mask_mn)
+    else:
+        if not QUANT_A:
+            a_scale = tl.load(as_ptr + offs_m, mask=mask_m, other=0.0)
+        b_scale = tl.load(bs_ptr + offs_n, mask=mask_n, other=0.0)
+        y = acc.to(tl.float32) * a_scale[:, None]
+        y = y * b_scale[None, :]
+        if HAS_BIAS:
+            y = y + tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptrs, _cast_out(y, out_ptr, RNE_BF16), mask=mask_mn)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# weight-only int8: float activations, int8 weight converted in registers, fp32 accumulation
+# --------------------------------------------------------------------------------------------------------------
+@triton.autotune(
+    configs=_configs(_WO_GPU, _MM_INTERP), key=["M", "N", "K"], prune_configs_by={"early_config_prune": _prune_wo}
+)
+@triton.jit
+def _wo_kernel(
+    x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr,
+    M, N, K,
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
+    HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, IN_PREC: tl.constexpr, RNE_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0).to(tl.int64)
+    pid_m, pid_n = _grouped_pid(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    arange_k = tl.arange(0, BLOCK_K)
+    offs_k = arange_k.to(tl.int64)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk
+    w_ptrs = w_ptr + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
+    x_step = tl.full((), BLOCK_K, tl.int64) * stride_xk
+    w_step = tl.full((), BLOCK_K, tl.int64) * stride_wk
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        mask_k = arange_k < K - kb * BLOCK_K
+        a = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        b = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0)
+        if UPCAST:  # interpreter (no bf16 dot, no int8 -> bf16 cast there): exact products in fp32
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        else:
+            b = b.to(tl.float32).to(x_ptr.dtype.element_ty)  # exact: |w| <= 127
+        acc = tl.dot(a, b, acc, input_precision=IN_PREC)
+        x_ptrs += x_step
+        w_ptrs += w_step
+    y = acc * tl.load(ws_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
+    if HAS_BIAS:
+        y = y + tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    tl.store(
+        out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on,
+        _cast_out(y, out_ptr, RNE_BF16),
+        mask=mask_m[:, None] & mask_n[None, :],
+    )
+
+
+@triton.autotune(configs=_gemv_configs(), key=["M", "N", "K"])
+@triton.jit
+def _wo_gemv_kernel(
+    x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr,
+    M, N, K,
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
+    HAS_BIAS: tl.constexpr, RNE_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    pid_n = tl.program_id(0).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    arange_m = tl.arange(0, BLOCK_M)
+    arange_k = tl.arange(0, BLOCK_K)
+    offs_k = arange_k.to(tl.int64)
+    w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk  # [BN, BK], K contiguous
+    w_step = tl.full((), BLOCK_K, tl.int64) * stride_wk
+    x_step = tl.full((), BLOCK_K, tl.int64) * stride_xk
+    x_ptrs = x_ptr + offs_k * stride_xk
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        mask_k = arange_k < K - kb * BLOCK_K
+        w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0).to(tl.float32)
+        for m in tl.static_range(BLOCK_M):  # each weight tile is used by every token
+            xm = tl.load(x_ptrs + m * stride_xm, mask=mask_k & (m < M), other=0.0).to(tl.float32)
+            part = tl.sum(w * xm[None, :], axis=1)  # [BN]
+            acc = tl.where(arange_m[:, None] == m, acc + part[None, :], acc)
+        w_ptrs += w_step
+        x_ptrs += x_step
+    y = acc * tl.load(ws_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
+    if HAS_BIAS:
+        y = y + tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    offs_m = arange_m.to(tl.int64)
+    tl.store(
+        out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on,
+        _cast_out(y, out_ptr, RNE_BF16),
+        mask=(offs_m < M)[:, None] & mask_n[None, :],
+    )
+
+
+# --------------------------------------------------------------------------------------------------------------
+# launchers
+# --------------------------------------------------------------------------------------------------------------
+def _fail(exc, msg):
+    raise exc(msg)
+
+
+def _check_device(t, name, fn, ref=None):
+    if not isinstance(t, torch.Tensor):
+        _fail(TypeError, f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if ref is not None and t.device != ref.device:
+        _fail(RuntimeError, f"{fn}: {name} must be on the same device as the other inputs ({ref.device}), "
+                            f"got {t.device}")  # fmt: skip
+    if ref is None and t.device.type != "cuda" and not _INTERPRET:
+        _fail(RuntimeError, f"{fn}: {name} must be a CUDA tensor for the Triton backend "
+                            f"(or run with TRITON_INTERPRET=1), got {t.device}")  # fmt: skip
+
+
+def _check_x(x, fn):
+    _check_device(x, "x", fn)
+    if x.dtype not in _X_DTYPES:
+        _fail(ValueError, f"{fn}: x must be float32, bfloat16 or float16, got dtype {x.dtype}")
+    if x.dim() < 1:
+        _fail(ValueError, f"{fn}: x must have shape [..., K] (at least 1 dim), got a 0-dim tensor")
+
+
+def _check_int8(t, name, fn, ref, shape_doc):
+    _check_device(t, name, fn, ref)
+    if t.dtype != torch.int8:
+        _fail(ValueError, f"{fn}: {name} must be int8, got dtype {t.dtype}")
+    if t.dim() != 2:
+        _fail(ValueError, f"{fn}: {name} must be 2-D {shape_doc}, got shape {tuple(t.shape)}")
+
+
+def _check_vec(t, name, fn, ref, n, what, fp32=True):
+    _check_device(t, name, fn, ref)
+    if fp32 and t.dtype != torch.float32:
+        _fail(ValueError, f"{fn}: {name} must be float32, got dtype {t.dtype}")
+    if not fp32 and t.dtype not in _FLOAT:
+        _fail(ValueError, f"{fn}: {name} must be a floating tensor, got dtype {t.dtype}")
+    if tuple(t.shape) != (n,):
+        _fail(ValueError, f"{fn}: {name} must have shape [{what}] = [{n}], got {tuple(t.shape)}")
+
+
+def _check_packed(packed, comp, n, k, fn, ref, names):
+    if (packed is None) != (comp is None):
+        _fail(ValueError, f"{fn}: {names[0]} and {names[1]} must be given together or both be None")
+    if packed is None:
+        return
+    np_, kp = -(-n // 16) * 16, -(-k // 4) * 4
+    _check_device(packed, names[0], fn, ref)
+    _check_device(comp, names[1], fn, ref)
+    if packed.dtype != torch.int8 or tuple(packed.shape) != (np_, kp):
+        _fail(ValueError, f"{fn}: {names[0]} must be int8 of shape [roundup(N, 16), roundup(K, 4)] = [{np_}, {kp}], "
+                          f"got {packed.dtype} {tuple(packed.shape)}")  # fmt: skip
+    if comp.dtype != torch.int32 or tuple(comp.shape) != (np_,):
+        _fail(ValueError, f"{fn}: {names[1]} must be int32 of shape [{np_}], got {comp.dtype} {tuple(comp.shape)}")
+
+
+def _plain_weight(w_q, w_packed):
+    """The [N, K] weight; a stride-0 placeholder w_q (weight held only in the VNNI-packed form) is unpacked."""
+    if w_packed is None or w_q.numel() <= 1 or any(s != 0 for s in w_q.stride()):
+        return w_q
+    n, k = w_q.shape
+    np_, kp = w_packed.shape
+    return w_packed.reshape(np_ // 16, kp // 4, 16, 4).permute(0, 2, 1, 3).reshape(np_, kp)[:n, :k]
+
+
+def _fp_options():
+    # The dequant epilogue must not be contracted into an fma (the contract fixes its rounding order).
+    return {} if _INTERPRET else {"enable_fp_fusion": False}
+
+
+def _rne_bf16(out):
+    return _INTERPRET and out.dtype == torch.bfloat16
+
+
+def _in_prec(dtype):
+    if dtype == torch.float32 and (_INTERPRET or not torch.backends.cuda.matmul.allow_tf32):
+        return "ieee"
+    return "tf32"
+
+
+def _quant_blocks(K):
+    """(BLOCK_M, BLOCK_K, one_pass, num_warps): ~4K elements per program (registers), whole rows when they fit."""
+    max_k = 256 if _INTERPRET else 8192
+    block_k = min(triton.next_power_of_2(max(K, 1)), max_k)
+    one_pass = K <= block_k
+    block_m = max(1, min(64, 4096 // block_k)) if one_pass else 1
+    warps = 8 if block_m * block_k >= 4096 else 4
+    return block_m, block_k, one_pass, warps
+
+
+def _launch_quant(x2, q2, s1):
+    M, K = x2.shape
+    block_m, block_k, one_pass, warps = _quant_blocks(K)
+    _quant_kernel[(triton.cdiv(M, block_m),)](
+        x2, q2, s1, M, K, x2.stride(0), x2.stride(1),
+        USE_RINT=_USE_RINT, ONE_PASS=one_pass, BLOCK_M=block_m, BLOCK_K=block_k, num_warps=warps,
+    )  # fmt: skip
+
+
+def quantize_per_token(x):
+    """(q int8 [..., K], scale fp32 [...]) per the contract (see fastdl/ops/int8.py)."""
+    fn = "quantize_per_token"
+    _check_x(x, fn)
+    K = x.shape[-1]
+    lead = tuple(x.shape[:-1])
+    M = math.prod(lead)
+    q = torch.empty(x.shape, dtype=torch.int8, device=x.device)
+    s = torch.empty(lead, dtype=torch.float32, device=x.device)
+    if M == 0:
+        return q, s
+    if K == 0:
+        return q, s.zero_()
+    _launch_quant(x.reshape(M, K), q.view(M, K), s.view(M))
+    return q, s
+
+
+def _launch_mm(a, b, a_scale, b_scale, bias, out, quant_a):
+    M, K = a.shape
+    N = b.shape[0]
+    dummy = out
+    out_int32 = out.dtype == torch.int32
+
+    def grid(meta):
+        return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+
+    _int8_mm_kernel[grid](
+        a, b, a_scale if a_scale is not None else dummy, b_scale if b_scale is not None else dummy,
+        bias if bias is not None else dummy, out,
+        M, N, K,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
+        QUANT_A=quant_a, OUT_INT32=out_int32, HAS_BIAS=bias is not None and not out_int32, USE_RINT=_USE_RINT,
+        RNE_BF16=_rne_bf16(out),
+        **_fp_options(),
+    )  # fmt: skip
+
+
+def _dequant_zero_k(M, a_scale, b_scale, bias, out_dtype, device):
+    """K == 0: acc = 0 and the epilogue is evaluated on it (0 * NaN scale stays NaN)."""
+    acc = torch.zeros((M, b_scale.shape[0]), dtype=torch.float32, device=device)
+    y = acc * a_scale[:, None] * b_scale[None, :]
+    if bias is not None:
+        y = y + bias.float()[None, :]
+    return y.to(out_dtype)
+
+
+def int8_mm(a_q, b_q, a_scale, b_scale, bias, out_dtype, b_packed, b_comp):
+    """acc = a_q @ b_q.T (int32, exact); out = cast(((float(acc) * a_scale[m]) * b_scale[n]) + bias[n]) or acc."""
+    fn = "int8_mm"
+    _check_device(a_q, "a_q", fn)
+    _check_int8(a_q, "a_q", fn, a_q, "[M, K]")
+    _check_int8(b_q, "b_q", fn, a_q, "[N, K]")
+    M, K = a_q.shape
+    N = b_q.shape[0]
+    if b_q.shape[1] != K:
+        _fail(ValueError, f"{fn}: b_q must have shape [N, K] with K = a_q.shape[1] = {K}, got {tuple(b_q.shape)} "
+                          "(mismatched K)")  # fmt: skip
+    if out_dtype not in _OUT_DTYPES:
+        _fail(ValueError, f"{fn}: out_dtype must be one of float32, bfloat16, float16, int32, got {out_dtype}")
+    _check_vec(a_scale, "a_scale", fn, a_q, M, "M")
+    _check_vec(b_scale, "b_scale", fn, a_q, N, "N")
+    if bias is not None:
+        _check_vec(bias, "bias", fn, a_q, N, "N", fp32=False)
+    _check_packed(b_packed, b_comp, N, K, fn, a_q, ("b_packed", "b_comp"))
+    b = _plain_weight(b_q, b_packed)
+    out = torch.empty((M, N), dtype=out_dtype, device=a_q.device)
+    if M == 0 or N == 0:
+        return out
+    if K == 0:
+        if out_dtype == torch.int32:
+            return out.zero_()
+        return _dequant_zero_k(M, a_scale, b_scale, bias, out_dtype, a_q.device)
+    _launch_mm(a_q, b, a_scale, b_scale, bias, out, quant_a=False)
+    return out
+
+
+def _check_linear(x, w_q, w_scale, bias, fn):
+    _check_x(x, fn)
+    _check_int8(w_q, "w_q", fn, x, "[N, K]")
+    K = x.shape[-1]
+    N = w_q.shape[0]
+    if w_q.shape[1] != K:
+        _fail(ValueError, f"{fn}: w_q must have shape [N, K] with K = x.shape[-1] = {K}, got {tuple(w_q.shape)} "
+                          "(mismatched K)")  # fmt: skip
+    _check_vec(w_scale, "w_scale", fn, x, N, "N")
+    if bias is not None:
+        _check_vec(bias, "bias", fn, x, N, "N", fp32=False)
+    return K, N
+
+
+def int8_linear(x, w_q, w_scale, bias, w_packed, w_comp):
+    """Dynamic W8A8: quantize x per token (fused into the GEMM prologue for small M), int8 GEMM, dequant + bias."""
+    fn = "int8_linear"
+    K, N = _check_linear(x, w_q, w_scale, bias, fn)
+    _check_packed(w_packed, w_comp, N, K, fn, x, ("w_packed", "w_comp"))
+    w = _plain_weight(w_q, w_packed)
+    lead = tuple(x.shape[:-1])
+    M = math.prod(lead)
+    out = torch.empty((*lead, N), dtype=x.dtype, device=x.device)
+    if M == 0 or N == 0:
+        return out
+    if K == 0:
+        zeros = torch.zeros(M, dtype=torch.float32, device=x.device)
+        return _dequant_zero_k(M, zeros, w_scale, bias, x.dtype, x.device).reshape(*lead, N)
+    global _FUSED_ERROR
+    x2 = x.reshape(M, K)
+    out2 = out.view(M, N)
+    if M <= FUSE_MAX_M and _FUSED_ERROR is None:
+        try:
+            _launch_mm(x2, w, None, w_scale, bias, out2, quant_a=True)
+            return out
+        except Exception as exc:  # a compile error of the fused variant: fall back to two kernels from now on
+            if _INTERPRET:
+                raise
+            _FUSED_ERROR = f"{type(exc).__name__}: {exc}"
+            warnings.warn(
+                f"fastdl int8_linear (Triton): the GEMM with fused activation quantization failed to compile "
+                f"({_FUSED_ERROR[:300]}); using the quantize kernel + int8 GEMM instead",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+    q = torch.empty((M, K), dtype=torch.int8, device=x.device)
+    s = torch.empty((M,), dtype=torch.float32, device=x.device)
+    _launch_quant(x2, q, s)
+    _launch_mm(q, w, s, w_scale, bias, out2, quant_a=False)
+    return out
+
+
+def int8_weight_only_linear(x, w_q, w_scale, bias):
+    """out = (x @ w_q.T) * w_scale + bias with the int8 weight converted in registers, fp32 accumulation."""
+    fn = "int8_weight_only_linear"
+    K, N = _check_linear(x, w_q, w_scale, bias, fn)
+    lead = tuple(x.shape[:-1])
+    M = math.prod(lead)
+    out = torch.empty((*lead, N), dtype=x.dtype, device=x.device)
+    if M == 0 or N == 0:
+        return out
+    if K == 0:
+        y = torch.zeros((M, N), dtype=torch.float32, device=x.device)
+        if bias is not None:
+            y = y + bias.float()[None, :]
+        return y.to(x.dtype).reshape(*lead, N)
+    x2 = x.reshape(M, K)
+    out2 = out.view(M, N)
+    dummy = out2
+    b = bias if bias is not None else dummy
+    if M <= GEMV_MAX_M:
+        _wo_gemv_kernel[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](
+            x2, w_q, w_scale, b, out2, M, N, K,
+            x2.stride(0), x2.stride(1), w_q.stride(0), w_q.stride(1), out2.stride(0), out2.stride(1),
+            HAS_BIAS=bias is not None, RNE_BF16=_rne_bf16(out2), BLOCK_M=triton.next_power_of_2(M),
+        )  # fmt: skip
+        return out
+
+    def grid(meta):
+        return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+
+    _wo_kernel[grid](
+        x2, w_q, w_scale, b, out2, M, N, K,
+        x2.stride(0), x2.stride(1), w_q.stride(0), w_q.stride(1), out2.stride(0), out2.stride(1),
+        HAS_BIAS=bias is not None, UPCAST=_INTERPRET or x.device.type != "cuda", IN_PREC=_in_prec(x.dtype),
+        RNE_BF16=_rne_bf16(out2),
+    )  # fmt: skip
+    return out

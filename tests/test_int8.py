@@ -1,0 +1,819 @@
+"""int8 quantized GEMM: every op on every CPU backend (cpp when built, Triton in interpreter mode, torch) against
+independent exact references, opcheck, torch.compile, accuracy, the Int8Linear module (state_dict, packing, memory)
+and quantization-aware training under 2-process DDP."""
+
+import copy
+import io
+import os
+import tempfile
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import cpu_backends, rel_err, requires_cuda
+from torch import nn
+
+import fastdl
+import fastdl.nn.int8 as nn_int8
+import fastdl.ops.int8 as int8_ops  # registers the int8 ops
+from fastdl import backends, quant
+from fastdl.nn.int8 import FORMAT_VERSION, Int8Linear
+from fastdl.ops.int8 import (
+    int8_linear,
+    int8_linear_qat,
+    int8_mm,
+    int8_pack_weight,
+    int8_weight_only_linear,
+    quantize_per_channel,
+    quantize_per_token,
+)
+
+FLOATS = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def op_backends(op: str) -> list[str]:
+    """cpp (when built), triton (in the Triton interpreter: conftest turns it on when there is no GPU) and torch."""
+    return cpu_backends(op)
+
+
+Q_BACKENDS = op_backends("quantize_per_token")
+PACK_BACKENDS = op_backends("int8_pack_weight")
+MM_BACKENDS = op_backends("int8_mm")
+LIN_BACKENDS = op_backends("int8_linear")
+WO_BACKENDS = op_backends("int8_weight_only_linear")
+NOT_TRITON = [b for b in LIN_BACKENDS if b != "triton"]
+
+
+# ------------------------------------------------------------------------------------ independent references
+def quant_np(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The contract's formula in numpy float32 (IEEE division and multiply, np.rint = round half to even)."""
+    K = x.shape[-1]
+    M = int(np.prod(x.shape[:-1]))
+    xf = x.reshape(M, K).float().numpy()
+    if K == 0 or M == 0:
+        return torch.zeros(x.shape, dtype=torch.int8), torch.zeros(x.shape[:-1])
+    a = np.abs(xf)
+    amax = np.where(np.isnan(a), np.float32(np.inf), a).max(axis=1).astype(np.float32)
+    finite = np.isfinite(amax)
+    ok = finite & (amax > 0)
+    safe = np.where(ok, amax, np.float32(1)).astype(np.float32)
+    with np.errstate(all="ignore"):
+        inv = (np.float32(127) / safe).astype(np.float32)
+        v = (xf * inv[:, None]).astype(np.float32)
+    v = np.rint(np.clip(np.where(np.isnan(v), np.float32(0), v), -127, 127))
+    q = np.where(ok[:, None], v, 0).astype(np.int8)
+    scale = np.where(ok, (safe / np.float32(127)).astype(np.float32), np.where(finite, 0, np.nan)).astype(np.float32)
+    return torch.from_numpy(q).reshape(x.shape), torch.from_numpy(scale).reshape(x.shape[:-1])
+
+
+def acc_exact(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b.T in int64 (exact), checked to fit int32."""
+    if a.numel() == 0 or b.numel() == 0:
+        return torch.zeros(a.shape[0], b.shape[0], dtype=torch.int32)
+    acc = (a.long()[:, None, :] * b.long()[None, :, :]).sum(-1)
+    assert acc.abs().max().item() < 2**31
+    return acc.to(torch.int32)
+
+
+def dequant(acc, a_scale, b_scale, bias, dtype):
+    out = acc.float() * a_scale[:, None]
+    out = out * b_scale[None, :]
+    if bias is not None:
+        out = out + bias.float()[None, :]
+    return out.to(dtype)
+
+
+def linear_exact(x, w_q, w_scale, bias):
+    K, N = x.shape[-1], w_q.shape[0]
+    q, s = quant_np(x.reshape(-1, K))
+    return dequant(acc_exact(q, w_q), s, w_scale, bias, x.dtype).reshape(*x.shape[:-1], N)
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-for-bit equality (NaN == NaN)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.is_floating_point():
+        return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
+    return torch.equal(a, b)
+
+
+def rand_int8(*shape, full_range=True):
+    lo = -128 if full_range else -127
+    return torch.randint(lo, 128, shape, dtype=torch.int8)
+
+
+def make_weight(N, K):
+    w_q = rand_int8(N, K, full_range=False)
+    w_scale = torch.rand(N) * 0.02 + 1e-3
+    return w_q, w_scale
+
+
+SHAPES = [(1, 7, 33), (7, 33, 1), (33, 127, 7), (70, 64, 65), (5, 300, 48), (2, 1, 3)]
+
+
+# ------------------------------------------------------------------------------------------ quantize_per_token
+@pytest.mark.parametrize("backend", Q_BACKENDS)
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("shape", [(1, 1), (7, 33), (3, 5, 127), (2, 300), (4, 1000), (65, 16)])
+def test_quantize_formula_bit_exact(backend, dtype, shape):
+    x = (torch.randn(shape) * 3).to(dtype)
+    with fastdl.use_backend(backend):
+        q, s = quantize_per_token(x)
+    qr, sr = quant_np(x)
+    assert q.dtype == torch.int8 and s.dtype == torch.float32 and q.is_contiguous()
+    assert q.shape == x.shape and s.shape == x.shape[:-1]
+    assert same(q, qr) and same(s, sr)
+    assert q.abs().max() <= 127
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning", "ignore:invalid value:RuntimeWarning")
+@pytest.mark.parametrize("backend", Q_BACKENDS)
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_quantize_special_rows(backend, dtype):
+    K = 40
+    x = torch.randn(9, K)
+    x[0] = 0.0  # zero row: scale 0, q 0
+    x[1, 5] = float("nan")  # NaN row: scale NaN, q 0
+    x[2, 7] = float("inf")
+    x[3, 0] = float("-inf")
+    x[4] = torch.tensor([127.0, 2.5, -3.5, 0.5, -0.5, 1.5] + [0.0] * (K - 6))  # inv = 1: ties round to even
+    x[5, :3] = torch.tensor([-127.0, 126.5, 125.5])
+    x[5, 3:] = 0.0
+    if dtype == torch.float32:
+        x[6] = 0.0
+        x[6, :2] = torch.tensor([1e-38, -2e-38])  # 127 / amax overflows to inf; zeros give 0 * inf -> q = 0
+    x = x.to(dtype)
+    with fastdl.use_backend(backend):
+        q, s = quantize_per_token(x)
+    qr, sr = quant_np(x)
+    assert same(q, qr) and same(s, sr)
+    assert s[0] == 0 and (q[0] == 0).all()
+    assert s[1:4].isnan().all() and (q[1:4] == 0).all()
+    assert q[4, :6].tolist() == [127, 2, -4, 0, 0, 2]
+    assert q[5, :3].tolist() == [-127, 126, 126]
+    assert torch.isfinite(s[4:]).all()
+    if dtype == torch.float32:
+        assert q[6, :3].tolist() == [127, -127, 0]
+
+
+@pytest.mark.parametrize("backend", Q_BACKENDS)
+def test_quantize_noncontiguous_empty_and_per_channel(backend):
+    base = torch.randn(6, 50, 3)
+    x = base[..., 1].t()  # [50, 6], last dim strided
+    y = torch.randn(4, 3, 80)[:, ::2, 10:70]  # strided rows
+    with fastdl.use_backend(backend):
+        for t in (x, y):
+            q, s = quantize_per_token(t)
+            qr, sr = quant_np(t.contiguous())
+            assert same(q, qr) and same(s, sr)
+        q, s = quantize_per_token(torch.randn(0, 7))
+        assert q.shape == (0, 7) and s.shape == (0,)
+        q, s = quantize_per_token(torch.randn(3, 0))
+        assert q.shape == (3, 0) and s.shape == (3,) and (s == 0).all()
+        w = torch.randn(9, 31)
+        wq, ws = quantize_per_channel(w)
+        qr, sr = quant_np(w)
+        assert same(wq, qr) and same(ws, sr)
+        assert (quant.dequantize(wq, ws) - w).abs().max() <= ws.max() / 2 + 1e-7
+
+
+# ------------------------------------------------------------------------------------------- int8_pack_weight
+def pack_loops(w: torch.Tensor):
+    N, K = w.shape
+    Np, Kp = -(-N // 16) * 16, -(-K // 4) * 4
+    flat = torch.zeros(Np * Kp, dtype=torch.int8)
+    for n in range(N):
+        for k in range(K):
+            flat[((n // 16) * (Kp // 4) + k // 4) * 64 + (n % 16) * 4 + k % 4] = w[n, k]
+    comp = torch.zeros(Np, dtype=torch.int32)
+    comp[:N] = 128 * w.long().sum(1).int()
+    return flat.view(Np, Kp), comp
+
+
+@pytest.mark.parametrize("backend", PACK_BACKENDS)
+@pytest.mark.parametrize("N,K", [(1, 1), (16, 4), (17, 5), (33, 70), (5, 64)])
+def test_pack_layout_exact(backend, N, K):
+    w = rand_int8(N, K)
+    with fastdl.use_backend(backend):
+        packed, comp = int8_pack_weight(w)
+    ref_p, ref_c = pack_loops(w)
+    assert packed.dtype == torch.int8 and comp.dtype == torch.int32
+    assert packed.shape == ref_p.shape and packed.is_contiguous()
+    assert torch.equal(packed, ref_p) and torch.equal(comp, ref_c)
+    assert torch.equal(int8_ops.unpack_reference(packed, N, K), w)
+
+
+# ---------------------------------------------------------------------------------------------------- int8_mm
+@pytest.mark.parametrize("backend", MM_BACKENDS)
+@pytest.mark.parametrize("M,K,N", SHAPES + [(3, 4096, 20)])
+def test_int8_mm_int32_bit_exact(backend, M, K, N):
+    a, b = rand_int8(M, K), rand_int8(N, K)
+    sa, sb = torch.rand(M), torch.rand(N)
+    with fastdl.use_backend(backend):
+        acc = int8_mm(a, b, sa, sb, torch.randn(N), torch.int32)
+    assert acc.dtype == torch.int32 and acc.shape == (M, N)
+    assert torch.equal(acc, acc_exact(a, b))
+
+
+@pytest.mark.parametrize("backend", MM_BACKENDS)
+def test_int8_mm_extreme_values(backend):
+    K = 4096
+    a = torch.full((2, K), -128, dtype=torch.int8)
+    a[1] = 127
+    b = torch.full((3, K), -128, dtype=torch.int8)
+    b[1] = 127
+    b[2, ::2] = 127
+    with fastdl.use_backend(backend):
+        acc = int8_mm(a, b, torch.ones(2), torch.ones(3), None, torch.int32)
+    assert torch.equal(acc, acc_exact(a, b))
+    assert acc[0, 0].item() == 128 * 128 * K
+
+
+@pytest.mark.parametrize("backend", MM_BACKENDS)
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M,K,N", SHAPES)
+def test_int8_mm_dequant_epilogue_bit_exact(backend, out_dtype, M, K, N):
+    a, b = rand_int8(M, K, full_range=False), rand_int8(N, K, full_range=False)
+    sa, sb = torch.rand(M) * 0.05, torch.rand(N) * 0.05
+    bias = torch.randn(N).to(torch.bfloat16) if N % 2 else None  # any float dtype, read as fp32
+    with fastdl.use_backend(backend):
+        out = int8_mm(a, b, sa, sb, bias, out_dtype)
+    assert same(out, dequant(acc_exact(a, b), sa, sb, bias, out_dtype))
+
+
+@pytest.mark.parametrize("backend", MM_BACKENDS)
+def test_int8_mm_packed_args_and_placeholder(backend):
+    M, K, N = 9, 70, 33
+    a, b = rand_int8(M, K), rand_int8(N, K)
+    sa, sb, bias = torch.rand(M), torch.rand(N), torch.randn(N)
+    packed, comp = int8_pack_weight(b)
+    ref = dequant(acc_exact(a, b), sa, sb, bias, torch.float32)
+    placeholder = torch.zeros((), dtype=torch.int8).expand(N, K)
+    with fastdl.use_backend(backend):
+        assert same(int8_mm(a, b, sa, sb, bias, torch.float32, packed, comp), ref)
+        assert same(int8_mm(a, placeholder, sa, sb, bias, torch.float32, packed, comp), ref)
+        assert torch.equal(int8_mm(a, b, sa, sb, None, torch.int32, packed, comp), acc_exact(a, b))
+
+
+@pytest.mark.parametrize("backend", MM_BACKENDS)
+def test_int8_mm_empty_and_noncontiguous(backend):
+    with fastdl.use_backend(backend):
+        out = int8_mm(rand_int8(0, 16), rand_int8(8, 16), torch.rand(0), torch.rand(8), None, torch.bfloat16)
+        assert out.shape == (0, 8) and out.dtype == torch.bfloat16
+        bias = torch.randn(5)
+        out = int8_mm(rand_int8(3, 0), rand_int8(5, 0), torch.rand(3), torch.rand(5), bias, torch.float32)
+        assert same(out, bias.expand(3, 5).contiguous())
+        a = rand_int8(40, 2, 33)[:, 0]  # strided rows
+        b = rand_int8(33, 25).t()  # [25, 33] transposed
+        acc = int8_mm(a, b, torch.rand(40), torch.rand(25), None, torch.int32)
+        assert torch.equal(acc, acc_exact(a.contiguous(), b.contiguous()))
+
+
+# ------------------------------------------------------------------------------------------------ int8_linear
+@pytest.mark.parametrize("backend", LIN_BACKENDS)
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("M,K,N", SHAPES + [(130, 40, 17)])
+def test_int8_linear_bit_exact(backend, dtype, M, K, N):
+    x = torch.randn(M, K).to(dtype)
+    w_q, w_scale = make_weight(N, K)
+    bias = torch.randn(N) if M % 2 else None
+    with fastdl.use_backend(backend):
+        out = int8_linear(x, w_q, w_scale, bias)
+    assert out.dtype == dtype and out.shape == (M, N)
+    assert same(out, linear_exact(x, w_q, w_scale, bias))
+
+
+@pytest.mark.parametrize("backend", LIN_BACKENDS)
+def test_int8_linear_nan_rows_leading_dims_noncontiguous(backend):
+    K, N = 48, 20
+    x = torch.randn(2, 4, 2 * K)[..., ::2].transpose(0, 1)  # [4, 2, K], not contiguous
+    x[1, 0, 3] = float("nan")
+    x[2, 1, 0] = float("inf")
+    x[3, 0] = 0.0
+    w_q, w_scale = make_weight(N, K)
+    bias = torch.randn(N)
+    packed, comp = int8_pack_weight(w_q)
+    with fastdl.use_backend(backend):
+        out = int8_linear(x, w_q, w_scale, bias)
+        out_p = int8_linear(x, w_q, w_scale, bias, packed, comp)
+        out_ph = int8_linear(x, torch.zeros((), dtype=torch.int8).expand(N, K), w_scale, bias, packed, comp)
+    assert out.shape == (4, 2, N)
+    assert out[1, 0].isnan().all() and out[2, 1].isnan().all()
+    bad = torch.zeros(4, 2, dtype=torch.bool)
+    bad[1, 0] = bad[2, 1] = True
+    assert torch.isfinite(out[~bad]).all()
+    assert same(out[3, 0], bias)  # zero row: only the bias
+    ref = linear_exact(x, w_q, w_scale, bias)
+    assert same(out, ref) and same(out_p, ref) and same(out_ph, ref)
+
+
+@pytest.mark.parametrize("backend", LIN_BACKENDS)
+def test_int8_linear_empty(backend):
+    w_q, w_scale = make_weight(8, 16)
+    with fastdl.use_backend(backend):
+        assert int8_linear(torch.randn(0, 16), w_q, w_scale).shape == (0, 8)
+        assert int8_linear(torch.randn(2, 0, 16), w_q, w_scale).shape == (2, 0, 8)
+        b = torch.randn(8)
+        out = int8_linear(torch.randn(3, 0), torch.zeros(8, 0, dtype=torch.int8), w_scale, b)
+        assert same(out, b.expand(3, 8).contiguous())
+
+
+# ------------------------------------------------------------------------------------- int8_weight_only_linear
+def weight_only_64(x, w_q, w_scale, bias):
+    out = (x.double() @ w_q.double().t()) * w_scale.double()
+    return out + bias.double() if bias is not None else out
+
+
+@pytest.mark.parametrize("backend", WO_BACKENDS)
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("M,K,N", SHAPES + [(3, 70, 40), (4, 300, 17)])
+def test_weight_only_matches_reference(backend, dtype, M, K, N):
+    x = torch.randn(M, K).to(dtype)
+    w_q, w_scale = make_weight(N, K)
+    bias = torch.randn(N) if N % 2 else None
+    with fastdl.use_backend(backend):
+        out = int8_weight_only_linear(x, w_q, w_scale, bias)
+    assert out.dtype == dtype and out.shape == (M, N)
+    ref = weight_only_64(x, w_q, w_scale, bias)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 1e-3}[dtype]  # output rounding
+    assert rel_err(out, ref) <= tol
+
+
+@pytest.mark.parametrize("backend", WO_BACKENDS)
+def test_weight_only_nan_rows_noncontiguous_empty(backend):
+    K, N = 40, 24
+    x = torch.randn(3, 2 * K)[:, ::2]
+    x[1, 4] = float("nan")
+    w_q, w_scale = make_weight(N, K)
+    with fastdl.use_backend(backend):
+        out = int8_weight_only_linear(x, w_q, w_scale)
+        assert out[1].isnan().all() and torch.isfinite(out[[0, 2]]).all()
+        ref = weight_only_64(x[[0, 2]], w_q, w_scale, None)
+        assert rel_err(out[[0, 2]], ref) <= 1e-5
+        wt = w_q.t().contiguous().t()  # column-major weight
+        assert rel_err(int8_weight_only_linear(x[[0, 2]], wt, w_scale), ref) < 1e-5
+        assert int8_weight_only_linear(torch.randn(0, K), w_q, w_scale).shape == (0, N)
+        b = torch.randn(N)
+        out = int8_weight_only_linear(torch.randn(2, 0), torch.zeros(N, 0, dtype=torch.int8), w_scale, b)
+        assert same(out, b.expand(2, N).contiguous())
+
+
+# ---------------------------------------------------------------------------------------- accuracy, K = 4096
+@pytest.mark.parametrize("backend", LIN_BACKENDS)
+def test_accuracy_gaussian_k4096(backend):
+    """W8A8 within 1.5% of the fp32 layer. Weight-only int8 (per-channel absmax) cannot reach the issue's 0.5% on
+    Gaussian weights: the rounding noise alone is step / sqrt(12) = (max|w| / 127) / sqrt(12) ~ 4.0 sigma / 440 ~ 0.9%
+    of sigma - so the test bounds it by 1.0% and checks that the kernel itself adds nothing (vs the dequantized
+    layer)."""
+    M, K, N = 16, 4096, 64 if backend == "triton" else 256
+    x = torch.randn(M, K)
+    w = torch.randn(N, K) / K**0.5
+    b = torch.randn(N) * 0.1
+    ref = F.linear(x.double(), w.double(), b.double())
+    w_q, w_scale = quantize_per_channel(w)
+    with fastdl.use_backend(backend):
+        w8a8 = int8_linear(x, w_q, w_scale, b)
+        wo = int8_weight_only_linear(x, w_q, w_scale, b)
+    e_w8a8, e_wo = rel_err(w8a8, ref), rel_err(wo, ref)
+    assert e_w8a8 <= 0.015, e_w8a8
+    assert e_wo <= 0.010, e_wo
+    deq = F.linear(x.double(), quant.dequantize(w_q, w_scale).double(), b.double())
+    assert rel_err(wo, deq) <= 1e-5
+    assert e_wo < e_w8a8
+
+
+# ------------------------------------------------------------------------------------------------- bad inputs
+@pytest.mark.parametrize("backend", LIN_BACKENDS)
+def test_bad_inputs_raise_clear_errors(backend):
+    x = torch.randn(4, 8)
+    w_q, w_scale = make_weight(5, 8)
+    err = (ValueError, RuntimeError, TypeError)
+    with fastdl.use_backend(backend):
+        with pytest.raises(err, match="K"):
+            int8_linear(x, rand_int8(5, 7), w_scale)
+        with pytest.raises(err, match="x"):
+            int8_linear(x.to(torch.int32), w_q, w_scale)
+        with pytest.raises(err, match="w_q"):
+            int8_linear(x, w_q.float(), w_scale)
+        with pytest.raises(err, match="w_scale"):
+            int8_linear(x, w_q, torch.rand(4))
+        with pytest.raises(err, match="w_scale"):
+            int8_linear(x, w_q, w_scale.half())
+        with pytest.raises(err, match="bias"):
+            int8_linear(x, w_q, w_scale, torch.randn(6))
+        with pytest.raises(err, match="w_packed|w_comp"):
+            int8_linear(x, w_q, w_scale, None, torch.zeros(16, 4, dtype=torch.int8), torch.zeros(16, dtype=torch.int32))
+        with pytest.raises(err, match="K"):
+            int8_weight_only_linear(x, rand_int8(5, 9), w_scale)
+        with pytest.raises(err, match="K"):
+            int8_mm(rand_int8(4, 8), rand_int8(5, 9), torch.rand(4), torch.rand(5))
+        with pytest.raises(err, match="out_dtype"):
+            int8_mm(rand_int8(4, 8), w_q, torch.rand(4), w_scale, None, torch.float64)
+        with pytest.raises(err, match="a_scale"):
+            int8_mm(rand_int8(4, 8), w_q, torch.rand(3), w_scale)
+        with pytest.raises(err, match="a_q"):
+            int8_mm(x, w_q, torch.rand(4), w_scale)
+    for backend_q in Q_BACKENDS:
+        with fastdl.use_backend(backend_q), pytest.raises(err, match="x"):
+            quantize_per_token(torch.randint(0, 5, (3, 4)))
+    with pytest.raises(err, match="w_q"):
+        int8_pack_weight(torch.randn(4, 4))
+
+
+@requires_cuda
+def test_device_mismatch_raises():
+    w_q, w_scale = make_weight(5, 8)
+    with pytest.raises((ValueError, RuntimeError), match="device"):
+        int8_linear(torch.randn(4, 8), w_q.cuda(), w_scale)
+
+
+# ------------------------------------------------------------------------------------------ autograd, QAT op
+def test_frozen_int8_linear_gradients_flow_to_x_and_bias():
+    K, N = 24, 10
+    w_q, w_scale = make_weight(N, K)
+    for fn in (int8_linear, int8_weight_only_linear):
+        x = torch.randn(3, 5, K, requires_grad=True)
+        b = torch.randn(N, requires_grad=True)
+        g = torch.randn(3, 5, N)
+        fn(x, w_q, w_scale, b).backward(g)
+        deq = w_q.float() * w_scale[:, None]
+        torch.testing.assert_close(x.grad, (g.reshape(-1, N) @ deq).reshape(x.shape), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(b.grad, g.reshape(-1, N).sum(0), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("weight_only", [False, True])
+def test_qat_forward_and_straight_through_backward(weight_only):
+    K, N = 40, 12
+    x = torch.randn(2, 7, K, requires_grad=True)
+    w = torch.randn(N, K, requires_grad=True)
+    b = torch.randn(N, requires_grad=True)
+    out = int8_linear_qat(x, w, b, weight_only)
+    w_q, w_scale = quantize_per_channel(w.detach())
+    fwd = int8_weight_only_linear if weight_only else int8_linear
+    assert same(out.detach(), fwd(x.detach(), w_q, w_scale, b.detach()))
+    g = torch.randn(2, 7, N)
+    out.backward(g)
+    g2, x2 = g.reshape(-1, N), x.detach().reshape(-1, K)
+    torch.testing.assert_close(x.grad, (g2 @ w.detach()).reshape(x.shape), rtol=1e-5, atol=1e-5)  # g @ W
+    torch.testing.assert_close(w.grad, g2.t() @ x2, rtol=1e-5, atol=1e-5)  # g^T @ x
+    torch.testing.assert_close(b.grad, g2.sum(0), rtol=1e-5, atol=1e-5)
+
+
+def test_qat_autocast_bf16_keeps_fp32_master_grads():
+    x = torch.randn(16, 32)
+    w = torch.randn(8, 32, requires_grad=True)
+    b = torch.randn(8, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = int8_linear_qat(x, w, b)
+    assert out.dtype == torch.bfloat16
+    out.float().square().sum().backward()
+    assert w.grad.dtype == torch.float32 and b.grad.dtype == torch.float32 and torch.isfinite(w.grad).all()
+
+
+# --------------------------------------------------------------------------------------- opcheck and compile
+@pytest.mark.parametrize("backend", NOT_TRITON)
+def test_opcheck_every_op(backend):
+    M, K, N = 5, 36, 18
+    x = torch.randn(M, K)
+    w_q, w_scale = make_weight(N, K)
+    packed, comp = int8_pack_weight(w_q)
+    a = rand_int8(M, K)
+    sa = torch.rand(M)
+    bias = torch.randn(N)
+    ops = torch.ops.fastdl
+    with fastdl.use_backend(backend):
+        torch.library.opcheck(ops.quantize_per_token.default, (x,))
+        torch.library.opcheck(ops.quantize_per_token.default, (torch.randn(2, 3, K).bfloat16(),))
+        torch.library.opcheck(ops.int8_pack_weight.default, (w_q,))
+        for od in (torch.int32, torch.float32, torch.bfloat16):
+            torch.library.opcheck(ops.int8_mm.default, (a, w_q, sa, w_scale, bias, od, None, None))
+        torch.library.opcheck(ops.int8_mm.default, (a, w_q, sa, w_scale, None, torch.float16, packed, comp))
+        xg, bg = x.clone().requires_grad_(), bias.clone().requires_grad_()
+        torch.library.opcheck(ops.int8_linear.default, (xg, w_q, w_scale, bg, None, None))
+        torch.library.opcheck(ops.int8_linear.default, (x.bfloat16(), w_q, w_scale, None, packed, comp))
+        torch.library.opcheck(ops.int8_weight_only_linear.default, (xg, w_q, w_scale, bg))
+    # the composite QAT op (its backward is fused_linear_backward, served by whichever backend has it)
+    wg = torch.randn(N, K, requires_grad=True)
+    torch.library.opcheck(ops.int8_linear_qat.default, (xg, wg, bg, False))
+    torch.library.opcheck(ops.int8_linear_qat.default, (xg, wg, None, True))
+
+
+def test_compile_fullgraph_ops():
+    def f(x, w):
+        w_q, w_scale = quantize_per_channel(w)
+        q, s = quantize_per_token(x)
+        packed, comp = int8_pack_weight(w_q)
+        y1 = int8_mm(q, w_q, s, w_scale, None, torch.float32, packed, comp)
+        y2 = int8_linear(x, w_q, w_scale, None, packed, comp)
+        y3 = int8_weight_only_linear(x, w_q, w_scale)
+        return y1 + y2 + y3
+
+    x, w = torch.randn(6, 40), torch.randn(24, 40)
+    out = torch.compile(f, fullgraph=True, backend="aot_eager")(x, w)
+    assert same(out, f(x, w))
+
+
+def test_compile_fullgraph_modules_inference_and_qat():
+    torch.manual_seed(0)
+    float_model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16))
+    model = quant.quantize_model(copy.deepcopy(float_model)).eval()
+    model[2] = Int8Linear.from_linear(float_model[2], mode="weight_only")
+    x = torch.randn(8, 32)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    assert same(compiled(x), model(x))
+
+    qat = quant.quantize_model(copy.deepcopy(float_model), trainable=True)
+    ref = copy.deepcopy(qat)
+    xg = x.clone().requires_grad_()
+    out = torch.compile(qat, fullgraph=True, backend="aot_eager")(xg)
+    out.square().sum().backward()
+    ref(x).square().sum().backward()
+    for p, q in zip(qat.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-5)
+    assert xg.grad is not None
+
+
+@pytest.mark.slow
+def test_compile_inductor_module():
+    m = Int8Linear.from_linear(nn.Linear(48, 20)).eval()
+    x = torch.randn(5, 48)
+    assert same(torch.compile(m, fullgraph=True)(x), m(x))
+
+
+# ---------------------------------------------------------------------------------------------------- module
+@pytest.mark.parametrize("mode", ["dynamic", "weight_only"])
+def test_module_from_linear_to_linear(mode):
+    lin = nn.Linear(256, 96)
+    m = Int8Linear.from_linear(lin, mode=mode).eval()
+    x = torch.randn(10, 256)
+    assert rel_err(m(x), lin(x)) <= (0.015 if mode == "dynamic" else 0.01)
+    fn = int8_linear if mode == "dynamic" else int8_weight_only_linear
+    w_q, w_scale = quantize_per_channel(lin.weight.detach())
+    assert same(m(x), fn(x, w_q, w_scale, lin.bias.detach()))
+    back = m.to_linear()
+    assert isinstance(back, nn.Linear) and back.weight.dtype == torch.float32
+    torch.testing.assert_close(back.weight, quant.dequantize(w_q, w_scale))
+    assert rel_err(back(x), lin(x)) <= 0.01
+    assert "mode=" in repr(m)
+    with pytest.raises(ValueError, match="mode"):
+        Int8Linear(4, 4, mode="int4")
+    with pytest.raises(TypeError, match="nn.Linear"):
+        Int8Linear.from_linear(nn.Conv1d(3, 3, 1))
+    assert m(x.bfloat16()).dtype == torch.bfloat16
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert m(x).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("mode", ["dynamic", "weight_only"])
+def test_module_state_dict_round_trip(mode):
+    lin = nn.Linear(40, 24)
+    m = Int8Linear.from_linear(lin, mode=mode)
+    sd = m.state_dict()
+    assert set(sd) == {"weight", "weight_scale", "bias", "_extra_state"}
+    assert sd["weight"].dtype == torch.int8 and sd["weight"].shape == (24, 40)
+    assert sd["weight_scale"].dtype == torch.float32 and sd["weight_scale"].shape == (24,)
+    assert sd["_extra_state"]["version"] == FORMAT_VERSION and sd["_extra_state"]["mode"] == mode
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=True)
+    fresh = Int8Linear(40, 24, mode=mode)
+    fresh.load_state_dict(loaded)
+    x = torch.randn(3, 40)
+    assert same(fresh(x), m(x))
+    other_mode = Int8Linear(40, 24, mode="weight_only" if mode == "dynamic" else "dynamic")
+    other_mode.load_state_dict(loaded)  # the int8 weights do not depend on the mode
+    assert torch.equal(other_mode.qweight, m.qweight)
+    from_float = Int8Linear(40, 24, mode=mode)
+    from_float.load_state_dict(lin.state_dict())  # a plain nn.Linear checkpoint: quantized on load
+    assert same(from_float(x), m(x))
+    no_bias = Int8Linear(40, 24, bias=False, mode=mode)
+    with pytest.raises(RuntimeError, match="bias"):
+        no_bias.load_state_dict(loaded)
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        Int8Linear(41, 24).load_state_dict(loaded)
+    newer = dict(loaded)
+    newer["_extra_state"] = {**loaded["_extra_state"], "version": FORMAT_VERSION + 1}
+    with pytest.raises(RuntimeError, match="newer"):
+        Int8Linear(40, 24, mode=mode).load_state_dict(newer)
+    missing = {k: v for k, v in loaded.items() if k != "weight_scale"}
+    with pytest.raises(RuntimeError, match="weight_scale"):
+        Int8Linear(40, 24, mode=mode).load_state_dict(missing)
+
+
+def test_module_packed_cpu_weight_held_once(monkeypatch):
+    """With a CPU kernel that reads the VNNI layout, a dynamic layer holds only the packed weight (made at
+    construction/load/move, not per call); results, state_dict, deepcopy and dtype moves are unchanged."""
+    monkeypatch.setattr(nn_int8, "_cpu_packing_available", lambda: True)
+    lin = nn.Linear(70, 33)
+    m = Int8Linear.from_linear(lin)
+    assert m.weight is None and m.weight_packed is not None and m.weight_packed.shape == (48, 72)
+    monkeypatch.setattr(nn_int8, "_cpu_packing_available", lambda: False)
+    plain = Int8Linear.from_linear(lin)
+    assert plain.weight is not None and plain.weight_packed is None
+    monkeypatch.setattr(nn_int8, "_cpu_packing_available", lambda: True)
+    x = torch.randn(4, 70)
+    assert same(m(x), plain(x))
+    calls = []
+    monkeypatch.setattr(int8_ops, "int8_pack_weight_op", lambda *a: calls.append(1) or int8_ops.pack_reference(*a))
+    for _ in range(3):
+        m(x)
+    assert not calls  # never per call
+    assert torch.equal(m.state_dict()["weight"], plain.state_dict()["weight"])
+    assert "weight_packed" not in m.state_dict()
+    assert same(copy.deepcopy(m)(x), m(x))
+    loaded = Int8Linear(70, 33)
+    loaded.load_state_dict(plain.state_dict())
+    assert loaded.weight is None and same(loaded(x), m(x))
+    m.half()
+    assert m.weight_scale.dtype == torch.float32 and m.weight_packed is not None
+    assert same(m(x), int8_linear(x, plain.weight, plain.weight_scale, lin.bias.detach().half()))
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_module_memory_at_most_027_of_fp32(monkeypatch, packed):
+    monkeypatch.setattr(nn_int8, "_cpu_packing_available", lambda: packed)
+    lin = nn.Linear(1024, 1000)
+    fp32_bytes = sum(p.numel() * p.element_size() for p in lin.parameters())
+    for mode in ("dynamic", "weight_only"):
+        m = Int8Linear.from_linear(lin, mode=mode)
+        assert m.memory_bytes() <= 0.27 * fp32_bytes, m.memory_bytes() / fp32_bytes
+        held = sum(t.numel() * t.element_size() for t in list(m.parameters()) + list(m.buffers()))
+        assert held <= 0.27 * fp32_bytes
+        assert (m.weight_packed is not None) == (packed and mode == "dynamic")
+
+
+def test_quantize_model_and_freeze():
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Sequential(nn.Linear(32, 8), nn.Linear(8, 2)))
+    x = torch.randn(4, 16)
+    ref = model(x)
+    q = quant.quantize_model(copy.deepcopy(model), filter_fn=lambda name, lin: name != "2.1")
+    assert isinstance(q[0], Int8Linear) and isinstance(q[2][0], Int8Linear) and type(q[2][1]) is nn.Linear
+    assert rel_err(q(x), ref) < 0.03
+    t = quant.quantize_model(copy.deepcopy(model), trainable=True).eval()
+    frozen = quant.freeze_model(copy.deepcopy(t))
+    assert all(not m.trainable for m in frozen.modules() if isinstance(m, Int8Linear))
+    assert same(frozen(x), t(x))
+    assert isinstance(quant.quantize_model(nn.Linear(3, 4)), Int8Linear)
+
+
+def test_trainable_module_checkpoints_interchange():
+    lin = nn.Linear(30, 20)
+    t = Int8Linear.from_linear(lin, trainable=True)
+    sd = t.state_dict()
+    assert set(sd) == {"weight", "bias", "_extra_state"} and sd["weight"].dtype == torch.float32
+    assert sd["_extra_state"]["trainable"] is True
+    inf = Int8Linear(30, 20)
+    inf.load_state_dict(sd)  # master weights are quantized on load
+    x = torch.randn(5, 30)
+    assert same(inf(x), t.eval()(x))
+    t2 = Int8Linear(30, 20, trainable=True)
+    t2.load_state_dict(inf.state_dict())  # int8 -> dequantized master weight
+    torch.testing.assert_close(t2.weight, quant.dequantize(inf.qweight, inf.weight_scale))
+    assert same(t2.eval()(x), inf(x))
+
+
+def test_trainable_module_trains_then_serves_int8():
+    torch.manual_seed(0)
+    teacher = nn.Linear(16, 4)
+    m = Int8Linear(16, 4, trainable=True)
+    x = torch.randn(256, 16)
+    y = teacher(x).detach()
+    opt = torch.optim.Adam(m.parameters(), lr=0.05)
+    with torch.no_grad():
+        before = F.mse_loss(m.eval()(x), y).item()
+    m.train()
+    for _ in range(60):
+        opt.zero_grad()
+        F.mse_loss(m(x), y).backward()
+        opt.step()
+    m.eval()
+    after = F.mse_loss(m(x), y).item()
+    assert after < 0.1 * before
+    w_q, w_scale = quantize_per_channel(m.weight.detach())
+    assert same(m(x), int8_linear(x, w_q, w_scale, m.bias.detach()))  # eval = int8 inference of the master weights
+    with torch.no_grad():
+        m.weight.mul_(0.5)  # an update made in eval mode is noticed (outside torch.compile)
+    w_q, w_scale = quantize_per_channel(m.weight.detach())
+    assert same(m(x), int8_linear(x, w_q, w_scale, m.bias.detach()))
+
+
+# ---------------------------------------------------------------------------------------------------- DDP QAT
+def _qat_ddp_worker(rank, world, port, result_dir):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    data = torch.randn(128, 12, generator=g)
+    target = torch.tanh(data @ torch.randn(12, 3, generator=g))
+    model = quant.quantize_model(nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 3)), trainable=True)
+    with torch.no_grad():
+        before = F.mse_loss(model.eval()(data), target).item()
+    model.train()
+    ddp = DDP(model)
+    opt = torch.optim.Adam(ddp.parameters(), lr=0.02)
+    shard = slice(rank * 64, (rank + 1) * 64)
+    for _ in range(40):
+        opt.zero_grad()
+        F.mse_loss(ddp(data[shard]), target[shard]).backward()
+        opt.step()
+    model.eval()
+    with torch.no_grad():
+        after = F.mse_loss(model(data), target).item()
+    state = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    torch.save({"state": state, "before": before, "after": after}, os.path.join(result_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_qat_ddp_two_processes_gloo():
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_qat_ddp_worker, args=(2, port, d), nprocs=2, join=True)
+        r0 = torch.load(os.path.join(d, "rank0.pt"))
+        r1 = torch.load(os.path.join(d, "rank1.pt"))
+    assert set(r0["state"]) == set(r1["state"]) and r0["state"]
+    for k in r0["state"]:
+        assert torch.equal(r0["state"][k], r1["state"][k]), k
+    assert r0["after"] == r1["after"]
+    assert r0["after"] < 0.5 * r0["before"], (r0["before"], r0["after"])
+
+
+# ---------------------------------------------------------------------------------------------------- CUDA
+def cuda_backends(op):
+    return [b for b in ("triton", "cpp", "torch") if backends.available(b, op, "cuda")[0]]
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_cuda_quantize_bit_exact_every_backend(dtype):
+    x = (torch.randn(300, 4100) * 2).to(dtype)
+    x[3, 7] = float("nan")
+    x[5] = 0
+    for shape in ((300, 4100), (64, 512), (7, 33), (1, 4096)):
+        xs = x[: shape[0], : shape[1]]
+        ref_q, ref_s = quant_np(xs)
+        for backend in cuda_backends("quantize_per_token"):
+            with fastdl.use_backend(backend):
+                q, s = quantize_per_token(xs.cuda())
+                q2, s2 = quantize_per_token(xs.cuda().t().contiguous().t())  # strided: last dim not contiguous
+                q3, s3 = quantize_per_token(x.cuda()[: shape[0], : shape[1]])  # strided rows
+            for qq, ss in ((q, s), (q2, s2), (q3, s3)):
+                assert same(qq.cpu(), ref_q) and same(ss.cpu(), ref_s), (backend, shape)
+
+
+@requires_cuda
+@pytest.mark.parametrize("M", [1, 5, 17, 64, 65, 300])
+def test_cuda_gemms_every_backend(M):
+    K, N = 4096, 1000
+    x = torch.randn(M, K)
+    if M > 2:
+        x[0, 5] = float("nan")
+    w_q, w_scale = make_weight(N, K)
+    bias = torch.randn(N)
+    a = rand_int8(M, K)
+    sa = torch.rand(M)
+    acc_ref = (a.double() @ w_q.double().t()).to(torch.int32)
+    xc, wc, sc, bc, ac, sac = (t.cuda() for t in (x, w_q, w_scale, bias, a, sa))
+    for backend in cuda_backends("int8_linear"):
+        with fastdl.use_backend(backend):
+            assert torch.equal(int8_mm(ac, wc, sac, sc, None, torch.int32).cpu(), acc_ref), backend
+            out = int8_mm(ac, wc, sac, sc, bc, torch.float32).cpu()
+            assert same(out, dequant(acc_ref, sa, w_scale, bias, torch.float32)), backend
+            for dtype in FLOATS:
+                y = int8_linear(xc.to(dtype), wc, sc, bc).cpu()
+                assert same(y, linear_exact(x.to(dtype), w_q, w_scale, bias)), (backend, dtype)
+                wo = int8_weight_only_linear(xc.to(dtype), wc, sc, bc).cpu()
+                ok_rows = torch.isfinite(wo).all(1)
+                ref = weight_only_64(x.to(dtype), w_q, w_scale, bias)
+                tol = {torch.float32: 2e-3, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]  # TF32 allowed
+                assert rel_err(wo[ok_rows], ref[ok_rows]) <= tol, (backend, dtype)
+
+
+@requires_cuda
+def test_cuda_module_same_checkpoint_and_compile():
+    lin = nn.Linear(512, 256)
+    cpu = Int8Linear.from_linear(lin)
+    sd = cpu.state_dict()
+    gpu = Int8Linear(512, 256, device="cuda")
+    gpu.load_state_dict(sd)
+    x = torch.randn(33, 512)
+    assert same(gpu(x.cuda()).cpu(), cpu(x))
+    moved = copy.deepcopy(cpu).cuda()
+    assert same(moved(x.cuda()).cpu(), cpu(x))
+    assert torch.equal(moved.cpu().state_dict()["weight"], sd["weight"])
+    assert same(torch.compile(gpu, fullgraph=True)(x.cuda()).cpu(), cpu(x))
+    qat = Int8Linear.from_linear(lin, trainable=True).cuda()
+    qat(x.cuda().bfloat16()).float().sum().backward()
+    assert qat.weight.grad is not None and qat.weight.grad.dtype == torch.float32
