@@ -51,7 +51,11 @@ def _extensions():
         )
     else:
         ext = CppExtension(
-            "fastdl._C", rel, include_dirs=cfg.include_dirs, extra_compile_args={"cxx": cfg.cxx_flags}
+            "fastdl._C",
+            rel,
+            include_dirs=cfg.include_dirs,
+            extra_compile_args={"cxx": cfg.cxx_flags},
+            extra_link_args=cfg.ldflags,
         )
     print(f"fastdl setup: compiling {len(rel)} source file(s), CUDA: {'yes' if cfg.with_cuda else 'no'}")
     return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}

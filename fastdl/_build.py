@@ -25,7 +25,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CSRC = os.path.join(ROOT, "csrc")
 DEFAULT_ARCHS = "8.0;9.0a"
 
-CXX_FLAGS = ["-O3", "-fvisibility=hidden"]  # the C++ standard is the one torch asks for (C++20 in 2.14)
+# The C++ standard is the one torch asks for (C++20 in 2.14). -fopenmp is required: ATen's at::parallel_for is
+# inline header code that runs serially in a translation unit compiled without OpenMP.
+CXX_FLAGS = ["-O3", "-fvisibility=hidden", "-fopenmp"]
+LD_FLAGS = ["-fopenmp"]
 NVCC_FLAGS = ["-O3", "--expt-relaxed-constexpr", "-lineinfo"]
 
 
@@ -165,6 +168,7 @@ def build_config(jit: bool = False) -> BuildConfig:
 
     cfg.sources = cpp_sources()
     cfg.cxx_flags = list(CXX_FLAGS)
+    cfg.ldflags = list(LD_FLAGS)
     cfg.include_dirs = [CSRC]
     if _truthy("FASTDL_NO_CUDA"):
         cfg.notes.append("FASTDL_NO_CUDA=1: skipping the CUDA sources (csrc/cuda/*.cu)")
@@ -188,7 +192,7 @@ def build_config(jit: bool = False) -> BuildConfig:
     cfg.cxx_flags.append("-DFASTDL_WITH_CUDA")
     cfg.nvcc_flags = NVCC_FLAGS + ["-DFASTDL_WITH_CUDA"] + gencode
     cfg.include_dirs += incs
-    cfg.ldflags = _cublaslt_link_flags(libs, cuda_home)
+    cfg.ldflags += _cublaslt_link_flags(libs, cuda_home)
     cfg.notes.append(f"CUDA sources: {len(cu)} file(s) for {archs} with {cuda_home}/bin/nvcc")
     return cfg
 

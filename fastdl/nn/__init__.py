@@ -2,5 +2,6 @@
 
 from .fused_linear import FusedLinear
 from .int8 import Int8Linear
+from .sparse24 import Sparse24Linear
 
-__all__ = ["FusedLinear", "Int8Linear"]
+__all__ = ["FusedLinear", "Int8Linear", "Sparse24Linear"]

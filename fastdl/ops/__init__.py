@@ -15,16 +15,23 @@ from .int8 import (
     quantize_per_channel,
     quantize_per_token,
 )
+from .sparse24 import compress_2_4, decompress_2_4, mask_2_4, pack_mask, sparse24_linear, unpack_meta
 
 __all__ = [
     "ACTIVATIONS",
     "SCHEMAS",
+    "compress_2_4",
+    "decompress_2_4",
     "fused_linear",
     "int8_linear",
     "int8_linear_qat",
     "int8_mm",
     "int8_pack_weight",
     "int8_weight_only_linear",
+    "mask_2_4",
+    "pack_mask",
     "quantize_per_channel",
     "quantize_per_token",
+    "sparse24_linear",
+    "unpack_meta",
 ]

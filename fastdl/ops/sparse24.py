@@ -177,6 +177,8 @@ def _mask_reference(w):
 
 def _cpp_weight_supports(backend: str, args) -> str | None:
     w = args[0]
+    if not w.is_floating_point():
+        return None  # not a backend question: every backend rejects it with the same message
     if backend == "cpp" and w.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return f"the C++ kernels take float32/bfloat16/float16 weights, not {w.dtype}"
     if backend == "triton" and w.dtype == torch.float64:
@@ -239,8 +241,22 @@ def _decompress_reference(values, meta):
     return out
 
 
+def _decompress_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(inputs[1])
+    ctx.half = inputs[0].shape[1]
+
+
+def _decompress_backward(ctx, grad):
+    (meta,) = ctx.saved_tensors
+    N, K = grad.shape
+    keep = unpack_meta(meta, K)  # the gradient of each kept value is the dense gradient at its position
+    return grad[keep].reshape(N, ctx.half), None
+
+
 def _cpp_compressed_supports(backend: str, args) -> str | None:
     values = args[0]
+    if not values.is_floating_point():
+        return None
     if backend == "cpp" and values.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return f"the C++ kernels take float32/bfloat16/float16 values, not {values.dtype}"
     return None
@@ -256,6 +272,9 @@ decompress_2_4_op = define(
 )
 
 
+torch.library.register_autograd("fastdl::decompress_2_4", _decompress_backward, setup_context=_decompress_setup_context)
+
+
 # ------------------------------------------------------------------------------------------------ sparse24_linear
 def _linear_fake(x, values, meta, bias):
     N, _ = check_linear(x, values, meta, bias)
@@ -264,6 +283,10 @@ def _linear_fake(x, values, meta, bias):
 
 def _linear_reference(x, values, meta, bias):
     N, K = check_linear(x, values, meta, bias)
+    if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16):
+        # cuBLAS accumulates 16-bit GEMMs in fp32 already; an fp32 copy of x and W would only cost time
+        w = _decompress_reference(values, meta).to(x.dtype)
+        return torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype)).contiguous()
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     w = _decompress_reference(values, meta).to(x.dtype).to(acc)
     out = torch.matmul(x.to(acc), w.t())
@@ -274,6 +297,8 @@ def _linear_reference(x, values, meta, bias):
 
 def _linear_supports(backend: str, args) -> str | None:
     x, values = args[0], args[1]
+    if not (x.is_floating_point() and values.is_floating_point()):
+        return None
     if backend == "cpp" and x.device.type == "cpu":
         if x.dtype not in (torch.float32, torch.bfloat16):
             return f"the C++ CPU kernel takes float32/bfloat16 x, not {x.dtype}"

@@ -1,0 +1,425 @@
+"""``Sparse24Linear``: an ``nn.Linear`` whose weight is stored 2:4-compressed (values + 4-bit position masks).
+
+The weight ``W [out, in]`` keeps 2 of every 4 consecutive input weights; the module holds only the kept values
+(``values [out, in/2]``) and the metadata (``meta uint8 [out, ceil(in/8)]``, see ``fastdl.ops.sparse24``): 0.5625x
+the bytes of the dense layer in the same dtype. ``forward`` runs one of three paths and says which
+(``module.path_for(x)``, ``module.last_path``, ``repr``):
+
+``sparse``  ``fastdl.ops.sparse24_linear``: the CPU kernel reads only the compressed weight (2 Zen 5 cores,
+            K = 4096: ~4x dense bf16 ``F.linear`` at M = 1, ~1.7x at M = 16, ~1.15x at M = 128);
+``dense``   ``F.linear`` on the dense weight decompressed from the same values/meta, once, cached (not saved): large
+            batches are compute-bound and the sparse kernel does the multiply-adds of the dense GEMM, so the dense
+            GEMM (oneDNN / cuBLAS) is as fast or faster there;
+``semi``    CUDA: PyTorch's semi-structured sparse GEMM (``torch.sparse.to_sparse_semi_structured``: cuSPARSELt, or
+            CUTLASS where cuSPARSELt is missing), built once from the decompressed weight and cached. Needs compute
+            capability >= 8.0, fp16/bf16 (fp32 with CUTLASS), and shapes that are multiples of the backend's tile.
+            Inference only: while the values need gradients the module uses the dense path (decompressed per call,
+            differentiable) instead of the caches.
+
+``mode="auto"`` (default) chooses per call by the number of rows M of x: CPU: ``sparse`` below ``dense_threshold``
+(default 256; the two meet around M = 512 on the development machine), else ``dense``; CUDA: ``semi`` from
+``semi_min_rows`` (default 1024; cuSPARSELt pads small batches and loses to cuBLAS there) when supported, else
+``dense``. ``mode="sparse"`` / ``"dense"`` force a path (``sparse`` on CUDA means ``semi`` when supported, else
+the fastdl op). Under ``torch.compile`` no cache is built inside the graph: call ``prepare(x_example)`` first (or
+the dense path decompresses per call).
+
+State dict: ``values``, ``meta``, ``bias`` and an extra state ``{"format": "fastdl.sparse24", "version": 1, ...}``
+(plain ints/strings: ``torch.load(weights_only=True)`` works). A plain ``nn.Linear`` checkpoint (``weight``) loads
+too: it is pruned to 2:4 by magnitude and compressed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..ops import sparse24 as sp_ops
+from ..ops.fused_linear import activation_fn, check_activation
+
+FORMAT = "fastdl.sparse24"
+FORMAT_VERSION = 1
+PATHS = ("sparse", "dense", "semi")
+MODES = ("auto", "sparse", "dense")
+
+# CPU: below this many rows the sparse kernel beats dense bf16 F.linear. Measured on the 2-core Zen 5 dev machine,
+# K = 4096, N = 4096 / 11008, 2 threads: M = 1 3.8-4.6x, M = 16 1.7-1.8x, M = 128 1.12-1.18x, M = 512 1.00x.
+DEFAULT_DENSE_THRESHOLD = 256
+# CUDA: cuSPARSELt / CUTLASS 2:4 GEMMs beat cuBLAS only on large batches (small M is padded to the tile).
+DEFAULT_SEMI_MIN_ROWS = 1024
+
+
+def semi_structured_support(weight_shape, dtype: torch.dtype, device: torch.device) -> tuple[type | None, str]:
+    """Which ``SparseSemiStructuredTensor`` class can hold a ``[out, in]`` weight of ``dtype`` on ``device``.
+
+    Returns (class, "") or (None, reason). cuSPARSELt when available (fp16/bf16/int8), else CUTLASS.
+    """
+    if device.type != "cuda":
+        return None, f"the semi-structured path is CUDA-only (device {device})"
+    try:
+        from torch.sparse import (
+            SparseSemiStructuredTensor,
+            SparseSemiStructuredTensorCUSPARSELT,
+            SparseSemiStructuredTensorCUTLASS,
+        )
+    except ImportError as exc:  # very old torch
+        return None, f"torch.sparse has no semi-structured support ({exc})"
+    if not torch.cuda.is_available():
+        return None, "CUDA is not available"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 8:
+        return None, f"compute capability {major}.{minor} < 8.0 (2:4 sparse tensor cores need Ampere or newer)"
+    use_cutlass = bool(getattr(SparseSemiStructuredTensor, "_FORCE_CUTLASS", False))
+    if not use_cutlass:
+        try:
+            use_cutlass = not torch.backends.cusparselt.is_available()
+        except AttributeError:
+            use_cutlass = True
+    cls = SparseSemiStructuredTensorCUTLASS if use_cutlass else SparseSemiStructuredTensorCUSPARSELT
+    constraints = getattr(cls, "_DTYPE_SHAPE_CONSTRAINTS", {})
+    if dtype not in constraints:
+        return None, f"{cls.__name__} does not take {dtype} (takes {', '.join(map(str, constraints))})"
+    c = constraints[dtype]
+    rows, cols = weight_shape
+    if rows < c.sparse_min_rows or rows % c.sparse_min_rows or cols < c.sparse_min_cols or cols % c.sparse_min_cols:
+        return None, (
+            f"{cls.__name__} needs out_features and in_features to be multiples of ({c.sparse_min_rows}, "
+            f"{c.sparse_min_cols}) for {dtype}, got ({rows}, {cols})"
+        )
+    return cls, ""
+
+
+class Sparse24Linear(nn.Module):
+    """Drop-in for ``nn.Linear(in_features, out_features, bias)`` with a 2:4-compressed weight. An inference
+    module by default; with ``trainable=True`` the values and bias train (the sparsity pattern is fixed by ``meta``).
+
+    Build it with ``Sparse24Linear.from_linear(linear)`` (prunes by magnitude unless the weight is already 2:4) or
+    ``fastdl.sparsity.sparsify(model)``; ``to_linear()`` gives the dense ``nn.Linear`` back. ``activation`` (as in
+    ``FusedLinear``) and ``forward(x, residual=None)`` make it a drop-in for ``FusedLinear`` too.
+    """
+
+    __constants__ = ["in_features", "out_features", "activation"]
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device=None,
+        dtype=None,
+        *,
+        activation: str = "none",
+        mode: str = "auto",
+        dense_threshold: int = DEFAULT_DENSE_THRESHOLD,
+        semi_min_rows: int = DEFAULT_SEMI_MIN_ROWS,
+        trainable: bool = False,
+    ) -> None:
+        super().__init__()
+        if in_features % 4:
+            raise ValueError(
+                f"Sparse24Linear: in_features = {in_features} is not a multiple of 4 (2:4 groups run along the "
+                "input features)"
+            )
+        check_activation(activation)
+        if mode not in MODES:
+            raise ValueError(f"Sparse24Linear: mode must be one of {', '.join(MODES)}, got {mode!r}")
+        factory = {"device": device, "dtype": dtype}
+        self.in_features, self.out_features, self.activation = in_features, out_features, activation
+        self.mode, self.dense_threshold, self.semi_min_rows = mode, int(dense_threshold), int(semi_min_rows)
+        # Default initialisation: nn.Linear's, pruned to 2:4 (so a fresh module is usable as is).
+        w = torch.empty((out_features, in_features), **factory)
+        nn.init.kaiming_uniform_(w, a=math.sqrt(5))
+        values, meta = sp_ops.compress_2_4(w)
+        self.values = nn.Parameter(values, requires_grad=trainable)
+        self.register_buffer("meta", meta)
+        if bias:
+            bound = 1 / math.sqrt(in_features) if in_features > 0 else 0
+            self.bias = nn.Parameter(torch.empty(out_features, **factory).uniform_(-bound, bound),
+                                     requires_grad=trainable)
+        else:
+            self.register_parameter("bias", None)
+        self.register_buffer("input_permutation", None)
+        self._reset_caches()
+        self.last_path: str | None = None
+
+    # ------------------------------------------------------------------------------------------ conversion
+    @classmethod
+    def from_linear(cls, linear: nn.Module, *, dtype: torch.dtype | None = None, trainable: bool = False,
+                    **kwargs) -> Sparse24Linear:
+        """Compress an ``nn.Linear`` (or ``fastdl.nn.FusedLinear``, whose activation is kept).
+
+        The mask is chosen on the weight as it is (``mask_2_4``: for a weight pruned by ``fastdl.sparsity.prune``
+        it keeps exactly the non-zeros) and the kept values are then cast to ``dtype`` (default: the weight's).
+        ``trainable=True`` makes the values and bias require gradients (fine-tuning with the pattern fixed);
+        by default the module is an inference module (its parameters do not require gradients).
+        """
+        weight = getattr(linear, "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            raise TypeError(f"Sparse24Linear.from_linear expects an nn.Linear-like module, got {type(linear).__name__}")
+        out_features, in_features = weight.shape
+        kwargs.setdefault("activation", getattr(linear, "activation", "none"))
+        mod = cls.__new__(cls)
+        nn.Module.__init__(mod)
+        check_activation(kwargs["activation"])
+        mode = kwargs.get("mode", "auto")
+        if mode not in MODES:
+            raise ValueError(f"Sparse24Linear: mode must be one of {', '.join(MODES)}, got {mode!r}")
+        mod.in_features, mod.out_features, mod.activation = in_features, out_features, kwargs["activation"]
+        mod.mode = mode
+        mod.dense_threshold = int(kwargs.get("dense_threshold", DEFAULT_DENSE_THRESHOLD))
+        mod.semi_min_rows = int(kwargs.get("semi_min_rows", DEFAULT_SEMI_MIN_ROWS))
+        if in_features % 4:
+            raise ValueError(
+                f"Sparse24Linear.from_linear: in_features = {in_features} is not a multiple of 4; leave this layer "
+                "dense (fastdl.sparsity.prune skips such layers)"
+            )
+        with torch.no_grad():
+            values, meta = sp_ops.compress_2_4(weight.detach())
+            if dtype is not None:
+                values = values.to(dtype)
+        mod.values = nn.Parameter(values, requires_grad=trainable)
+        mod.register_buffer("meta", meta)
+        bias = getattr(linear, "bias", None)
+        if bias is not None:
+            mod.bias = nn.Parameter(bias.detach().clone().to(dtype or bias.dtype), requires_grad=trainable)
+        else:
+            mod.register_parameter("bias", None)
+        perm = getattr(linear, "input_permutation", None)
+        mod.register_buffer("input_permutation", perm.clone() if isinstance(perm, torch.Tensor) else None)
+        mod._reset_caches()
+        mod.last_path = None
+        return mod
+
+    def dense_weight(self) -> torch.Tensor:
+        """The dense ``[out, in]`` weight (zeros at pruned positions), in the values' dtype."""
+        return sp_ops.decompress_2_4(self.values.detach(), self.meta)
+
+    def to_linear(self) -> nn.Module:
+        """The dense ``nn.Linear`` (``nn.Sequential(Linear, activation)`` when an activation is fused)."""
+        from .fused_linear import activation_module
+
+        lin = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
+        w = self.dense_weight()
+        if self.input_permutation is not None:  # undo it: the dense layer takes the inputs in their own order
+            w = torch.empty_like(w).index_copy_(1, self.input_permutation, w)
+        lin.weight = nn.Parameter(w.clone())
+        if self.bias is not None:
+            lin.bias = nn.Parameter(self.bias.detach().clone())
+        act = activation_module(self.activation)
+        return lin if act is None else nn.Sequential(lin, act)
+
+    # ------------------------------------------------------------------------------------------ caches
+    def _reset_caches(self) -> None:
+        self._dense_cache: torch.Tensor | None = None
+        self._semi_cache = None
+        self._semi_reason: str | None = None
+        self._support: dict = {}
+        self._cache_key = None
+
+    def _apply(self, fn, recurse=True):  # .to() / .cuda() / .half(): caches belong to the old tensors
+        self._reset_caches()
+        return super()._apply(fn, recurse)
+
+    def _key(self):
+        return (self.values.data_ptr(), self.values._version, self.meta.data_ptr(), self.meta._version)
+
+    def _check_cache(self) -> None:
+        if self._cache_key != self._key():
+            self._reset_caches()
+            self._cache_key = self._key()
+
+    def release_caches(self) -> None:
+        """Drop the cached dense / semi-structured weights (they are rebuilt on demand)."""
+        self._reset_caches()
+
+    def cache_bytes(self) -> int:
+        """Bytes held by the caches (not part of the state dict)."""
+        n = 0
+        if self._dense_cache is not None:
+            n += self._dense_cache.numel() * self._dense_cache.element_size()
+        if self._semi_cache is not None:
+            n += sum(t.numel() * t.element_size() for t in _semi_tensors(self._semi_cache))
+        return n
+
+    def weight_bytes(self) -> int:
+        """Bytes of the compressed weight, metadata and bias (what the state dict holds)."""
+        n = self.values.numel() * self.values.element_size() + self.meta.numel()
+        if self.bias is not None:
+            n += self.bias.numel() * self.bias.element_size()
+        return n
+
+    def _semi_support(self, dtype: torch.dtype) -> tuple[type | None, str]:
+        if dtype not in self._support:
+            if torch.compiler.is_compiling():  # decided eagerly (prepare() or a first eager call), never in a graph
+                return None, "not prepared before torch.compile (call module.prepare(x))"
+            self._support[dtype] = semi_structured_support(
+                (self.out_features, self.in_features), dtype, self.values.device
+            )
+        return self._support[dtype]
+
+    def semi_structured_reason(self, dtype: torch.dtype | None = None) -> str | None:
+        """None when the CUDA semi-structured path can serve ``dtype`` here, else why not."""
+        cls, why = self._semi_support(dtype or self.values.dtype)
+        return why if cls is None else self._semi_reason
+
+    def _training_values(self) -> bool:
+        return torch.is_grad_enabled() and self.values.requires_grad
+
+    def _dense_for(self, dtype: torch.dtype) -> torch.Tensor:
+        if self._training_values():  # the cache is detached: decompress per call so that values get gradients
+            return sp_ops.decompress_2_4(self.values, self.meta).to(dtype)
+        if torch.compiler.is_compiling():  # no state changes inside a graph: decompress per call
+            return self._dense_cache if self._dense_cache is not None and self._dense_cache.dtype == dtype else (
+                sp_ops.decompress_2_4(self.values, self.meta).to(dtype)
+            )
+        self._check_cache()
+        if self._dense_cache is None or self._dense_cache.dtype != dtype:
+            with torch.no_grad():
+                self._dense_cache = sp_ops.decompress_2_4(self.values.detach(), self.meta).to(dtype)
+        return self._dense_cache
+
+    def _semi_for(self, dtype: torch.dtype):
+        if torch.compiler.is_compiling():
+            return self._semi_cache if self._semi_cache is not None and self._semi_cache.dtype == dtype else None
+        self._check_cache()
+        if self._semi_cache is None or self._semi_cache.dtype != dtype:
+            cls, why = self._semi_support(dtype)
+            if cls is None:
+                self._semi_reason = why
+                return None
+            with torch.no_grad():
+                dense = sp_ops.decompress_2_4(self.values.detach(), self.meta).to(dtype).contiguous()
+                try:
+                    self._semi_cache = cls.from_dense(dense)
+                except (RuntimeError, NotImplementedError) as exc:  # e.g. cuSPARSELt init failure
+                    self._semi_reason = f"{cls.__name__}.from_dense failed: {exc}"
+                    return None
+        return self._semi_cache
+
+    def prepare(self, x: torch.Tensor | None = None, *, dtype: torch.dtype | None = None) -> str:
+        """Build the cache the path for ``x`` needs (before ``torch.compile``, or to move the cost out of the first
+        call) and return the path. Without ``x``, builds what ``mode`` implies for ``dtype`` (default: values')."""
+        dtype = dtype or (x.dtype if x is not None else self.values.dtype)
+        path = self.path_for(x) if x is not None else {"dense": "dense", "sparse": "sparse"}.get(self.mode, "sparse")
+        if path == "dense":
+            self._dense_for(dtype)
+        elif path == "semi":
+            self._semi_for(dtype)
+        return path
+
+    # ------------------------------------------------------------------------------------------ forward
+    def path_for(self, x: torch.Tensor) -> str:
+        """Which path ``forward(x)`` takes: ``"sparse"``, ``"dense"`` or ``"semi"``."""
+        rows = x.numel() // max(self.in_features, 1)
+        if x.device.type == "cuda":
+            # the semi-structured cache is an inference copy: with gradients for the values, stay on dense/sparse
+            semi_ok = (self._semi_support(x.dtype)[0] is not None and self._semi_reason is None
+                       and not self._training_values())
+            if self.mode == "dense":
+                return "dense"
+            if self.mode == "sparse":
+                return "semi" if semi_ok else "sparse"
+            return "semi" if semi_ok and rows >= self.semi_min_rows else "dense"
+        if self.mode != "auto":
+            return self.mode
+        if x.device.type == "cpu" and x.dtype not in (torch.float32, torch.bfloat16):
+            return "dense"  # no CPU kernel for this dtype: the op would run the (slow) reference
+        return "sparse" if rows < self.dense_threshold else "dense"
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if self.input_permutation is not None:  # from fastdl.sparsity.prune(..., permute=True)
+            x = x.index_select(-1, self.input_permutation)
+        path = self.path_for(x)
+        out = None
+        if path == "semi":
+            semi = self._semi_for(x.dtype)
+            if semi is not None:
+                x2 = x.reshape(-1, self.in_features).contiguous()
+                b = self.bias.to(x.dtype) if self.bias is not None else None
+                out = F.linear(x2, semi, b).reshape(*x.shape[:-1], self.out_features)
+            else:
+                path = "dense" if self.mode == "auto" else "sparse"
+        if path == "dense":
+            b = self.bias.to(x.dtype) if self.bias is not None else None
+            out = F.linear(x, self._dense_for(x.dtype), b)
+        elif path == "sparse":
+            out = sp_ops.sparse24_linear(x, self.values, self.meta, self.bias)
+        if not torch.compiler.is_compiling():
+            self.last_path = path
+        if self.activation != "none":
+            out = activation_fn(out.float(), self.activation).to(out.dtype) if out.dtype != torch.float64 else (
+                activation_fn(out, self.activation)
+            )
+        if residual is not None:
+            out = out + residual
+        return out
+
+    # ------------------------------------------------------------------------------------------ state dict
+    def get_extra_state(self) -> dict:
+        return {
+            "format": FORMAT,
+            "version": FORMAT_VERSION,
+            "in_features": self.in_features,
+            "out_features": self.out_features,
+            "meta_layout": "uint8 [out, ceil(in/8)], 4-bit kept-position mask per group of 4, low nibble first",
+        }
+
+    def set_extra_state(self, state) -> None:
+        if not isinstance(state, dict) or state.get("format") != FORMAT:
+            raise ValueError(f"Sparse24Linear: not a {FORMAT} state: {state!r}")
+        if int(state.get("version", 0)) > FORMAT_VERSION:
+            raise ValueError(
+                f"Sparse24Linear: checkpoint format version {state['version']} is newer than this fastdl's "
+                f"({FORMAT_VERSION}); upgrade fastdl"
+            )
+        if (state.get("in_features"), state.get("out_features")) != (self.in_features, self.out_features):
+            raise ValueError(
+                f"Sparse24Linear: checkpoint is for in_features={state.get('in_features')}, "
+                f"out_features={state.get('out_features')}; this module has {self.in_features}, {self.out_features}"
+            )
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        wkey = prefix + "weight"
+        if wkey in state_dict and prefix + "values" not in state_dict:  # a dense nn.Linear checkpoint
+            w = state_dict.pop(wkey)
+            if tuple(w.shape) != (self.out_features, self.in_features):
+                error_msgs.append(
+                    f"size mismatch for {wkey}: checkpoint {tuple(w.shape)}, module "
+                    f"({self.out_features}, {self.in_features})"
+                )
+            else:
+                values, meta = sp_ops.compress_2_4(w.to(self.values.device))
+                state_dict[prefix + "values"] = values.to(self.values.dtype)
+                state_dict[prefix + "meta"] = meta
+                state_dict.setdefault(prefix + "_extra_state", self.get_extra_state())
+        pkey = prefix + "input_permutation"
+        if pkey in state_dict and self.input_permutation is None:
+            self.register_buffer("input_permutation", torch.empty_like(state_dict[pkey], device=self.meta.device))
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        self._reset_caches()
+
+    def extra_repr(self) -> str:
+        paths = {"auto": f"auto (sparse below {self.dense_threshold} rows on CPU, semi-structured from "
+                         f"{self.semi_min_rows} rows on CUDA, else dense)"}.get(self.mode, self.mode)
+        s = (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"dtype={self.values.dtype}, mode={paths}"
+        )
+        if self.activation != "none":
+            s += f", activation={self.activation!r}"
+        if self.last_path is not None:
+            s += f", last_path={self.last_path}"
+        return s
+
+
+def _semi_tensors(semi) -> list[torch.Tensor]:
+    out = []
+    for name in ("packed", "meta", "packed_t", "meta_t", "compressed_swizzled_bitmask"):
+        t = getattr(semi, name, None)
+        if isinstance(t, torch.Tensor):
+            out.append(t)
+    return out

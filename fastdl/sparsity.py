@@ -1,0 +1,403 @@
+"""2:4 sparsity workflow: prune, fine-tune with the masks kept, report, and convert for inference.
+
+    report = fastdl.sparsity.prune(model)               # 2:4 masks by magnitude on every eligible Linear
+    with fastdl.sparsity.MaskedTraining(model, opt):     # masked gradients, weights re-masked after each step
+        train(model, opt)                                # also inside DistributedDataParallel, unchanged
+    print(fastdl.sparsity.sparsity_report(model))
+    fastdl.sparsity.sparsify(model)                      # pruned layers -> fastdl.nn.Sparse24Linear (inference)
+
+Masks are deterministic functions of the weights (``fastdl.ops.mask_2_4``: ties to the lower index, NaN kept), so
+identical weights give identical masks on every DDP rank; DDP also broadcasts the packed mask buffers from rank 0
+with the other buffers. Each pruned layer holds its mask as the buffer ``weight_mask`` (uint8, bit-packed in the
+``compress_2_4`` meta layout: 4 bits per group of 4, 1/8 of a byte per weight), so it is saved in the
+``state_dict`` and restored by ``load_state_dict`` (prune the fresh model first so the buffer exists).
+
+Optional: ``prune(model, permute=True)`` searches an input-channel permutation per layer that keeps more weight
+magnitude under the 2:4 constraint (greedy channel swaps); the permutation is applied to the layer's weight columns
+and, to keep the function unchanged, must be undone on its input: fastdl stores it as the buffer
+``input_permutation`` and gathers the input with it in a forward pre-hook. The report gives the kept-magnitude
+fraction with and without the permutation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from .ops import sparse24 as sp_ops
+
+MASK_BUFFER = "weight_mask"
+PERM_BUFFER = "input_permutation"
+
+
+# ----------------------------------------------------------------------------------------------- selection
+def _linear_types() -> tuple[type, ...]:
+    from .nn.fused_linear import FusedLinear
+
+    return (nn.Linear, FusedLinear)
+
+
+def is_pruned(module: nn.Module) -> bool:
+    """True when ``prune`` gave this module a 2:4 mask."""
+    return isinstance(getattr(module, MASK_BUFFER, None), torch.Tensor) and hasattr(module, "_sp24_state")
+
+
+def _default_filter(name: str, module: nn.Module) -> bool:
+    return True
+
+
+@dataclasses.dataclass
+class PruneReport:
+    """What ``prune`` did: the pruned layers with their kept-magnitude fraction, and the skipped ones with why."""
+
+    pruned: dict[str, float] = dataclasses.field(default_factory=dict)  # name -> kept |w| fraction
+    skipped: dict[str, str] = dataclasses.field(default_factory=dict)  # name -> reason
+    kept_without_permutation: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def __str__(self) -> str:
+        lines = [f"2:4 pruning: {len(self.pruned)} layer(s) pruned, {len(self.skipped)} skipped"]
+        for name, kept in self.pruned.items():
+            extra = ""
+            if name in self.kept_without_permutation:
+                extra = f" (without permutation {self.kept_without_permutation[name]:.4f})"
+            lines.append(f"  pruned  {name or '<root>'}: kept |w| fraction {kept:.4f}{extra}")
+        for name, why in self.skipped.items():
+            lines.append(f"  skipped {name or '<root>'}: {why}")
+        return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------- masks
+class _State:
+    """Per pruned module: the unpacked mask, cached (not a buffer: DDP broadcasts buffers and gloo has no bool),
+    also in the dtypes it is applied in."""
+
+    def __init__(self, kept_fraction: float):
+        self.kept_fraction = kept_fraction
+        self.mask: torch.Tensor | None = None
+        self.cast: dict = {}
+        self.key = None
+
+    def invalidate(self) -> None:
+        self.mask, self.cast, self.key = None, {}, None
+
+
+def get_mask(module: nn.Module, dtype: torch.dtype = torch.bool) -> torch.Tensor:
+    """The ``[out, in]`` mask of a pruned module (bool, or 0/1 in ``dtype``), unpacked from its ``weight_mask``
+    buffer and cached. The cache follows the buffer's storage and device and is refreshed by ``load_state_dict``;
+    it deliberately ignores in-place writes of the same values (DDP re-broadcasts buffers on every forward)."""
+    packed = getattr(module, MASK_BUFFER)
+    st: _State = module._sp24_state
+    key = (packed.data_ptr(), packed.device, module.weight.device)
+    if st.mask is None or st.key != key:
+        st.invalidate()
+        st.mask = sp_ops.unpack_meta(packed, module.weight.shape[1]).to(module.weight.device)
+        st.key = key
+    if dtype == torch.bool:
+        return st.mask
+    m = st.cast.get(dtype)
+    if m is None:
+        m = st.cast[dtype] = st.mask.to(dtype)
+    return m
+
+
+@torch.no_grad()
+def apply_masks(model: nn.Module) -> None:
+    """Zero the pruned weights of every pruned layer (``weight *= mask``)."""
+    for m in model.modules():
+        if is_pruned(m):
+            m.weight.mul_(get_mask(m, m.weight.dtype))
+
+
+def kept_magnitude_fraction(weight: torch.Tensor, mask: torch.Tensor | None = None) -> float:
+    """``sum |w * mask| / sum |w|`` (the 2:4 magnitude mask of w when mask is None)."""
+    w = weight.detach().float().abs()
+    if mask is None:
+        mask = sp_ops.mask_2_4(weight.detach())
+    total = w.sum().item()
+    return (w * mask).sum().item() / total if total > 0 else 1.0
+
+
+def _load_hook(module, incompatible_keys) -> None:
+    """After load_state_dict: the packed mask may have changed; re-apply it to the loaded weight."""
+    module._sp24_state.invalidate()
+    with torch.no_grad():
+        module.weight.mul_(get_mask(module, module.weight.dtype))
+
+
+# ----------------------------------------------------------------------------------------------- permutation
+def _group_kept(wabs: torch.Tensor) -> torch.Tensor:
+    """Kept magnitude of each group of 4 columns: wabs [N, 4] groups -> sum of the 2 largest per row, summed."""
+    top2 = wabs.topk(2, dim=-1).values
+    return top2.sum()
+
+
+@torch.no_grad()
+def search_permutation(weight: torch.Tensor, iters: int = 2, max_pairs: int = 20000, seed: int = 0) -> torch.Tensor:
+    """A permutation of the input channels (columns) of ``weight`` that keeps more magnitude under 2:4.
+
+    Greedy channel swaps between groups: a random sample of column pairs (i in group a, j in group b) is scored by
+    the change of kept magnitude of the two groups if i and j trade places; improving swaps are applied, best
+    first, each group at most once per round. Deterministic for a given seed. Returns perm such that
+    ``weight[:, perm]`` is the permuted weight.
+    """
+    w = weight.detach().float().abs()
+    N, K = w.shape
+    G = K // 4
+    perm = torch.arange(K, device=w.device)
+    if G < 2:
+        return perm
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    for _ in range(iters):
+        wp = w[:, perm].reshape(N, G, 4)
+        base = wp.topk(2, dim=-1).values.sum(dim=(0, 2))  # [G]
+        n = min(max_pairs, G * (G - 1) * 8)
+        ga = torch.randint(0, G, (n,), generator=gen)
+        gb = torch.randint(0, G, (n,), generator=gen)
+        keep = ga != gb
+        ga, gb = ga[keep], gb[keep]
+        ia = torch.randint(0, 4, (ga.numel(),), generator=gen)
+        ib = torch.randint(0, 4, (ga.numel(),), generator=gen)
+        ga, gb, ia, ib = (t.to(w.device) for t in (ga, gb, ia, ib))
+        A = wp[:, ga].clone()  # [N, P, 4]
+        B = wp[:, gb].clone()
+        P = ga.numel()
+        ar = torch.arange(P, device=w.device)
+        ca, cb = A[:, ar, ia].clone(), B[:, ar, ib].clone()
+        A[:, ar, ia], B[:, ar, ib] = cb, ca
+        gain = A.topk(2, dim=-1).values.sum(dim=(0, 2)) + B.topk(2, dim=-1).values.sum(dim=(0, 2))
+        gain = gain - base[ga] - base[gb]
+        order = torch.argsort(gain, descending=True)
+        used = set()
+        applied = 0
+        for k in order.tolist():
+            if gain[k].item() <= 1e-12:
+                break
+            a, b = int(ga[k]), int(gb[k])
+            if a in used or b in used:
+                continue
+            used.update((a, b))
+            pa, pb = a * 4 + int(ia[k]), b * 4 + int(ib[k])
+            perm[pa], perm[pb] = perm[pb].clone(), perm[pa].clone()
+            applied += 1
+        if applied == 0:
+            break
+    return perm
+
+
+def _permute_pre_hook(module, args):
+    x = args[0]
+    return (x.index_select(-1, getattr(module, PERM_BUFFER)), *args[1:])
+
+
+# ----------------------------------------------------------------------------------------------- prune
+@torch.no_grad()
+def prune(model: nn.Module, filter_fn=None, *, permute: bool = False) -> PruneReport:
+    """Apply 2:4 magnitude masks to the chosen Linear layers of ``model`` (in place) and return a report.
+
+    Candidates are ``nn.Linear`` and ``fastdl.nn.FusedLinear`` modules; ``filter_fn(name, module) -> bool`` selects
+    among them (default: all). Layers whose ``in_features`` is not a multiple of 4 are skipped and listed with the
+    reason, as are layers already pruned. Each pruned layer gets the buffer ``weight_mask`` (packed) and its
+    weight is multiplied by the mask. ``permute=True`` also searches an input-channel permutation per layer (see
+    the module docstring). Call it before wrapping the model in DistributedDataParallel (or on ``ddp.module``).
+    """
+    filter_fn = filter_fn or _default_filter
+    report = PruneReport()
+    types = _linear_types()
+    for name, m in model.named_modules():
+        if not isinstance(m, types):
+            continue
+        if not filter_fn(name, m):
+            report.skipped[name] = "excluded by filter_fn"
+            continue
+        if is_pruned(m):
+            report.skipped[name] = "already pruned"
+            continue
+        K = m.weight.shape[1]
+        if K % 4:
+            report.skipped[name] = f"in_features = {K} is not a multiple of 4"
+            continue
+        w = m.weight
+        if permute:
+            report.kept_without_permutation[name] = kept_magnitude_fraction(w)
+            perm = search_permutation(w)
+            if not torch.equal(perm, torch.arange(K, device=perm.device)):
+                w.copy_(w[:, perm])
+                m.register_buffer(PERM_BUFFER, perm.to(w.device))
+                m.register_forward_pre_hook(_permute_pre_hook)
+        mask = sp_ops.mask_2_4(w.detach())
+        kept = kept_magnitude_fraction(w, mask)
+        m.register_buffer(MASK_BUFFER, sp_ops.pack_mask(mask.cpu()).to(w.device))
+        m._sp24_state = _State(kept)
+        w.mul_(mask.to(w.dtype))
+        m.register_load_state_dict_post_hook(_load_hook)
+        report.pruned[name] = kept
+    return report
+
+
+# ----------------------------------------------------------------------------------------------- training
+class MaskedTraining:
+    """Keep the 2:4 masks of a pruned model through training (ASP-style).
+
+    * the gradient of every pruned weight is multiplied by its mask (tensor hook, before it is accumulated, so
+      DDP all-reduces the masked gradient);
+    * after each ``optimizer.step()`` the weights are re-masked (momentum, weight decay and Adam's update would
+      otherwise move pruned weights off zero).
+
+    Works with a plain model or a ``DistributedDataParallel`` wrapper, unchanged. Use as a context manager or call
+    ``remove()`` to take the hooks off.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.modules = [m for m in model.modules() if is_pruned(m)]
+        if not self.modules:
+            raise ValueError("MaskedTraining: the model has no pruned layers; call fastdl.sparsity.prune(model) first")
+        self._handles = []
+        for m in self.modules:
+            self._handles.append(m.weight.register_hook(self._grad_hook(m)))
+        if optimizer is not None:
+            self._handles.append(optimizer.register_step_post_hook(lambda opt, args, kwargs: self.apply()))
+        self.apply()
+
+    @staticmethod
+    def _grad_hook(module):
+        def hook(grad):
+            return grad * get_mask(module, grad.dtype)
+
+        return hook
+
+    def apply(self) -> None:
+        """Re-mask the weights now (done automatically after each optimizer step)."""
+        with torch.no_grad():
+            for m in self.modules:
+                m.weight.mul_(get_mask(m, m.weight.dtype))
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def __enter__(self) -> MaskedTraining:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+
+def masks(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The bool ``[out, in]`` mask of every pruned layer, by module name."""
+    return {name: get_mask(m) for name, m in model.named_modules() if is_pruned(m)}
+
+
+def dense_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state dict as the unpruned architecture expects it: without the ``weight_mask`` /
+    ``input_permutation`` buffers, and with permuted weights put back in the inputs' order (the pruned weights stay
+    zero). Loads into a fresh copy of the model that was never pruned (e.g. plain ``nn.Linear`` layers)."""
+    sd = model.state_dict()
+    for name, m in model.named_modules():
+        if not is_pruned(m):
+            continue
+        prefix = f"{name}." if name else ""
+        sd.pop(prefix + MASK_BUFFER, None)
+        perm = sd.pop(prefix + PERM_BUFFER, None)
+        if perm is not None:
+            w = sd[prefix + "weight"]
+            sd[prefix + "weight"] = torch.empty_like(w).index_copy_(1, perm, w)
+    return sd
+
+
+# ----------------------------------------------------------------------------------------------- report
+def sparsity_report(model: nn.Module) -> list[dict]:
+    """One row per Linear layer: shape, whether it is pruned, density (non-zero fraction of the weight), whether
+    every group of 4 has at most 2 non-zeros, and the kept-magnitude fraction (for a pruned layer: of the weight at
+    pruning time; for a dense layer: what a 2:4 magnitude mask would keep now). The returned list prints as a
+    table via ``format_report``."""
+    rows = []
+    types = _linear_types()
+    from .nn.sparse24 import Sparse24Linear
+
+    for name, m in model.named_modules():
+        if isinstance(m, Sparse24Linear):
+            rows.append({"layer": name, "type": "Sparse24Linear", "shape": (m.out_features, m.in_features),
+                         "pruned": True, "density": 0.5, "pattern_2_4": True, "kept_magnitude": None,
+                         "bytes": m.weight_bytes()})
+            continue
+        if not isinstance(m, types):
+            continue
+        w = m.weight.detach()
+        N, K = w.shape
+        density = (w != 0).float().mean().item() if w.numel() else 1.0
+        ok = None
+        if K % 4 == 0 and w.numel():
+            ok = bool(((w.reshape(N, K // 4, 4) != 0).sum(-1) <= 2).all())
+        if is_pruned(m):
+            kept = m._sp24_state.kept_fraction
+        else:
+            kept = kept_magnitude_fraction(w) if K % 4 == 0 and w.numel() else None
+        rows.append({"layer": name, "type": type(m).__name__, "shape": (N, K), "pruned": is_pruned(m),
+                     "density": density, "pattern_2_4": ok, "kept_magnitude": kept,
+                     "bytes": w.numel() * w.element_size()})
+    return rows
+
+
+def format_report(rows: list[dict]) -> str:
+    head = f"{'layer':30s} {'type':15s} {'shape':>14s} {'pruned':>6s} {'density':>7s} {'2:4':>5s} {'kept|w|':>7s}"
+    lines = [head]
+    for r in rows:
+        kept = "-" if r["kept_magnitude"] is None else f"{r['kept_magnitude']:.4f}"
+        lines.append(f"{r['layer'] or '<root>':30s} {r['type']:15s} {str(r['shape']):>14s} {str(r['pruned']):>6s} "
+                     f"{r['density']:7.4f} {str(r['pattern_2_4']):>5s} {kept:>7s}")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------- inference
+def sparsify(model: nn.Module, *, dtype: torch.dtype | None = None, mode: str = "auto", include_2_4: bool = False,
+             **kwargs) -> nn.Module:
+    """Replace the pruned Linear layers of ``model`` with ``fastdl.nn.Sparse24Linear`` (in place; returns model).
+
+    ``include_2_4=True`` also converts unpruned layers whose weight already has at most 2 non-zeros in every group
+    of 4. ``dtype`` casts the kept values (e.g. torch.bfloat16 for inference); ``mode`` and ``kwargs`` go to
+    ``Sparse24Linear``. A layer with an input permutation keeps it (``Sparse24Linear.input_permutation``).
+    """
+    from .nn.sparse24 import Sparse24Linear
+
+    types = _linear_types()
+    if isinstance(model, types):
+        raise ValueError("sparsify: the model itself is a single Linear; use Sparse24Linear.from_linear(model)")
+    targets = []
+    for name, m in model.named_modules():
+        if not isinstance(m, types) or not name:
+            continue
+        if is_pruned(m):
+            targets.append((name, m))
+        elif include_2_4 and m.weight.shape[1] % 4 == 0:
+            w = m.weight.detach()
+            N, K = w.shape
+            if bool(((w.reshape(N, K // 4, 4) != 0).sum(-1) <= 2).all()):
+                targets.append((name, m))
+    for name, m in targets:
+        new = Sparse24Linear.from_linear(m, dtype=dtype, mode=mode, **kwargs)  # takes input_permutation along
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, new)
+    return model
+
+
+__all__ = [
+    "MaskedTraining",
+    "PruneReport",
+    "apply_masks",
+    "dense_state_dict",
+    "format_report",
+    "get_mask",
+    "is_pruned",
+    "kept_magnitude_fraction",
+    "masks",
+    "prune",
+    "search_permutation",
+    "sparsify",
+    "sparsity_report",
+]
