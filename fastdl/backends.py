@@ -82,8 +82,25 @@ def _cuda_usable() -> tuple[bool, str]:
     return True, ""
 
 
+_AVAILABLE: dict[tuple, tuple[bool, str]] = {}
+
+
 def available(backend: str, op: str, device_type: str) -> tuple[bool, str]:
-    """Can ``backend`` serve ``op`` on ``device_type``? Returns (ok, reason-if-not)."""
+    """Can ``backend`` serve ``op`` on ``device_type``? Returns (ok, reason-if-not).
+
+    Answers are cached per (backend, op, device, extension loaded, interpreter mode): this runs on every op call."""
+    from . import _extension
+
+    key = (backend, op, device_type, _extension._state["module"] is not None, _interpreting())
+    hit = _AVAILABLE.get(key)
+    if hit is None:
+        hit = _AVAILABLE[key] = _available_uncached(backend, op, device_type)
+        if backend == "cpp" and not hit[0] and not _extension._state["attempted"]:
+            del _AVAILABLE[key]  # the extension was not even tried yet: do not remember the miss
+    return hit
+
+
+def _available_uncached(backend: str, op: str, device_type: str) -> tuple[bool, str]:
     import torch
 
     if backend == "torch":

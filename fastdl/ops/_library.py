@@ -21,6 +21,18 @@ CPP_LIB = torch.library.Library("fastdl_cpp", "FRAGMENT")
 SCHEMAS: dict[str, str] = {}
 
 
+def require(cond, message: Callable[[], str], exc: type[Exception] = ValueError) -> None:
+    """Argument check for the op wrappers, fakes and references: ``raise exc(message())`` unless ``cond``.
+
+    A plain ``if`` (rather than ``torch._check``) costs ~0.3 us: the checks run on every call of every op."""
+    if not cond:
+        raise exc(message())
+
+
+def require_same_device(cond, message: Callable[[], str]) -> None:
+    require(cond, message, RuntimeError)
+
+
 def _device_type(args) -> str:
     for a in args:
         if isinstance(a, torch.Tensor):

@@ -17,7 +17,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ._library import define, register_autocast_rule
+from ._library import define, register_autocast_rule, require, require_same_device
 
 ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu")
 _FLOAT = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -33,7 +33,7 @@ BACKWARD_SCHEMA = (
 
 # ----------------------------------------------------------------------------------------------- argument checks
 def check_activation(activation: str) -> None:
-    torch._check_value(
+    require(
         activation in ACTIVATIONS,
         lambda: f"fused_linear: unknown activation {activation!r}; expected one of {', '.join(ACTIVATIONS)}",
     )
@@ -42,52 +42,52 @@ def check_activation(activation: str) -> None:
 def check_args(x, weight, bias, activation, residual) -> tuple[int, int]:
     """Validate the forward arguments; returns (K, N). Shared by the fake kernel and the reference."""
     check_activation(activation)
-    torch._check_value(
+    require(
         x.dtype in _FLOAT,
         lambda: f"fused_linear: x must be a floating tensor (float32, bfloat16, float16), got dtype {x.dtype}",
     )
-    torch._check_value(x.dim() >= 1, lambda: "fused_linear: x must have at least 1 dimension [..., K]")
-    torch._check_value(
+    require(x.dim() >= 1, lambda: "fused_linear: x must have at least 1 dimension [..., K]")
+    require(
         weight.dim() == 2, lambda: f"fused_linear: weight must be 2-D [N, K], got shape {tuple(weight.shape)}"
     )
-    torch._check_value(
+    require(
         weight.dtype == x.dtype or weight.dtype == torch.float32,
         lambda: f"fused_linear: weight dtype must be x's dtype ({x.dtype}) or torch.float32, got {weight.dtype}",
     )
     K, N = x.shape[-1], weight.shape[0]
-    torch._check_value(
+    require(
         weight.shape[1] == K,
         lambda: f"fused_linear: weight must have shape [N, K] with K = x.shape[-1] = {K}, "
         f"got weight of shape {tuple(weight.shape)} (mismatched K)",
     )
-    torch._check(
+    require_same_device(
         weight.device == x.device,
         lambda: f"fused_linear: x and weight must be on the same device, got x on {x.device}, "
         f"weight on {weight.device}",
     )
     if bias is not None:
-        torch._check_value(
+        require(
             bias.dtype in _FLOAT, lambda: f"fused_linear: bias must be a floating tensor, got dtype {bias.dtype}"
         )
-        torch._check_value(
+        require(
             bias.dim() == 1 and bias.shape[0] == N,
             lambda: f"fused_linear: bias must have shape [N] = [{N}], got {tuple(bias.shape)}",
         )
-        torch._check(
+        require_same_device(
             bias.device == x.device,
             lambda: f"fused_linear: bias must be on x's device {x.device}, got {bias.device}",
         )
     if residual is not None:
         out_shape = (*x.shape[:-1], N)
-        torch._check_value(
+        require(
             residual.dtype in _FLOAT,
             lambda: f"fused_linear: residual must be a floating tensor, got dtype {residual.dtype}",
         )
-        torch._check_value(
+        require(
             tuple(residual.shape) == out_shape,
             lambda: f"fused_linear: residual must have the output's shape {out_shape}, got {tuple(residual.shape)}",
         )
-        torch._check(
+        require_same_device(
             residual.device == x.device,
             lambda: f"fused_linear: residual must be on x's device {x.device}, got {residual.device}",
         )
@@ -184,12 +184,12 @@ def _check_backward(grad_out, x, weight, preact, activation):
     check_activation(activation)
     N = weight.shape[0]
     out_shape = (*x.shape[:-1], N)
-    torch._check_value(
+    require(
         tuple(grad_out.shape) == out_shape,
         lambda: f"fused_linear_backward: grad_out must have shape {out_shape}, got {tuple(grad_out.shape)}",
     )
     if activation != "none":
-        torch._check_value(
+        require(
             tuple(preact.shape) == out_shape,
             lambda: f"fused_linear_backward: preact must have shape {out_shape} for activation {activation!r}, "
             f"got {tuple(preact.shape)} (call fused_linear with save_preact=True when gradients are needed)",
