@@ -317,12 +317,12 @@ def test_info_lists_backend_per_op():
 
 
 # ---------------------------------------------------------------------------------------------------- DDP
-def _ddp_worker(rank, world, port, result_dir):
+def _ddp_worker(rank, world, result_dir):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # file:// rendezvous: no TCP port to race for with other test runs on the machine
+    dist.init_process_group("gloo", init_method=f"file://{result_dir}/rendezvous", rank=rank, world_size=world)
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = nn.Sequential(FusedLinear(12, 24, activation="gelu"), FusedLinear(24, 3, activation="none"))
@@ -341,15 +341,10 @@ def _ddp_worker(rank, world, port, result_dir):
 
 
 def test_ddp_two_processes_gloo_matches_single_process():
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_ddp_worker, args=(2, port, d), nprocs=2, join=True)
+        mp.spawn(_ddp_worker, args=(2, d), nprocs=2, join=True)
         r0 = torch.load(os.path.join(d, "rank0.pt"))
         r1 = torch.load(os.path.join(d, "rank1.pt"))
     torch.manual_seed(0)
