@@ -1,0 +1,586 @@
+// CPU kernels of the int8 capability, registered for the schemas that fastdl/ops/int8.py defines under fastdl_cpp:
+//   quantize_per_token(Tensor x) -> (Tensor, Tensor)
+//   int8_pack_weight(Tensor w_q) -> (Tensor, Tensor)
+//   int8_mm(Tensor a_q, Tensor b_q, Tensor a_scale, Tensor b_scale, Tensor? bias, ScalarType out_dtype,
+//           Tensor? b_packed, Tensor? b_comp) -> Tensor
+//   int8_linear(Tensor x, Tensor w_q, Tensor w_scale, Tensor? bias, Tensor? w_packed, Tensor? w_comp) -> Tensor
+//   int8_weight_only_linear(Tensor x, Tensor w_q, Tensor w_scale, Tensor? bias) -> Tensor
+// This file checks arguments, cuts the work into blocks and threads (at::parallel_for); the arithmetic lives in the
+// kernels of int8_kernels.h (AVX512-VNNI, AVX2, scalar), chosen once per process from cpuid.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "int8_kernels.h"
+
+namespace fastdl {
+namespace int8 {
+
+// ------------------------------------------------------------------------------------------------ ISA choice
+namespace {
+
+enum Level : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
+
+Level detected_level() {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+    __builtin_cpu_init();
+    // __builtin_cpu_supports also checks that the OS saves the ymm / zmm state (XGETBV).
+    const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+                        __builtin_cpu_supports("avx512vnni");
+    if (avx512 && __builtin_cpu_supports("avx512bf16")) {
+        return kAvx512Bf16;
+    }
+    if (avx512) {
+        return kAvx512;
+    }
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
+        return kAvx2;
+    }
+#endif
+    return kScalar;
+}
+
+// FASTDL_CPU_ISA=scalar | avx2 | avx512 caps the level (avx512 without the AVX512-BF16 weight-only kernel, as for
+// fused_linear); unset, empty or "native" keeps what cpuid reports. A level above the CPU's is ignored.
+Level chosen_level() {
+    Level level = detected_level();
+    const char *env = std::getenv("FASTDL_CPU_ISA");
+    std::string want = env ? env : "";
+    std::transform(want.begin(), want.end(), want.begin(), [](unsigned char c) { return std::tolower(c); });
+    Level cap = kAvx512Bf16;
+    if (want == "scalar") {
+        cap = kScalar;
+    } else if (want == "avx2") {
+        cap = kAvx2;
+    } else if (want == "avx512") {
+        cap = kAvx512;
+    } else if (!want.empty() && want != "native" && want != "avx512bf16") {
+        TORCH_WARN("FASTDL_CPU_ISA=", env, " is not one of scalar, avx2, avx512, avx512bf16, native; ignored");
+    }
+    return std::min(level, cap);
+}
+
+const Kernels &choose() {
+    const Level level = chosen_level();
+    const Kernels *k = nullptr;
+    if (level == kAvx512Bf16) {
+        k = kernels_avx512_bf16();
+    } else if (level == kAvx512) {
+        k = kernels_avx512();
+    } else if (level == kAvx2) {
+        k = kernels_avx2();
+    }
+    return k ? *k : *kernels_scalar();
+}
+
+} // namespace
+
+const Kernels &kernels() {
+    static const Kernels &k = choose();
+    return k;
+}
+
+// ------------------------------------------------------------------------------------------------ threads
+// at::parallel_for is header code: with torch's OpenMP backend it is parallel only in a translation unit compiled with
+// -fopenmp (fastdl/_build.py passes it). Without it every kernel here would silently run on one core (measured: the
+// W8A8 GEMM at M = 512 took the same 17 ms with 1 and 2 threads), hence the warning.
+#if AT_PARALLEL_OPENMP && !defined(_OPENMP)
+#warning "int8.cpp compiled without -fopenmp: at::parallel_for runs serially (torch uses the OpenMP backend)"
+#endif
+
+// ------------------------------------------------------------------------------------------------ helpers
+namespace {
+
+constexpr int64_t ceil_div(int64_t a, int64_t b) {
+    return (a + b - 1) / b;
+}
+constexpr int64_t round_up(int64_t a, int64_t b) {
+    return ceil_div(a, b) * b;
+}
+
+DType dtype_of(at::ScalarType t) {
+    switch (t) {
+    case at::kFloat:
+        return DType::F32;
+    case at::kBFloat16:
+        return DType::BF16;
+    case at::kHalf:
+        return DType::F16;
+    case at::kInt:
+        return DType::I32;
+    default:
+        return DType::I8;
+    }
+}
+
+bool is_act_dtype(at::ScalarType t) {
+    return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
+}
+
+// [begin, end) of part i of n parts of `total` units, boundaries on multiples of `unit` where possible.
+std::pair<int64_t, int64_t> split(int64_t total, int64_t parts, int64_t i, int64_t unit) {
+    auto edge = [&](int64_t j) {
+        if (j >= parts) {
+            return total;
+        }
+        return std::min(total, round_up(total * j / parts, unit));
+    };
+    return {edge(i), edge(i + 1)};
+}
+
+// 64-byte aligned scratch memory of one thread.
+struct Scratch {
+    std::unique_ptr<uint8_t[]> mem;
+    uint8_t *base = nullptr;
+    explicit Scratch(int64_t bytes) : mem(new uint8_t[static_cast<size_t>(bytes) + 64]) {
+        base = mem.get() + ((64 - reinterpret_cast<uintptr_t>(mem.get()) % 64) % 64);
+    }
+};
+
+// 2-D view [rows, K] of x [..., K] with unit stride along K (a copy only when the strides do not allow a view).
+at::Tensor rows_view(const at::Tensor &x) {
+    const int64_t K = x.size(-1);
+    const int64_t M = c10::multiply_integers(x.sizes().slice(0, x.dim() - 1));
+    at::Tensor x2 = x.reshape({M, K});
+    if (K > 1 && x2.stride(1) != 1) {
+        x2 = x2.contiguous();
+    }
+    return x2;
+}
+
+void check_cpu(const at::Tensor &t, const char *op, const char *name) {
+    TORCH_CHECK(t.device().is_cpu(), op, ": ", name, " must be a CPU tensor (the fastdl_cpp CPU kernel), got ",
+                t.device());
+}
+
+void check_weight(const char *op, const char *wname, const at::Tensor &w, int64_t K, const char *kname,
+                  const char *sname, const at::Tensor &scale, const c10::optional<at::Tensor> &bias) {
+    check_cpu(w, op, wname);
+    TORCH_CHECK(w.scalar_type() == at::kChar, op, ": ", wname, " must be int8, got ", w.scalar_type());
+    TORCH_CHECK(w.dim() == 2 && w.size(1) == K, op, ": ", wname, " must have shape [N, K] with K = ", kname, " = ", K,
+                ", got ", w.sizes(), " (mismatched K)");
+    const int64_t N = w.size(0);
+    check_cpu(scale, op, sname);
+    TORCH_CHECK(scale.scalar_type() == at::kFloat, op, ": ", sname, " must be float32, got ", scale.scalar_type());
+    TORCH_CHECK(scale.dim() == 1 && scale.size(0) == N, op, ": ", sname, " must have shape [N] = [", N, "], got ",
+                scale.sizes());
+    if (bias.has_value()) {
+        check_cpu(*bias, op, "bias");
+        TORCH_CHECK(at::isFloatingType(bias->scalar_type()), op, ": bias must be a floating tensor, got ",
+                    bias->scalar_type());
+        TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, op, ": bias must have shape [N] = [", N, "], got ",
+                    bias->sizes());
+    }
+}
+
+// The packed weight must be the output of int8_pack_weight for this [N, K] weight (its contents are not checked).
+void check_packed(const char *op, const char *pname, const char *cname, const c10::optional<at::Tensor> &packed,
+                  const c10::optional<at::Tensor> &comp, int64_t N, int64_t K) {
+    TORCH_CHECK(packed.has_value() == comp.has_value(), op, ": ", pname, " and ", cname,
+                " must be given together (both from int8_pack_weight) or both be None");
+    if (!packed.has_value()) {
+        return;
+    }
+    const int64_t Np = round_up(N, 16), Kp = round_up(K, 4);
+    check_cpu(*packed, op, pname);
+    check_cpu(*comp, op, cname);
+    TORCH_CHECK(packed->scalar_type() == at::kChar && packed->dim() == 2 && packed->size(0) == Np &&
+                    packed->size(1) == Kp && packed->is_contiguous(),
+                op, ": ", pname, " must be the contiguous int8 [", Np, ", ", Kp,
+                "] tensor made by int8_pack_weight, got ", packed->scalar_type(), " ", packed->sizes());
+    TORCH_CHECK(comp->scalar_type() == at::kInt && comp->dim() == 1 && comp->size(0) == Np && comp->is_contiguous(), op,
+                ": ", cname, " must be the contiguous int32 [", Np, "] tensor made by int8_pack_weight, got ",
+                comp->scalar_type(), " ", comp->sizes());
+}
+
+// ------------------------------------------------------------------------------------------------ weight packing
+// VNNI layout [Np/16][Kp/4][16][4]; comp[n] = 128 * sum_k w[n, k] (int32, wrapping like the int32 accumulator).
+std::tuple<at::Tensor, at::Tensor> pack_weight(const at::Tensor &w_q) {
+    const at::Tensor w = w_q.stride(-1) == 1 ? w_q : w_q.contiguous();
+    const int64_t N = w.size(0), K = w.size(1);
+    const int64_t Np = round_up(N, 16), Kp = round_up(K, 4);
+    at::Tensor packed = at::empty({Np, Kp}, w.options().dtype(at::kChar));
+    at::Tensor comp = at::empty({Np}, w.options().dtype(at::kInt));
+    PackB p;
+    p.w = w.data_ptr<int8_t>();
+    p.ldw = w.stride(0);
+    p.N = N;
+    p.K = K;
+    p.Kp = Kp;
+    p.packed = packed.data_ptr<int8_t>();
+    p.comp = comp.data_ptr<int32_t>();
+    const Kernels &kr = kernels();
+    // grain: 16 blocks of 16 rows (>= 1 MiB at K = 4096) per thread at least
+    at::parallel_for(0, Np / 16, 16, [&](int64_t b, int64_t e) {
+        PackB q = p;
+        q.jb0 = b;
+        q.jb1 = e;
+        kr.pack_b(q);
+    });
+    return {packed, comp};
+}
+
+// ------------------------------------------------------------------------------------------------ W8A8 driver
+// Blocking (per thread, on the rectangle of rows x columns it owns):
+//   K slices of <= 4096 values: the A block (rows x kc bytes) and one 64-column panel of B (64 x kc bytes, 256 KiB)
+//   both stay in the 1 MiB L2; longer K (11008 in LLaMA-7B) is cut into near-equal slices with int32 partial sums.
+//   Row blocks of <= 256 KiB of packed A (64 rows at K = 4096), cut into equal multiples of the register tile: each
+//   weight byte is read from L3 (or DRAM) once per row block. Measured stand-alone, the VNNI tile loop then runs at
+//   125 of the 128 MAC/cycle peak even when B streams from L3.
+//   Threads: rows are split only in parts of at least one full row block (a thread's weights then stream the same
+//   number of times as with a column split, and each thread quantises only its own rows); below that the columns
+//   are split and each thread quantises the (few) rows itself rather than waiting for another thread.
+constexpr int64_t kMaxKc = 4096;
+constexpr int64_t kABlockBytes = 256 << 10;
+constexpr int64_t kSerialMacs = int64_t(1) << 20; // below ~1 M MACs (< 10 us) threads cost more than they save
+
+struct W8A8 {
+    const Kernels *kr = nullptr;
+    const void *a = nullptr; // int8 or float rows
+    int64_t lda = 0;
+    DType a_dtype = DType::I8;
+    const float *a_scale = nullptr; // int8 A
+    int64_t M = 0, K = 0, N = 0, Kp = 0;
+    const int8_t *b = nullptr;
+    const int32_t *comp = nullptr;
+    const float *b_scale = nullptr, *bias = nullptr;
+    void *out = nullptr;
+    DType out_dtype = DType::F32;
+    // blocking
+    int64_t nkb = 1, Kc = 0, mc_max = 1;
+};
+
+void w8a8_rect(const W8A8 &p, int64_t m0, int64_t m1, int64_t j0, int64_t j1) {
+    const Kernels &kr = *p.kr;
+    const int64_t nkb = p.nkb, Kc = p.Kc;
+    const int64_t nrb = ceil_div(m1 - m0, p.mc_max);
+    const int64_t mc = std::min(m1 - m0, round_up(ceil_div(m1 - m0, nrb), kr.mr));
+    const int64_t cols = (j1 - j0) * 16;
+    const int64_t a_bytes = round_up(mc * Kc * kr.a_bytes, 64);
+    const int64_t f_bytes = round_up(2 * mc * 4, 64);
+    const int64_t p_bytes = nkb > 1 ? mc * cols * 4 : 0;
+    Scratch s(a_bytes + f_bytes + p_bytes);
+    void *abuf = s.base;
+    float *scale = reinterpret_cast<float *>(s.base + a_bytes);
+    float *inv = scale + mc;
+    int32_t *partial = nkb > 1 ? reinterpret_cast<int32_t *>(s.base + a_bytes + f_bytes) : nullptr;
+    const bool float_a = p.a_dtype != DType::I8;
+    const int64_t a_elem = p.a_dtype == DType::F32 ? 4 : p.a_dtype == DType::I8 ? 1 : 2;
+    const int64_t o_elem = (p.out_dtype == DType::F32 || p.out_dtype == DType::I32) ? 4 : 2;
+    for (int64_t r0 = m0; r0 < m1; r0 += mc) {
+        const int64_t rows = std::min(mc, m1 - r0);
+        for (int64_t kb = 0; kb < nkb; ++kb) {
+            const int64_t k0 = kb * Kc;
+            const int64_t kc = std::min(Kc, p.Kp - k0);
+            APack ap;
+            ap.src = static_cast<const char *>(p.a) + r0 * p.lda * a_elem;
+            ap.ld = p.lda;
+            ap.dtype = p.a_dtype;
+            ap.rows = rows;
+            ap.K = p.K;
+            ap.k0 = k0;
+            ap.kc = kc;
+            ap.scale = scale;
+            ap.inv = inv;
+            ap.compute_scales = float_a && kb == 0;
+            ap.dst = abuf;
+            ap.ldd = Kc;
+            kr.pack_a(ap);
+            GemmBlock g;
+            g.a = abuf;
+            g.lda = Kc;
+            g.rows = rows;
+            g.b = p.b + j0 * 16 * p.Kp + k0 * 16;
+            g.b_stride = p.Kp * 16;
+            g.kc = kc;
+            g.cols = cols;
+            g.n_valid = std::min(cols, p.N - j0 * 16);
+            g.first = kb == 0;
+            g.last = kb == nkb - 1;
+            g.partial = partial;
+            g.ldp = cols;
+            g.comp = p.comp + j0 * 16;
+            g.a_scale = float_a ? scale : p.a_scale + r0;
+            g.b_scale = p.b_scale + j0 * 16;
+            g.bias = p.bias ? p.bias + j0 * 16 : nullptr;
+            g.out = static_cast<char *>(p.out) + (r0 * p.N + j0 * 16) * o_elem;
+            g.ldo = p.N;
+            g.out_dtype = p.out_dtype;
+            kr.gemm_block(g);
+        }
+    }
+}
+
+void run_w8a8(W8A8 &p) {
+    const int64_t mr = p.kr->mr;
+    p.nkb = std::max<int64_t>(1, ceil_div(p.Kp, kMaxKc));
+    p.Kc = round_up(ceil_div(p.Kp, p.nkb), 4);
+    p.mc_max = std::max<int64_t>(mr, kABlockBytes / (std::max<int64_t>(p.Kc, 4) * p.kr->a_bytes));
+    const int64_t nblk = round_up(p.N, 16) / 16;
+    const int64_t T = (p.M * nblk * 16 * std::max<int64_t>(p.Kp, 4) < kSerialMacs) ? 1 : at::get_num_threads();
+    int64_t tm = std::min(T, std::max<int64_t>(1, p.M / p.mc_max));
+    const int64_t tn = std::max<int64_t>(1, std::min(T / tm, ceil_div(nblk, 4)));
+    tm = std::max(tm, std::min(T / tn, ceil_div(p.M, mr)));
+    auto body = [&](int64_t b, int64_t e) {
+        for (int64_t it = b; it < e; ++it) {
+            const auto rows = split(p.M, tm, it / tn, mr);
+            const auto blks = split(nblk, tn, it % tn, 4);
+            if (rows.first < rows.second && blks.first < blks.second) {
+                w8a8_rect(p, rows.first, rows.second, blks.first, blks.second);
+            }
+        }
+    };
+    if (tm * tn == 1) {
+        body(0, 1);
+    } else {
+        at::parallel_for(0, tm * tn, 1, body);
+    }
+}
+
+const float *fp32_ptr(const c10::optional<at::Tensor> &t, at::Tensor &holder) {
+    if (!t.has_value()) {
+        return nullptr;
+    }
+    holder = t->to(at::kFloat).contiguous();
+    return holder.data_ptr<float>();
+}
+
+// ------------------------------------------------------------------------------------------------ ops
+std::tuple<at::Tensor, at::Tensor> quantize_per_token(const at::Tensor &x) {
+    constexpr const char *op = "quantize_per_token";
+    check_cpu(x, op, "x");
+    TORCH_CHECK(is_act_dtype(x.scalar_type()), op, ": x must be float32, bfloat16 or float16, got ", x.scalar_type());
+    TORCH_CHECK(x.dim() >= 1, op, ": x must have at least 1 dimension [..., K]");
+    const int64_t K = x.size(-1);
+    at::Tensor q = at::empty(x.sizes(), x.options().dtype(at::kChar));
+    at::Tensor scale = at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kFloat));
+    if (x.numel() == 0) {
+        scale.zero_(); // K == 0: scale 0
+        return {q, scale};
+    }
+    const at::Tensor x2 = rows_view(x);
+    const int64_t M = x2.size(0), ld = x2.stride(0);
+    const Kernels &kr = kernels();
+    const int64_t esz = x2.element_size();
+    const char *src = static_cast<const char *>(x2.data_ptr());
+    int8_t *qp = q.data_ptr<int8_t>();
+    float *sp = scale.data_ptr<float>();
+    at::parallel_for(0, M, std::max<int64_t>(1, 32768 / std::max<int64_t>(K, 1)), [&](int64_t b, int64_t e) {
+        QuantRows a;
+        a.src = src + b * ld * esz;
+        a.ld = ld;
+        a.dtype = dtype_of(x2.scalar_type());
+        a.rows = e - b;
+        a.K = K;
+        a.q = qp + b * K;
+        a.ldq = K;
+        a.scale = sp + b;
+        kr.quantize_rows(a);
+    });
+    return {q, scale};
+}
+
+std::tuple<at::Tensor, at::Tensor> int8_pack_weight(const at::Tensor &w_q) {
+    constexpr const char *op = "int8_pack_weight";
+    check_cpu(w_q, op, "w_q");
+    TORCH_CHECK(w_q.scalar_type() == at::kChar, op, ": w_q must be int8, got ", w_q.scalar_type());
+    TORCH_CHECK(w_q.dim() == 2, op, ": w_q must be 2-D [N, K], got shape ", w_q.sizes());
+    return pack_weight(w_q);
+}
+
+at::Tensor int8_mm(const at::Tensor &a_q, const at::Tensor &b_q, const at::Tensor &a_scale, const at::Tensor &b_scale,
+                   const c10::optional<at::Tensor> &bias, at::ScalarType out_dtype,
+                   const c10::optional<at::Tensor> &b_packed, const c10::optional<at::Tensor> &b_comp) {
+    constexpr const char *op = "int8_mm";
+    check_cpu(a_q, op, "a_q");
+    TORCH_CHECK(a_q.scalar_type() == at::kChar, op, ": a_q must be int8, got ", a_q.scalar_type());
+    TORCH_CHECK(a_q.dim() == 2, op, ": a_q must be 2-D [M, K], got shape ", a_q.sizes());
+    const int64_t M = a_q.size(0), K = a_q.size(1);
+    check_weight(op, "b_q", b_q, K, "a_q.size(1)", "b_scale", b_scale, bias);
+    const int64_t N = b_q.size(0);
+    check_cpu(a_scale, op, "a_scale");
+    TORCH_CHECK(a_scale.scalar_type() == at::kFloat, op, ": a_scale must be float32, got ", a_scale.scalar_type());
+    TORCH_CHECK(a_scale.dim() == 1 && a_scale.size(0) == M, op, ": a_scale must have shape [M] = [", M, "], got ",
+                a_scale.sizes());
+    TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16 || out_dtype == at::kHalf ||
+                    out_dtype == at::kInt,
+                op, ": out_dtype must be float32, bfloat16, float16 or int32, got ", out_dtype);
+    check_packed(op, "b_packed", "b_comp", b_packed, b_comp, N, K);
+    at::Tensor out = at::empty({M, N}, a_q.options().dtype(out_dtype));
+    if (M == 0 || N == 0) {
+        return out;
+    }
+    // Without b_packed the weight is packed here, on every call (slower: pack once with int8_pack_weight).
+    at::Tensor packed, comp;
+    if (b_packed.has_value()) {
+        packed = *b_packed;
+        comp = *b_comp;
+    } else {
+        std::tie(packed, comp) = pack_weight(b_q);
+    }
+    const at::Tensor a = a_q.stride(1) == 1 || K <= 1 ? a_q : a_q.contiguous();
+    const at::Tensor as = a_scale.contiguous(), bs = b_scale.contiguous();
+    at::Tensor bias_f;
+    W8A8 p;
+    p.kr = &kernels();
+    p.a = a.data_ptr();
+    p.lda = a.stride(0);
+    p.a_dtype = DType::I8;
+    p.a_scale = as.data_ptr<float>();
+    p.M = M;
+    p.K = K;
+    p.N = N;
+    p.Kp = round_up(K, 4);
+    p.b = packed.data_ptr<int8_t>();
+    p.comp = comp.data_ptr<int32_t>();
+    p.b_scale = bs.data_ptr<float>();
+    p.bias = fp32_ptr(bias, bias_f);
+    p.out = out.data_ptr();
+    p.out_dtype = dtype_of(out_dtype);
+    run_w8a8(p);
+    return out;
+}
+
+at::Tensor int8_linear(const at::Tensor &x, const at::Tensor &w_q, const at::Tensor &w_scale,
+                       const c10::optional<at::Tensor> &bias, const c10::optional<at::Tensor> &w_packed,
+                       const c10::optional<at::Tensor> &w_comp) {
+    constexpr const char *op = "int8_linear";
+    check_cpu(x, op, "x");
+    TORCH_CHECK(is_act_dtype(x.scalar_type()), op, ": x must be float32, bfloat16 or float16, got ", x.scalar_type());
+    TORCH_CHECK(x.dim() >= 1, op, ": x must have at least 1 dimension [..., K]");
+    const int64_t K = x.size(-1);
+    check_weight(op, "w_q", w_q, K, "x.shape[-1]", "w_scale", w_scale, bias);
+    const int64_t N = w_q.size(0);
+    check_packed(op, "w_packed", "w_comp", w_packed, w_comp, N, K);
+    std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+    out_shape.back() = N;
+    at::Tensor out = at::empty(out_shape, x.options());
+    if (out.numel() == 0) {
+        return out;
+    }
+    at::Tensor packed, comp;
+    if (w_packed.has_value()) {
+        packed = *w_packed;
+        comp = *w_comp;
+    } else {
+        std::tie(packed, comp) = pack_weight(w_q);
+    }
+    const at::Tensor x2 = rows_view(x);
+    const at::Tensor ws = w_scale.contiguous();
+    at::Tensor bias_f;
+    W8A8 p;
+    p.kr = &kernels();
+    p.a = x2.data_ptr();
+    p.lda = x2.stride(0);
+    p.a_dtype = dtype_of(x.scalar_type());
+    p.M = x2.size(0);
+    p.K = K;
+    p.N = N;
+    p.Kp = round_up(K, 4);
+    p.b = packed.data_ptr<int8_t>();
+    p.comp = comp.data_ptr<int32_t>();
+    p.b_scale = ws.data_ptr<float>();
+    p.bias = fp32_ptr(bias, bias_f);
+    p.out = out.data_ptr();
+    p.out_dtype = dtype_of(x.scalar_type());
+    run_w8a8(p);
+    return out;
+}
+
+at::Tensor int8_weight_only_linear(const at::Tensor &x, const at::Tensor &w_q, const at::Tensor &w_scale,
+                                   const c10::optional<at::Tensor> &bias) {
+    constexpr const char *op = "int8_weight_only_linear";
+    check_cpu(x, op, "x");
+    TORCH_CHECK(is_act_dtype(x.scalar_type()), op, ": x must be float32, bfloat16 or float16, got ", x.scalar_type());
+    TORCH_CHECK(x.dim() >= 1, op, ": x must have at least 1 dimension [..., K]");
+    const int64_t K = x.size(-1);
+    check_weight(op, "w_q", w_q, K, "x.shape[-1]", "w_scale", w_scale, bias);
+    const int64_t N = w_q.size(0);
+    std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+    out_shape.back() = N;
+    at::Tensor out = at::empty(out_shape, x.options());
+    if (out.numel() == 0) {
+        return out;
+    }
+    const Kernels &kr = kernels();
+    // bf16 x goes to the vdpbf16ps kernel as it is, from 4 rows up; otherwise the kernel reads fp32 (a bf16 / fp16 x
+    // is converted once: M x K values, small next to the N x K weights). At 1-2 rows the fp32 kernel is faster (1 row
+    // x 2048 x 4096, one core: 0.120 ms fp32 vs 0.175 ms bf16): vcvtne2ps2bf16 (~1.25 per cycle) is then not
+    // amortised over rows; from 4 rows the bf16 kernel wins (0.257 vs 0.272 ms at 4 rows).
+    const int64_t rows_total = c10::multiply_integers(x.sizes().slice(0, x.dim() - 1));
+    const bool bf16 = x.scalar_type() == at::kBFloat16 && kr.weight_only_bf16 != nullptr && rows_total >= 4;
+    at::Tensor x2 = rows_view(bf16 ? x : x.to(at::kFloat));
+    const at::Tensor w = w_q.stride(1) == 1 || K <= 1 ? w_q : w_q.contiguous();
+    const at::Tensor ws = w_scale.contiguous();
+    at::Tensor bias_f;
+    WeightOnly base;
+    base.x = x2.data_ptr();
+    base.ldx = x2.stride(0);
+    base.rows = x2.size(0);
+    base.K = K;
+    base.w = w.data_ptr<int8_t>();
+    base.ldw = w.stride(0);
+    base.cols = N;
+    base.w_scale = ws.data_ptr<float>();
+    base.bias = fp32_ptr(bias, bias_f);
+    base.out = out.data_ptr();
+    base.ldo = N;
+    base.out_dtype = dtype_of(x.scalar_type());
+    auto fn = bf16 ? kr.weight_only_bf16 : kr.weight_only_f32;
+    const int64_t M = base.rows;
+    const int64_t xe = bf16 ? 2 : 4, oe = out.element_size();
+    // Threads split N (each streams its share of the weights), then M when N is too narrow.
+    const int64_t T = (M * N * std::max<int64_t>(K, 1) < kSerialMacs) ? 1 : at::get_num_threads();
+    const int64_t tn = std::max<int64_t>(1, std::min(T, ceil_div(N, 64)));
+    const int64_t tm = std::max<int64_t>(1, std::min(T / tn, ceil_div(M, 4)));
+    auto body = [&](int64_t b, int64_t e) {
+        for (int64_t it = b; it < e; ++it) {
+            const auto rows = split(M, tm, it / tn, 4);
+            const auto cols = split(N, tn, it % tn, 8);
+            if (rows.first >= rows.second || cols.first >= cols.second) {
+                continue;
+            }
+            WeightOnly p = base;
+            p.x = static_cast<const char *>(base.x) + rows.first * base.ldx * xe;
+            p.rows = rows.second - rows.first;
+            p.w = base.w + cols.first * base.ldw;
+            p.cols = cols.second - cols.first;
+            p.w_scale = base.w_scale + cols.first;
+            p.bias = base.bias ? base.bias + cols.first : nullptr;
+            p.out = static_cast<char *>(base.out) + (rows.first * N + cols.first) * oe;
+            fn(p);
+        }
+    };
+    if (tm * tn == 1) {
+        body(0, 1);
+    } else {
+        at::parallel_for(0, tm * tn, 1, body);
+    }
+    return out;
+}
+
+} // namespace
+} // namespace int8
+} // namespace fastdl
+
+const char *fastdl_int8_isa() {
+    return fastdl::int8::kernels().name;
+}
+
+TORCH_LIBRARY_IMPL(fastdl_cpp, CPU, m) {
+    m.impl("quantize_per_token", &fastdl::int8::quantize_per_token);
+    m.impl("int8_pack_weight", &fastdl::int8::int8_pack_weight);
+    m.impl("int8_mm", &fastdl::int8::int8_mm);
+    m.impl("int8_linear", &fastdl::int8::int8_linear);
+    m.impl("int8_weight_only_linear", &fastdl::int8::int8_weight_only_linear);
+}

@@ -1,0 +1,469 @@
+// AVX2 kernels of the int8 capability, for x86 CPUs without AVX512-VNNI. No torch headers; every function enables
+// AVX2 + FMA + F16C with a target attribute and int8.cpp checks cpuid before calling in.
+//
+// W8A8 without VNNI: vpmaddubsw (u8 x s8 -> s16 pairs) saturates when two products of a + 128 (up to 255) and a
+// weight exceed 32767, so it is not exact for every int8 input. This kernel sign-extends both operands to int16 and
+// uses vpmaddwd (s16 x s16 -> s32 pair sums, exact): A is packed as int16 (no +128 shift, no compensation), and the
+// VNNI-packed weights are widened 16 bytes at a time (vpmovsxbw: 4 columns x 4 k), each widened vector serving the
+// MR = 2 rows of the tile. A 32-bit lane holds a (column, k-pair) partial sum; the pairs are added at the end.
+#include "int8_kernels.h"
+
+#if defined(__x86_64__) || defined(_M_X64)
+
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstring>
+
+#define FDL_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+namespace fastdl {
+namespace int8 {
+namespace {
+
+inline int64_t imin(int64_t a, int64_t b) {
+    return a < b ? a : b;
+}
+
+template <DType DT> constexpr int64_t elem_size() {
+    return DT == DType::F32 ? 4 : 2;
+}
+
+// 8 consecutive values as fp32 (exact conversions). The tail variant copies the first n into a zeroed buffer, so no
+// byte past the end is read.
+template <DType DT> FDL_AVX2 inline __m256 load8(const void *p) {
+    if constexpr (DT == DType::F32) {
+        return _mm256_loadu_ps(static_cast<const float *>(p));
+    } else if constexpr (DT == DType::BF16) {
+        const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(static_cast<const __m128i *>(p)));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+    } else {
+        return _mm256_cvtph_ps(_mm_loadu_si128(static_cast<const __m128i *>(p)));
+    }
+}
+
+template <DType DT> FDL_AVX2 inline __m256 load8_tail(const void *p, int64_t n) {
+    alignas(32) char buf[32] = {};
+    std::memcpy(buf, p, static_cast<size_t>(n * elem_size<DT>()));
+    return load8<DT>(buf);
+}
+
+// fp32 -> bf16 bits (round to nearest even, NaN -> 0x7fc0) in the low 128 bits.
+FDL_AVX2 inline __m128i to_bf16(__m256 f) {
+    const __m256i bits = _mm256_castps_si256(f);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7fff)), lsb), 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
+    r = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xd8);
+    return _mm256_castsi256_si128(r);
+}
+
+// Store the first n (<= 8) lanes of f as dt.
+FDL_AVX2 inline void store8(void *p, __m256 f, DType dt, int64_t n) {
+    alignas(32) char buf[32];
+    int64_t es = 2;
+    if (dt == DType::F32) {
+        es = 4;
+        if (n == 8) {
+            _mm256_storeu_ps(static_cast<float *>(p), f);
+            return;
+        }
+        _mm256_store_ps(reinterpret_cast<float *>(buf), f);
+    } else {
+        const __m128i h = dt == DType::BF16 ? to_bf16(f) : _mm256_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT);
+        if (n == 8) {
+            _mm_storeu_si128(static_cast<__m128i *>(p), h);
+            return;
+        }
+        _mm_store_si128(reinterpret_cast<__m128i *>(buf), h);
+    }
+    std::memcpy(p, buf, static_cast<size_t>(n * es));
+}
+
+// Keeps v in a register as it is: the multiply before it and the add after it cannot be fused into an FMA.
+FDL_AVX2 inline __m256 no_fma(__m256 v) {
+    __asm__("" : "+x"(v));
+    return v;
+}
+
+// ------------------------------------------------------------------------------------------- per-token quantisation
+// amax as the bits of |x| (integer order = float order; NaN / Inf >= 0x7f800000): see int8_avx512.cpp.
+template <DType DT> FDL_AVX2 uint32_t amax_bits(const void *row, int64_t K) {
+    const char *p = static_cast<const char *>(row);
+    const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
+    __m256i m0 = _mm256_setzero_si256();
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+        m0 = _mm256_max_epu32(m0, _mm256_and_si256(_mm256_castps_si256(load8<DT>(p + k * elem_size<DT>())), abs_mask));
+    }
+    if (k < K) {
+        const __m256 t = load8_tail<DT>(p + k * elem_size<DT>(), K - k);
+        m0 = _mm256_max_epu32(m0, _mm256_and_si256(_mm256_castps_si256(t), abs_mask));
+    }
+    alignas(32) uint32_t v[8];
+    _mm256_store_si256(reinterpret_cast<__m256i *>(v), m0);
+    uint32_t m = 0;
+    for (int i = 0; i < 8; ++i) {
+        m = v[i] > m ? v[i] : m;
+    }
+    return m;
+}
+
+inline float row_scale(uint32_t bits, float *inv) {
+    if (bits >= 0x7f800000u) {
+        *inv = 0.0f;
+        const uint32_t qnan = 0x7fc00000u;
+        float nan;
+        std::memcpy(&nan, &qnan, 4);
+        return nan;
+    }
+    if (bits == 0) {
+        *inv = 0.0f;
+        return 0.0f;
+    }
+    float amax;
+    std::memcpy(&amax, &bits, 4);
+    *inv = 127.0f / amax;
+    return amax / 127.0f;
+}
+
+// q = clamp(rne(x * inv), -127, 127) as int32 lanes, NaN products -> 0 (vmaxps returns its second operand for NaN, so
+// the clamp leaves no NaN and the mask restores 0).
+FDL_AVX2 inline __m256i quant8(__m256 x, __m256 inv) {
+    __m256 p = _mm256_mul_ps(x, inv);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(p, p, _CMP_UNORD_Q));
+    p = _mm256_min_ps(_mm256_max_ps(p, _mm256_set1_ps(-127.0f)), _mm256_set1_ps(127.0f));
+    const __m256i q = _mm256_cvttps_epi32(_mm256_round_ps(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    return _mm256_andnot_si256(nan, q);
+}
+
+// 16 int32 lanes (two vectors) -> 16 int16 in order.
+FDL_AVX2 inline __m256i to_i16(__m256i q0, __m256i q1) {
+    return _mm256_permute4x64_epi64(_mm256_packs_epi32(q0, q1), 0xd8);
+}
+
+// Quantise k in [k0, k1) of a row into 16-bit (Wide) or 8-bit values at dst.
+template <DType DT, bool Wide>
+FDL_AVX2 void quant_row(const void *row, int64_t k0, int64_t k1, float inv_s, void *dst) {
+    const char *p = static_cast<const char *>(row);
+    const __m256 inv = _mm256_set1_ps(inv_s);
+    char *d = static_cast<char *>(dst);
+    for (int64_t k = k0; k < k1; k += 16) {
+        const int64_t n = imin(16, k1 - k);
+        __m256 x0, x1;
+        if (n == 16) {
+            x0 = load8<DT>(p + k * elem_size<DT>());
+            x1 = load8<DT>(p + (k + 8) * elem_size<DT>());
+        } else {
+            x0 = n >= 8 ? load8<DT>(p + k * elem_size<DT>()) : load8_tail<DT>(p + k * elem_size<DT>(), n);
+            x1 = n > 8 ? load8_tail<DT>(p + (k + 8) * elem_size<DT>(), n - 8) : _mm256_setzero_ps();
+        }
+        const __m256i w = to_i16(quant8(x0, inv), quant8(x1, inv));
+        char *o = d + (k - k0) * (Wide ? 2 : 1);
+        if (Wide) {
+            if (n == 16) {
+                _mm256_storeu_si256(reinterpret_cast<__m256i *>(o), w);
+            } else {
+                alignas(32) char buf[32];
+                _mm256_store_si256(reinterpret_cast<__m256i *>(buf), w);
+                std::memcpy(o, buf, static_cast<size_t>(2 * n));
+            }
+        } else {
+            const __m128i b = _mm_packs_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+            if (n == 16) {
+                _mm_storeu_si128(reinterpret_cast<__m128i *>(o), b);
+            } else {
+                alignas(16) char buf[16];
+                _mm_store_si128(reinterpret_cast<__m128i *>(buf), b);
+                std::memcpy(o, buf, static_cast<size_t>(n));
+            }
+        }
+    }
+}
+
+template <DType DT> FDL_AVX2 void quantize_rows_t(const QuantRows &a) {
+    const char *src = static_cast<const char *>(a.src);
+    for (int64_t r = 0; r < a.rows; ++r) {
+        const void *row = src + r * a.ld * elem_size<DT>();
+        float inv;
+        a.scale[r] = row_scale(amax_bits<DT>(row, a.K), &inv);
+        quant_row<DT, false>(row, 0, a.K, inv, a.q + r * a.ldq);
+    }
+}
+
+void quantize_rows(const QuantRows &a) {
+    if (a.dtype == DType::F32) {
+        quantize_rows_t<DType::F32>(a);
+    } else if (a.dtype == DType::BF16) {
+        quantize_rows_t<DType::BF16>(a);
+    } else {
+        quantize_rows_t<DType::F16>(a);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------- pack A
+// int16 A block, rows of kc values, padding (k >= K) 0.
+inline void pad_row(int16_t *d, int64_t k0, int64_t k1, int64_t kc) {
+    const int64_t from = k1 > k0 ? k1 - k0 : 0;
+    if (kc > from) {
+        std::memset(d + from, 0, static_cast<size_t>(2 * (kc - from)));
+    }
+}
+
+template <DType DT> FDL_AVX2 void pack_a_float(const APack &p) {
+    const char *src = static_cast<const char *>(p.src);
+    const int64_t k1 = imin(p.K, p.k0 + p.kc);
+    for (int64_t r = 0; r < p.rows; ++r) {
+        const void *row = src + r * p.ld * elem_size<DT>();
+        if (p.compute_scales) {
+            p.scale[r] = row_scale(amax_bits<DT>(row, p.K), &p.inv[r]);
+        }
+        int16_t *d = static_cast<int16_t *>(p.dst) + r * p.ldd;
+        if (k1 > p.k0) {
+            quant_row<DT, true>(row, p.k0, k1, p.inv[r], d);
+        }
+        pad_row(d, p.k0, k1, p.kc);
+    }
+}
+
+FDL_AVX2 void pack_a_int8(const APack &p) {
+    const int8_t *src = static_cast<const int8_t *>(p.src);
+    const int64_t k1 = imin(p.K, p.k0 + p.kc);
+    for (int64_t r = 0; r < p.rows; ++r) {
+        const int8_t *row = src + r * p.ld;
+        int16_t *d = static_cast<int16_t *>(p.dst) + r * p.ldd;
+        int64_t k = p.k0;
+        for (; k + 16 <= k1; k += 16) {
+            const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i *>(row + k)));
+            _mm256_storeu_si256(reinterpret_cast<__m256i *>(d + (k - p.k0)), w);
+        }
+        for (; k < k1; ++k) {
+            d[k - p.k0] = row[k];
+        }
+        pad_row(d, p.k0, k1, p.kc);
+    }
+}
+
+void pack_a(const APack &p) {
+    switch (p.dtype) {
+    case DType::F32:
+        pack_a_float<DType::F32>(p);
+        break;
+    case DType::BF16:
+        pack_a_float<DType::BF16>(p);
+        break;
+    case DType::F16:
+        pack_a_float<DType::F16>(p);
+        break;
+    default:
+        pack_a_int8(p);
+    }
+}
+
+// --------------------------------------------------------------------------------------------------------- GEMM
+// Tile: MR = 2 rows x 16 columns (one VNNI block). Per k-quad: 4 widened B vectors (64 bytes), 2 broadcasts of 4
+// int16, 8 vpmaddwd + 8 vpaddd: 8 accumulators + 2 A + 1-2 B of the 16 ymm.
+constexpr int kMR = 2;
+
+template <int MR> FDL_AVX2 void avx2_tile(const GemmBlock &g, int64_t r0, int64_t c0) {
+    __m256i acc[MR][4];
+#pragma GCC unroll 2
+    for (int i = 0; i < MR; ++i) {
+#pragma GCC unroll 4
+        for (int s = 0; s < 4; ++s) {
+            acc[i][s] = _mm256_setzero_si256();
+        }
+    }
+    const int16_t *a = static_cast<const int16_t *>(g.a) + r0 * g.lda;
+    const int8_t *b = g.b + (c0 / 16) * g.b_stride;
+    const int64_t nq = g.kc / 4;
+    for (int64_t q = 0; q < nq; ++q) {
+        __m256i av[MR];
+#pragma GCC unroll 2
+        for (int i = 0; i < MR; ++i) {
+            int64_t a4;
+            std::memcpy(&a4, a + i * g.lda + 4 * q, 8);
+            av[i] = _mm256_set1_epi64x(a4);
+        }
+#pragma GCC unroll 4
+        for (int s = 0; s < 4; ++s) {
+            const __m256i bv =
+                _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i *>(b + q * 64 + 16 * s)));
+#pragma GCC unroll 2
+            for (int i = 0; i < MR; ++i) {
+                acc[i][s] = _mm256_add_epi32(acc[i][s], _mm256_madd_epi16(av[i], bv));
+            }
+        }
+    }
+#pragma GCC unroll 2
+    for (int i = 0; i < MR; ++i) {
+        const int64_t r = r0 + i;
+        // (column, k-pair) lanes -> column sums, columns c0 .. c0 + 7 and c0 + 8 .. c0 + 15.
+        __m256i sum[2] = {_mm256_permute4x64_epi64(_mm256_hadd_epi32(acc[i][0], acc[i][1]), 0xd8),
+                          _mm256_permute4x64_epi64(_mm256_hadd_epi32(acc[i][2], acc[i][3]), 0xd8)};
+        for (int h = 0; h < 2; ++h) {
+            const int64_t col = c0 + 8 * h;
+            int32_t *part = g.partial + r * g.ldp + col;
+            if (!g.first) {
+                sum[h] = _mm256_add_epi32(sum[h], _mm256_loadu_si256(reinterpret_cast<const __m256i *>(part)));
+            }
+            if (!g.last) {
+                _mm256_storeu_si256(reinterpret_cast<__m256i *>(part), sum[h]);
+                continue;
+            }
+            if (col >= g.n_valid) {
+                break;
+            }
+            const int64_t n = imin(8, g.n_valid - col);
+            if (g.out_dtype == DType::I32) {
+                store8(static_cast<int32_t *>(g.out) + r * g.ldo + col, _mm256_castsi256_ps(sum[h]), DType::F32, n);
+                continue;
+            }
+            alignas(32) float bs[8] = {}, bias[8] = {};
+            std::memcpy(bs, g.b_scale + col, static_cast<size_t>(4 * n));
+            if (g.bias) {
+                std::memcpy(bias, g.bias + col, static_cast<size_t>(4 * n));
+            }
+            __m256 f = _mm256_cvtepi32_ps(sum[h]);
+            f = no_fma(_mm256_mul_ps(f, _mm256_set1_ps(g.a_scale[r])));
+            f = no_fma(_mm256_mul_ps(f, _mm256_load_ps(bs)));
+            if (g.bias) {
+                f = _mm256_add_ps(f, _mm256_load_ps(bias));
+            }
+            const int64_t es = g.out_dtype == DType::F32 ? 4 : 2;
+            store8(static_cast<char *>(g.out) + (r * g.ldo + col) * es, f, g.out_dtype, n);
+        }
+    }
+}
+
+void gemm_block(const GemmBlock &g) {
+    // 16-column block outer: its B slice (16 x kc bytes, 64 KiB at kc = 4096) is reused from L2 by every row tile.
+    for (int64_t c0 = 0; c0 < g.cols; c0 += 16) {
+        int64_t r0 = 0;
+        for (; r0 + kMR <= g.rows; r0 += kMR) {
+            avx2_tile<kMR>(g, r0, c0);
+        }
+        if (r0 < g.rows) {
+            avx2_tile<1>(g, r0, c0);
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------------- weight-only
+// fp32 FMA on dot products: MB = 1 row x NB = 8 w rows, or MB = 2 x NB = 6 (8-12 accumulators, within 16 ymm).
+template <int MB, int NB> FDL_AVX2 void wo_tile(const WeightOnly &p, int64_t m0, int64_t n0) {
+    __m256 acc[MB][NB];
+#pragma GCC unroll 2
+    for (int i = 0; i < MB; ++i) {
+#pragma GCC unroll 8
+        for (int j = 0; j < NB; ++j) {
+            acc[i][j] = _mm256_setzero_ps();
+        }
+    }
+    const float *x = static_cast<const float *>(p.x) + m0 * p.ldx;
+    const int8_t *w = p.w + n0 * p.ldw;
+    int64_t k = 0;
+    for (; k + 8 <= p.K; k += 8) {
+        __m256 xv[MB];
+#pragma GCC unroll 2
+        for (int i = 0; i < MB; ++i) {
+            xv[i] = _mm256_loadu_ps(x + i * p.ldx + k);
+        }
+#pragma GCC unroll 8
+        for (int j = 0; j < NB; ++j) {
+            int64_t w8;
+            std::memcpy(&w8, w + j * p.ldw + k, 8);
+            const __m256 wv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(w8)));
+#pragma GCC unroll 2
+            for (int i = 0; i < MB; ++i) {
+                acc[i][j] = _mm256_fmadd_ps(xv[i], wv, acc[i][j]);
+            }
+        }
+    }
+    alignas(32) float s[MB][8] = {};
+    for (int i = 0; i < MB; ++i) {
+        for (int j = 0; j < NB; ++j) {
+            alignas(32) float v[8];
+            _mm256_store_ps(v, acc[i][j]);
+            float t = ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+            for (int64_t kk = k; kk < p.K; ++kk) { // K tail
+                t += x[i * p.ldx + kk] * static_cast<float>(w[j * p.ldw + kk]);
+            }
+            s[i][j] = t;
+        }
+    }
+    alignas(32) float ws[8] = {}, bias[8] = {};
+    std::memcpy(ws, p.w_scale + n0, 4 * NB);
+    if (p.bias) {
+        std::memcpy(bias, p.bias + n0, 4 * NB);
+    }
+    const int64_t es = p.out_dtype == DType::F32 ? 4 : 2;
+    for (int i = 0; i < MB; ++i) {
+        __m256 f = _mm256_mul_ps(_mm256_load_ps(s[i]), _mm256_load_ps(ws));
+        if (p.bias) {
+            f = _mm256_add_ps(f, _mm256_load_ps(bias));
+        }
+        store8(static_cast<char *>(p.out) + ((m0 + i) * p.ldo + n0) * es, f, p.out_dtype, NB);
+    }
+}
+
+void weight_only_f32(const WeightOnly &p) {
+    constexpr int64_t kXBlockBytes = 256 << 10, kGroup = 24;
+    const int64_t row_bytes = (p.K > 0 ? p.K : 1) * 4;
+    int64_t mc = kXBlockBytes / row_bytes;
+    mc = mc < 2 ? 2 : mc / 2 * 2;
+    for (int64_t mb0 = 0; mb0 < p.rows; mb0 += mc) {
+        const int64_t mb1 = imin(p.rows, mb0 + mc);
+        for (int64_t g0 = 0; g0 < p.cols; g0 += kGroup) {
+            const int64_t g1 = imin(p.cols, g0 + kGroup);
+            for (int64_t m0 = mb0; m0 < mb1; m0 += 2) {
+                const bool two = m0 + 2 <= mb1;
+                const int nb = two ? 6 : 8;
+                int64_t n = g0;
+                for (; n + nb <= g1; n += nb) {
+                    two ? wo_tile<2, 6>(p, m0, n) : wo_tile<1, 8>(p, m0, n);
+                }
+                for (; n < g1; ++n) {
+                    two ? wo_tile<2, 1>(p, m0, n) : wo_tile<1, 1>(p, m0, n);
+                }
+            }
+        }
+    }
+}
+
+Kernels make() {
+    Kernels k;
+    k.name = "avx2";
+    k.a_bytes = 2;
+    k.mr = kMR;
+    k.quantize_rows = &quantize_rows;
+    k.pack_a = &pack_a;
+    k.gemm_block = &gemm_block;
+    k.pack_b = &pack_b_portable;
+    k.weight_only_f32 = &weight_only_f32;
+    k.weight_only_bf16 = nullptr;
+    return k;
+}
+
+} // namespace
+
+const Kernels *kernels_avx2() {
+    static const Kernels k = make();
+    return &k;
+}
+
+} // namespace int8
+} // namespace fastdl
+
+#else // not x86-64
+
+namespace fastdl {
+namespace int8 {
+const Kernels *kernels_avx2() {
+    return nullptr;
+}
+} // namespace int8
+} // namespace fastdl
+
+#endif

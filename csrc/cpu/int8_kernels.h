@@ -1,0 +1,131 @@
+// Shared declarations between the ATen glue (int8.cpp: argument checks, blocking, threads) and the kernels of the int8
+// capability: int8_avx512.cpp (AVX512-VNNI W8A8, AVX512-BF16 weight-only), int8_avx2.cpp (CPUs without VNNI) and
+// int8_scalar.cpp (portable fallback). No torch headers here: the SIMD translation units are compiled with the
+// generic project flags and enable their ISA per function with target attributes, so they must not see ATen.
+#pragma once
+
+#include <cstdint>
+
+// Which int8 CPU kernels run in this process: "avx512_vnni+bf16", "avx512_vnni", "avx2" or "scalar". Decided once,
+// from cpuid and the environment variable FASTDL_CPU_ISA (=avx512 | avx2 | scalar forces a lower path for tests;
+// =avx512 also drops the AVX512-BF16 weight-only kernel, as for fused_linear). For `fastdl info`.
+const char *fastdl_int8_isa();
+
+namespace fastdl {
+namespace int8 {
+
+enum class DType : int { F32 = 0, BF16, F16, I32, I8 };
+
+// ---------------------------------------------------------------------------------------------------------------
+// Per-token quantisation (contract formula): per row, amax = max |x| in fp32; non-finite amax -> scale NaN, q = 0;
+// amax == 0 -> scale 0, q = 0; else inv = 127 / amax, q = clamp(rne(x * inv), -127, 127), scale = amax / 127.
+// (x * inv can only be NaN for x == 0 when amax < 127 / FLT_MAX makes inv infinite: that q is 0.)
+struct QuantRows {
+    const void *src = nullptr; // element (r, k) at src + r * ld + k, dtype F32 / BF16 / F16
+    int64_t ld = 0;
+    DType dtype = DType::F32;
+    int64_t rows = 0, K = 0;
+    int8_t *q = nullptr; // element (r, k) at q + r * ldq + k
+    int64_t ldq = 0;
+    float *scale = nullptr; // [rows]
+};
+
+// ---------------------------------------------------------------------------------------------------------------
+// W8A8 GEMM: C[m, n] = sum_k A[m, k] * B[n, k] in int32 on a block of A rows packed into a small buffer, and B in the
+// VNNI layout of int8_pack_weight ([Np/16][Kp/4][16 columns][4 k] bytes, so the 16-column block j starts at byte
+// j * Kp * 16 and its k-quad q at byte q * 64 within it).
+
+// Pack rows [0, rows) x k in [k0, k0 + kc) of A into dst (row stride ldd elements), in the element type of the ISA
+// (Kernels::a_bytes): the int8 value a (scalar), a as int16 (AVX2), or a + 128 as uint8 (AVX512-VNNI takes u8 x s8;
+// the compensation 128 * sum_k B[n, k] is removed in the epilogue). k >= K is padded with a = 0. A is int8 (copied)
+// or float (quantised per token; the row scales are computed first when compute_scales, else read from scale).
+struct APack {
+    const void *src = nullptr; // element (r, k) at src + r * ld + k
+    int64_t ld = 0;
+    DType dtype = DType::I8; // I8, or F32 / BF16 / F16 to quantise
+    int64_t rows = 0, K = 0, k0 = 0, kc = 0;
+    float *scale = nullptr;      // [rows], float A only: amax / 127
+    float *inv = nullptr;        // [rows], float A only: 127 / amax (0 for rows of zeros and non-finite rows)
+    bool compute_scales = false; // fill scale and inv (first K slice), else read them
+    void *dst = nullptr;
+    int64_t ldd = 0;
+};
+
+// One row block of A (packed, kc k values) times the 16-column blocks [0, cols / 16) of a slice of packed B.
+// K slices: the first slice starts from zero, the others add the int32 partial sums kept in `partial` (rows x cols,
+// row stride ldp); every slice but the last stores its sums there, the last one applies the epilogue:
+//   out_dtype I32:  out = acc
+//   else:           out = cast(((float(acc) * a_scale[r]) * b_scale[n]) + bias[n])   (fp32, this order, no FMA)
+// Only the columns n < n_valid are stored.
+struct GemmBlock {
+    const void *a = nullptr; // packed A block
+    int64_t lda = 0;         // elements
+    int64_t rows = 0;
+    const int8_t *b = nullptr; // packed B at (first 16-column block of the range, first k-quad of the slice)
+    int64_t b_stride = 0;      // bytes between consecutive 16-column blocks (Kp * 16)
+    int64_t kc = 0;            // k values in the slice (multiple of 4)
+    int64_t cols = 0;          // multiple of 16
+    int64_t n_valid = 0;
+    bool first = true, last = true;
+    int32_t *partial = nullptr;
+    int64_t ldp = 0;
+    // epilogue (all indexed from the first row / column of the block)
+    const int32_t *comp = nullptr; // VNNI only: 128 * sum_k B[n, k]
+    const float *a_scale = nullptr, *b_scale = nullptr, *bias = nullptr;
+    void *out = nullptr;
+    int64_t ldo = 0; // elements
+    DType out_dtype = DType::F32;
+};
+
+// ---------------------------------------------------------------------------------------------------------------
+// Weight-only: out[m, n] = cast(w_scale[n] * sum_k x[m, k] * w[n, k] + bias[n]) with x fp32 (or bf16 for the
+// AVX512-BF16 kernel) and w int8 [N, K] row-major, dequantised in registers. Rows [0, rows) x columns [0, cols).
+struct WeightOnly {
+    const void *x = nullptr; // element (m, k) at x + m * ldx + k
+    int64_t ldx = 0;
+    int64_t rows = 0, K = 0;
+    const int8_t *w = nullptr; // element (n, k) at w + n * ldw + k
+    int64_t ldw = 0;
+    int64_t cols = 0;
+    const float *w_scale = nullptr, *bias = nullptr;
+    void *out = nullptr;
+    int64_t ldo = 0;
+    DType out_dtype = DType::F32;
+};
+
+// ---------------------------------------------------------------------------------------------------------------
+// int8_pack_weight for the 16-row blocks [jb0, jb1) of w [N, K] (row stride ldw): packed is the whole [Np, Kp] output
+// (VNNI layout above, zero padding), comp[n] = 128 * sum_k w[n, k] in int32 arithmetic (0 for padded rows).
+struct PackB {
+    const int8_t *w = nullptr;
+    int64_t ldw = 0, N = 0, K = 0, Kp = 0;
+    int64_t jb0 = 0, jb1 = 0;
+    int8_t *packed = nullptr;
+    int32_t *comp = nullptr;
+};
+void pack_b_portable(const PackB &p); // int8_scalar.cpp, also used by the AVX2 kernels
+
+// One ISA's kernels. A null pointer means "not available".
+struct Kernels {
+    const char *name = "scalar";
+    int a_bytes = 1; // bytes per packed A element
+    int mr = 1;      // rows of the W8A8 register tile (threads get row ranges in multiples of it)
+    void (*quantize_rows)(const QuantRows &) = nullptr;
+    void (*pack_a)(const APack &) = nullptr;
+    void (*gemm_block)(const GemmBlock &) = nullptr;
+    void (*pack_b)(const PackB &) = nullptr;
+    void (*weight_only_f32)(const WeightOnly &) = nullptr;  // x fp32
+    void (*weight_only_bf16)(const WeightOnly &) = nullptr; // x bf16
+};
+
+// Each returns nullptr when the TU was compiled for another architecture. The caller checks cpuid.
+const Kernels *kernels_avx512();      // AVX512 F/BW/VL/DQ + VNNI
+const Kernels *kernels_avx512_bf16(); // the same plus the AVX512-BF16 weight-only kernel
+const Kernels *kernels_avx2();        // AVX2 + FMA + F16C
+const Kernels *kernels_scalar();      // portable C++
+
+// The kernels chosen for this process (see fastdl_int8_isa).
+const Kernels &kernels();
+
+} // namespace int8
+} // namespace fastdl
