@@ -45,7 +45,7 @@ import math
 
 import torch
 
-from ._library import LIB, define, register_autocast_rule
+from ._library import LIB, define, register_autocast_rule, require, require_same_device
 from .fused_linear import fused_linear_backward_op
 
 __all__ = [
@@ -92,37 +92,37 @@ def packed_shape(n, k) -> tuple:
 
 # ----------------------------------------------------------------------------------------------- argument checks
 def _check_x(fn, x):
-    torch._check_value(
+    require(
         x.dtype in _X_DTYPES,
         lambda: f"{fn}: x must be float32, bfloat16 or float16, got dtype {x.dtype}",
     )
-    torch._check_value(x.dim() >= 1, lambda: f"{fn}: x must have at least 1 dimension [..., K], got a 0-dim tensor")
+    require(x.dim() >= 1, lambda: f"{fn}: x must have at least 1 dimension [..., K], got a 0-dim tensor")
 
 
 def _check_int8_2d(fn, name, t, shape_doc):
-    torch._check_value(t.dtype == torch.int8, lambda: f"{fn}: {name} must be int8, got dtype {t.dtype}")
-    torch._check_value(t.dim() == 2, lambda: f"{fn}: {name} must be 2-D {shape_doc}, got shape {tuple(t.shape)}")
+    require(t.dtype == torch.int8, lambda: f"{fn}: {name} must be int8, got dtype {t.dtype}")
+    require(t.dim() == 2, lambda: f"{fn}: {name} must be 2-D {shape_doc}, got shape {tuple(t.shape)}")
 
 
 def _check_vector(fn, name, t, n, ref, what, fp32=True):
     if fp32:
-        torch._check_value(
+        require(
             t.dtype == torch.float32, lambda: f"{fn}: {name} must be float32, got dtype {t.dtype}"
         )
     else:
-        torch._check_value(t.dtype in _FLOAT, lambda: f"{fn}: {name} must be a floating tensor, got dtype {t.dtype}")
-    torch._check_value(
+        require(t.dtype in _FLOAT, lambda: f"{fn}: {name} must be a floating tensor, got dtype {t.dtype}")
+    require(
         t.dim() == 1 and t.shape[0] == n,
         lambda: f"{fn}: {name} must have shape [{what}] = [{n}], got {tuple(t.shape)}",
     )
-    torch._check(
+    require_same_device(
         t.device == ref.device,
         lambda: f"{fn}: {name} must be on the same device as the other inputs ({ref.device}), got {t.device}",
     )
 
 
 def _check_same_device(fn, name, t, ref, ref_name):
-    torch._check(
+    require_same_device(
         t.device == ref.device,
         lambda: f"{fn}: {name} must be on the same device as {ref_name} ({ref.device}), got {t.device}",
     )
@@ -130,21 +130,21 @@ def _check_same_device(fn, name, t, ref, ref_name):
 
 def _check_packed(fn, packed, comp, N, K, ref, names=("w_packed", "w_comp")):
     pn, cn = names
-    torch._check_value(
+    require(
         (packed is None) == (comp is None),
         lambda: f"{fn}: {pn} and {cn} must be given together (both from int8_pack_weight) or both be None",
     )
     if packed is None:
         return
     Np, Kp = packed_shape(N, K)
-    torch._check_value(packed.dtype == torch.int8, lambda: f"{fn}: {pn} must be int8, got dtype {packed.dtype}")
-    torch._check_value(
+    require(packed.dtype == torch.int8, lambda: f"{fn}: {pn} must be int8, got dtype {packed.dtype}")
+    require(
         packed.dim() == 2 and packed.shape[0] == Np and packed.shape[1] == Kp,
         lambda: f"{fn}: {pn} must have shape [roundup(N, 16), roundup(K, 4)] = [{Np}, {Kp}] "
         f"(from int8_pack_weight), got {tuple(packed.shape)}",
     )
-    torch._check_value(comp.dtype == torch.int32, lambda: f"{fn}: {cn} must be int32, got dtype {comp.dtype}")
-    torch._check_value(
+    require(comp.dtype == torch.int32, lambda: f"{fn}: {cn} must be int32, got dtype {comp.dtype}")
+    require(
         comp.dim() == 1 and comp.shape[0] == Np,
         lambda: f"{fn}: {cn} must have shape [roundup(N, 16)] = [{Np}], got {tuple(comp.shape)}",
     )
@@ -157,7 +157,7 @@ def _check_weight(fn, x, w_q, w_scale, bias, name="w_q", scale_name="w_scale"):
     _check_x(fn, x)
     _check_int8_2d(fn, name, w_q, "[N, K]")
     K, N = x.shape[-1], w_q.shape[0]
-    torch._check_value(
+    require(
         w_q.shape[1] == K,
         lambda: f"{fn}: {name} must have shape [N, K] with K = x.shape[-1] = {K}, got {tuple(w_q.shape)} "
         "(mismatched K)",
@@ -182,12 +182,12 @@ def check_mm(a_q, b_q, a_scale, b_scale, bias, out_dtype, b_packed, b_comp):
     _check_int8_2d(fn, "a_q", a_q, "[M, K]")
     _check_int8_2d(fn, "b_q", b_q, "[N, K]")
     M, K, N = a_q.shape[0], a_q.shape[1], b_q.shape[0]
-    torch._check_value(
+    require(
         b_q.shape[1] == K,
         lambda: f"{fn}: b_q must have shape [N, K] with K = a_q.shape[1] = {K}, got {tuple(b_q.shape)} (mismatched K)",
     )
     _check_same_device(fn, "b_q", b_q, a_q, "a_q")
-    torch._check_value(
+    require(
         out_dtype in _OUT_DTYPES,
         lambda: f"{fn}: out_dtype must be one of float32, bfloat16, float16, int32, got {out_dtype}",
     )
@@ -212,16 +212,16 @@ def check_weight_only(x, w_q, w_scale, bias):
 def check_qat(x, weight, bias):
     fn = "int8_linear_qat"
     _check_x(fn, x)
-    torch._check_value(
+    require(
         weight.dim() == 2, lambda: f"{fn}: weight must be 2-D [N, K], got shape {tuple(weight.shape)}"
     )
-    torch._check_value(
+    require(
         weight.dtype == x.dtype or weight.dtype == torch.float32,
         lambda: f"{fn}: weight (the float master weight) must have x's dtype ({x.dtype}) or float32, "
         f"got {weight.dtype}",
     )
     K, N = x.shape[-1], weight.shape[0]
-    torch._check_value(
+    require(
         weight.shape[1] == K,
         lambda: f"{fn}: weight must have shape [N, K] with K = x.shape[-1] = {K}, got {tuple(weight.shape)} "
         "(mismatched K)",

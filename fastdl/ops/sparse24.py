@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from ._library import define, register_autocast_rule
+from ._library import define, register_autocast_rule, require, require_same_device
 
 _FLOAT = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -42,13 +42,13 @@ LINEAR_SCHEMA = "(Tensor x, Tensor values, Tensor meta, Tensor? bias) -> Tensor"
 # ----------------------------------------------------------------------------------------------- argument checks
 def check_weight(w: torch.Tensor, op: str) -> tuple[int, int]:
     """[N, K] floating weight with K % 4 == 0; returns (N, K)."""
-    torch._check_value(
+    require(
         w.dtype in _FLOAT,
         lambda: f"{op}: w must be a floating tensor (float32, bfloat16, float16, float64), got dtype {w.dtype}",
     )
-    torch._check_value(w.dim() == 2, lambda: f"{op}: w must be 2-D [N, K], got shape {tuple(w.shape)}")
+    require(w.dim() == 2, lambda: f"{op}: w must be 2-D [N, K], got shape {tuple(w.shape)}")
     N, K = w.shape
-    torch._check_value(
+    require(
         K % 4 == 0,
         lambda: f"{op}: K = w.shape[1] = {K} is not a multiple of 4 (2:4 sparsity groups 4 consecutive elements "
         "along K); pad the input features or leave this layer dense",
@@ -58,25 +58,25 @@ def check_weight(w: torch.Tensor, op: str) -> tuple[int, int]:
 
 def check_compressed(values: torch.Tensor, meta: torch.Tensor, op: str) -> tuple[int, int]:
     """values [N, K/2] floating, meta uint8 [N, ceil(K/8)]; returns (N, K)."""
-    torch._check_value(
+    require(
         values.dtype in _FLOAT, lambda: f"{op}: values must be a floating tensor, got dtype {values.dtype}"
     )
-    torch._check_value(
+    require(
         values.dim() == 2, lambda: f"{op}: values must be 2-D [N, K/2], got shape {tuple(values.shape)}"
     )
-    torch._check_value(meta.dtype == torch.uint8, lambda: f"{op}: meta must be torch.uint8, got {meta.dtype}")
+    require(meta.dtype == torch.uint8, lambda: f"{op}: meta must be torch.uint8, got {meta.dtype}")
     N, half = values.shape
     K = 2 * half
-    torch._check_value(
+    require(
         half % 2 == 0,
         lambda: f"{op}: values.shape[1] = {half} must be K/2 with K a multiple of 4 (so it must be even)",
     )
-    torch._check_value(
+    require(
         meta.dim() == 2 and meta.shape[0] == N and meta.shape[1] == (K + 7) // 8,
         lambda: f"{op}: meta must have shape [N, ceil(K/8)] = [{N}, {(K + 7) // 8}] for values of shape "
         f"{tuple(values.shape)} (K = {K}), got {tuple(meta.shape)}",
     )
-    torch._check(
+    require_same_device(
         meta.device == values.device,
         lambda: f"{op}: values and meta must be on the same device, got {values.device} and {meta.device}",
     )
@@ -85,30 +85,30 @@ def check_compressed(values: torch.Tensor, meta: torch.Tensor, op: str) -> tuple
 
 def check_linear(x, values, meta, bias) -> tuple[int, int]:
     N, K = check_compressed(values, meta, "sparse24_linear")
-    torch._check_value(
+    require(
         x.dtype in _FLOAT,
         lambda: f"sparse24_linear: x must be a floating tensor (float32, bfloat16, float16), got dtype {x.dtype}",
     )
-    torch._check_value(x.dim() >= 1, lambda: "sparse24_linear: x must have at least 1 dimension [..., K]")
-    torch._check_value(
+    require(x.dim() >= 1, lambda: "sparse24_linear: x must have at least 1 dimension [..., K]")
+    require(
         x.shape[-1] == K,
         lambda: f"sparse24_linear: x.shape[-1] = {x.shape[-1]} must equal K = 2 * values.shape[1] = {K} "
         "(mismatched K)",
     )
-    torch._check(
+    require_same_device(
         values.device == x.device,
         lambda: f"sparse24_linear: x and values must be on the same device, got x on {x.device}, "
         f"values on {values.device}",
     )
     if bias is not None:
-        torch._check_value(
+        require(
             bias.dtype in _FLOAT, lambda: f"sparse24_linear: bias must be a floating tensor, got dtype {bias.dtype}"
         )
-        torch._check_value(
+        require(
             bias.dim() == 1 and bias.shape[0] == N,
             lambda: f"sparse24_linear: bias must have shape [N] = [{N}], got {tuple(bias.shape)}",
         )
-        torch._check(
+        require_same_device(
             bias.device == x.device,
             lambda: f"sparse24_linear: bias must be on x's device {x.device}, got {bias.device}",
         )
@@ -118,9 +118,9 @@ def check_linear(x, values, meta, bias) -> tuple[int, int]:
 # ----------------------------------------------------------------------------------------------- meta helpers
 def pack_mask(mask: torch.Tensor) -> torch.Tensor:
     """bool [N, K] (K % 4 == 0) -> uint8 [N, ceil(K/8)] in the meta layout (nibble per group, low nibble first)."""
-    torch._check_value(mask.dim() == 2, lambda: f"pack_mask: mask must be 2-D [N, K], got {tuple(mask.shape)}")
+    require(mask.dim() == 2, lambda: f"pack_mask: mask must be 2-D [N, K], got {tuple(mask.shape)}")
     N, K = mask.shape
-    torch._check_value(K % 4 == 0, lambda: f"pack_mask: K = mask.shape[1] = {K} is not a multiple of 4")
+    require(K % 4 == 0, lambda: f"pack_mask: K = mask.shape[1] = {K} is not a multiple of 4")
     G = K // 4
     bits = mask.reshape(N, G, 4).to(torch.uint8)
     nib = bits[..., 0] | (bits[..., 1] << 1) | (bits[..., 2] << 2) | (bits[..., 3] << 3)
@@ -131,7 +131,7 @@ def pack_mask(mask: torch.Tensor) -> torch.Tensor:
 
 def unpack_meta(meta: torch.Tensor, K: int) -> torch.Tensor:
     """uint8 [N, ceil(K/8)] -> bool [N, K] (the inverse of ``pack_mask``)."""
-    torch._check_value(K % 4 == 0, lambda: f"unpack_meta: K = {K} is not a multiple of 4")
+    require(K % 4 == 0, lambda: f"unpack_meta: K = {K} is not a multiple of 4")
     N = meta.shape[0]
     G = K // 4
     nib = torch.stack([meta & 15, meta >> 4], dim=-1).reshape(N, -1)[:, :G]
