@@ -51,13 +51,10 @@ def collect() -> dict:
                     {"backend": b, "available": ok, "why_not": why} for b, ok, why in backends.explain(op, dev)
                 ],
             }
-    loader_mode = None
-    try:
-        from .data import describe_mode
+    from .data import loader_info
 
-        loader_mode = describe_mode()
-    except (ImportError, AttributeError):
-        loader_mode = "unavailable"
+    li = loader_info()
+    loader_mode = f"{li['mode']} (copy: {li['copy_backend']}" + (f"; {li['reason']}" if li.get("reason") else "") + ")"
     return {
         "fastdl": __version__,
         "torch": torch.__version__,

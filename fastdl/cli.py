@@ -14,8 +14,17 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p_info = sub.add_parser("info", help="versions, CPU ISA, GPU, extension, backend per op and device")
     p_info.add_argument("--json", action="store_true", help="print the facts as JSON")
+    p_demo = sub.add_parser("demo", help="train/prune/quantize a small model with DDP, compare with plain PyTorch")
+    from . import demo
+
+    demo.add_arguments(p_demo)
     p_bench = sub.add_parser("bench", help="kernel microbenchmarks vs PyTorch")
     bench_sub = p_bench.add_subparsers(dest="bench", required=True)
+    from .bench import all as bench_all
+
+    p_all = bench_sub.add_parser("all", help="every microbenchmark, a summary of ratios, CSV and a PNG plot")
+    bench_all.add_arguments(p_all)
+    p_all.set_defaults(_module=bench_all)
     for name, module in BENCHMARKS.items():
         try:
             mod = importlib.import_module(module)
@@ -38,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(format_info(d))
         return 0
+    if args.command == "demo":
+        results = demo.run(args)
+        return 1 if results["missed"] else 0
     if args.command == "bench":
         mod = getattr(args, "_module", None)
         if mod is None:

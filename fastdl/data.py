@@ -1,0 +1,906 @@
+"""Prefetching loader: ``fastdl.data.PrefetchLoader`` wraps any loader and hides the host-to-device copy.
+
+A background thread pulls batches from the wrapped iterable and copies their tensors into a ring of host buffers
+that are allocated once and reused (grown only when a batch is larger, bounded by ``max_ring_bytes``). The copy is
+done by C++ (``csrc/loader/loader.cpp``, ``torch.ops.fastdl_cpp.loader_fill``) with the GIL released, so the Python
+consumer keeps running while it copies; without the compiled extension the same copy is done with
+``Tensor.copy_`` (which also releases the GIL), and ``loader.copy_backend`` says ``"torch"``.
+
+Modes (``loader.mode``):
+
+``"cuda-pinned"``    target is a CUDA device; the ring is page-locked (allocated by PyTorch's pinned host allocator).
+                     Each batch is copied ring -> device with one ``non_blocking`` copy on a side CUDA stream that
+                     lives as long as the loader; the consumer's current stream waits on that copy's event before the
+                     batch is handed out, and ``record_stream`` keeps the caching allocator from reusing the device
+                     memory before the consumer's stream is done with it. A ring slot is refilled only after its
+                     previous copy finished (event). Tensors that are already pinned (e.g. from
+                     ``DataLoader(pin_memory=True)``) skip the ring and are copied directly.
+``"cuda-pageable"``  target is a CUDA device but the ring is not page-locked (``pin_memory=False``, or pinning
+                     failed): same flow, the device copy is then synchronous with respect to the producer thread.
+``"cpu"``            target is the CPU: the batch handed out consists of views into a ring slot. A slot is reused only
+                     when nothing outside the ring still references it (storage use count), so a batch the consumer
+                     keeps is never overwritten (its slot is replaced by a new buffer instead; ``ring_replaced``).
+``"cpu-pinned"``     target is the CPU but ``pin_memory=True`` was asked for on a machine with CUDA: the ring is
+                     page-locked, so the consumer can issue its own ``non_blocking`` copies from the batches.
+
+Page-locking without a GPU driver (``mlock``) is not done: with no device DMA it buys nothing but a risk of hitting
+RLIMIT_MEMLOCK, and the reuse of the ring already avoids the page faults of fresh allocations.
+
+Import cost: this module imports torch only; it does not initialise CUDA, load or compile the extension until a
+loader is built.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import os
+import queue
+import threading
+import time
+import warnings
+import weakref
+from collections.abc import Iterable, Iterator, Mapping
+
+import torch
+
+__all__ = ["PrefetchLoader", "loader_info"]
+
+# Schemas of the loader's private C++ ops (name -> schema without the name), defined under ``fastdl_cpp`` from
+# Python; csrc/loader/loader.cpp registers their CPU kernels with TORCH_LIBRARY_IMPL(fastdl_cpp, CPU, m).
+_SCHEMAS: dict[str, str] = {
+    # Copy src[i] into dst[offsets[i] : offsets[i] + nbytes_i]. keep_strides[i] = 1: src[i] is non-overlapping
+    # and dense and its memory span is copied verbatim (its strides stay valid, e.g. channels_last);
+    # 0: copied as a C-contiguous tensor. num_threads > 1 splits large copies across helper threads.
+    "loader_fill": "(Tensor[] src, Tensor(a!) dst, int[] offsets, int[] keep_strides, int num_threads) -> ()",
+    # References to the storage of t (tensors/views sharing it): 1 when only the ring holds a slot.
+    "loader_use_count": "(Tensor t) -> int",
+}
+
+_ALIGN = 256  # byte alignment of every tensor in a slot (GPU kernels want >= 16 B; 256 = CUDA allocator's min)
+_CUDA_COPY_THREADS = 4  # helper threads of the host staging copy for GPU targets (a core copies ~10 GB/s)
+DEFAULT_MAX_RING_BYTES = 4 << 30
+_THREAD_NAME = "fastdl-prefetch"
+
+_lib = None
+_lib_lock = threading.Lock()
+_backend_cache: dict = {}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# extension / backend
+
+
+def _op_defined(name: str) -> bool:
+    try:
+        torch._C._dispatch_find_schema_or_throw(f"fastdl_cpp::{name}", "")
+        return True
+    except RuntimeError:
+        return False
+
+
+def _define_schemas() -> None:
+    """Define the loader's ``fastdl_cpp`` schemas once (skipping any that another module already defined)."""
+    global _lib
+    with _lib_lock:
+        if _lib is not None:
+            return
+        lib = torch.library.Library("fastdl_cpp", "FRAGMENT")
+        for name, schema in _SCHEMAS.items():
+            if not _op_defined(name):
+                lib.define(name + schema)
+        _lib = lib
+
+
+def _cpp_status() -> tuple[bool, str]:
+    """(available, reason): are the loader's C++ kernels registered (loading the extension on first call)?"""
+    if "cpp" in _backend_cache:
+        return _backend_cache["cpp"]
+    reason = ""
+    try:
+        from . import _extension
+    except ImportError:
+        _extension = None
+        reason = "fastdl._extension not found"
+    if _extension is not None:
+        try:
+            if not _extension.ensure_loaded():
+                reason = "compiled extension fastdl._C not available"
+        except Exception as exc:  # a failed JIT build must not break the loader: fall back to torch copies
+            reason = f"loading fastdl._C failed: {exc}"
+    _define_schemas()
+    ok = all(torch._C._dispatch_has_kernel_for_dispatch_key(f"fastdl_cpp::{n}", "CPU") for n in _SCHEMAS)
+    result = (ok, "" if ok else (reason or "loader kernels not registered"))
+    if ok or _extension is not None:  # cache unless a standalone build may still register the kernels later
+        _backend_cache["cpp"] = result
+    return result
+
+
+def _resolve_copy_backend(copy_backend: str) -> str:
+    choice = copy_backend
+    if choice == "auto":
+        env = os.environ.get("FASTDL_BACKEND", "auto").strip().lower()
+        choice = env if env in ("cpp", "torch") else "auto"
+    if choice not in ("auto", "cpp", "torch"):
+        raise ValueError(f"copy_backend must be 'auto', 'cpp' or 'torch', got {copy_backend!r}")
+    if choice == "torch":
+        return "torch"
+    ok, reason = _cpp_status()
+    if ok:
+        return "cpp"
+    if choice == "cpp":
+        raise RuntimeError(f"fastdl PrefetchLoader: copy_backend='cpp' requested but unavailable: {reason}")
+    return "torch"
+
+
+def _default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def loader_info() -> dict:
+    """What ``PrefetchLoader()`` would use here, for ``fastdl info``: mode, copy backend (and why not C++).
+
+    Does not initialise CUDA (``torch.cuda.is_available()`` only)."""
+    ok, reason = _cpp_status()
+    cuda = torch.cuda.is_available()
+    return {
+        "mode": "cuda-pinned" if cuda else "cpu",
+        "copy_backend": "cpp" if ok else "torch",
+        "copy_backend_reason": reason,
+        "gil_released_during_copy": True,
+    }
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# nested batches: flatten to a list of tensors and rebuild
+
+
+def _flatten(obj, out: list):
+    """Append the tensors of ``obj`` to ``out``; return a spec to rebuild it. Containers without tensors and
+    non-tensor leaves are kept by identity; containers with tensors are not referenced (the spec must not keep the
+    source batch alive while the staged copy waits in the queue)."""
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+        return None
+    n = len(out)
+    if isinstance(obj, Mapping):
+        keys = list(obj.keys())
+        specs = [_flatten(obj[k], out) for k in keys]
+        return ("o", obj) if len(out) == n else ("d", type(obj), keys, specs)
+    if isinstance(obj, (list, tuple)):
+        specs = [_flatten(x, out) for x in obj]
+        if len(out) == n:
+            return ("o", obj)
+        return ("n" if isinstance(obj, tuple) and hasattr(obj, "_fields") else "s", type(obj), specs)
+    return ("o", obj)
+
+
+def _unflatten(spec, it: Iterator):
+    if spec is None:
+        return next(it)
+    kind, typ = spec[0], spec[1]
+    if kind == "o":
+        return typ
+    if kind == "d":
+        items = [(k, _unflatten(s, it)) for k, s in zip(spec[2], spec[3])]
+        try:
+            return typ(items)
+        except Exception:  # a mapping type whose constructor takes other arguments (e.g. defaultdict)
+            return dict(items)
+    items = [_unflatten(s, it) for s in spec[2]]
+    if kind == "n":  # namedtuple
+        return typ(*items)
+    try:
+        return typ(items)
+    except Exception:
+        return list(items) if issubclass(typ, list) else tuple(items)
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Non-overlapping and dense (same rule as c10): its elements fill exactly numel * itemsize bytes."""
+    if t.is_contiguous():
+        return True
+    expected = 1
+    for size, stride in sorted(zip(t.shape, t.stride()), key=lambda p: p[1]):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _contiguous_strides(shape) -> tuple:
+    strides, acc = [], 1
+    for size in reversed(shape):
+        strides.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _align(n: int, a: int = _ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# ring of host buffers
+
+
+def _use_count_fn(copy_backend: str):
+    if copy_backend == "cpp":
+        return torch.ops.fastdl_cpp.loader_use_count
+    raw = getattr(torch._C, "_storage_Use_Count", None)
+    if raw is None:
+        return None
+    return lambda t: raw(t.untyped_storage()._cdata)
+
+
+class _Ring:
+    """``nslots`` uint8 host buffers, reused round-robin. Only the producer thread touches it while an iteration
+    runs (the consumer reads the counters)."""
+
+    def __init__(self, nslots: int, pinned: bool, max_slot_bytes: int, handed_out: bool, use_count):
+        self.slots: list[torch.Tensor | None] = [None] * nslots
+        self.baseline = [0] * nslots
+        self.events: list = [None] * nslots  # CUDA: event of the last device copy out of the slot
+        self.pinned = pinned
+        self.handed_out = handed_out  # CPU target: the consumer gets views of the slots
+        self.max_slot_bytes = max_slot_bytes
+        self.use_count = use_count
+        self.next = 0
+        self.allocs = 0
+        self.replaced = 0
+
+    def nbytes(self) -> int:
+        return sum(s.numel() for s in self.slots if s is not None)
+
+    def _capacity(self, nbytes: int) -> int:
+        if self.pinned:  # PyTorch's pinned allocator rounds to a power of two anyway
+            cap = 1 << max(nbytes - 1, 1).bit_length()
+        else:  # 1/8 headroom for batches of varying size, 64 KiB granularity
+            cap = _align(nbytes + nbytes // 8, 1 << 16)
+        return max(nbytes, min(cap, self.max_slot_bytes))
+
+    def acquire(self, nbytes: int) -> tuple[int, torch.Tensor]:
+        j = self.next
+        self.next = (j + 1) % len(self.slots)
+        ev = self.events[j]
+        if ev is not None:  # the previous device copy out of this slot must be done before we overwrite it
+            ev.synchronize()
+            self.events[j] = None
+        slot = self.slots[j]
+        if slot is not None and self.handed_out:
+            # CPU target: batches handed out are views of the slot; if the consumer still holds one, leave that
+            # memory to it and allocate a new slot.
+            if self.use_count is None or self.use_count(slot) > self.baseline[j]:
+                slot = None
+                self.slots[j] = None
+                self.replaced += 1
+        if slot is None or slot.numel() < nbytes:
+            cap = self._capacity(max(nbytes, 0 if slot is None else slot.numel()))
+            slot = self.slots[j] = None  # free the old buffer before allocating the new one
+            slot = torch.empty(cap, dtype=torch.uint8, pin_memory=self.pinned)
+            self.allocs += 1
+            self.slots[j] = slot
+            self.baseline[j] = self.use_count(slot) if self.use_count is not None else 0
+        return j, slot
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# telemetry
+
+
+class _Stats:
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.batches = 0
+        self.bytes = 0
+        self.wait_s = 0.0
+        self.copy_s = 0.0
+        self.produce_s = 0.0
+        self.h2d_s = 0.0
+        self.h2d_bytes = 0
+        self.elapsed_s = 0.0
+        self.iter_start: float | None = None
+        self.epochs = 0
+        self.oversize = 0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# producer thread
+
+
+class _End:
+    pass
+
+
+class _Error:
+    __slots__ = ("exc",)
+
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
+
+class _Item:
+    __slots__ = ("spec", "tensors", "event", "record")
+
+    def __init__(self, spec, tensors, event=None, record=()):
+        self.spec = spec
+        self.tensors = tensors
+        self.event = event
+        self.record = record
+
+
+class _Shared:
+    """State shared by one iteration's consumer (``_PrefetchIter``) and its producer thread. The thread holds only
+    this object, never the iterator, so dropping the iterator (``break``, ``del``) triggers its cleanup."""
+
+    def __init__(self, it, cfg: dict, ring: _Ring, stats: _Stats, skip: int, depth: int):
+        self.it = it
+        self.cfg = cfg
+        self.ring = ring
+        self.stats = stats
+        self.skip = skip
+        self.q: queue.Queue = queue.Queue(maxsize=depth)
+        self.stop = threading.Event()
+        self.thread: threading.Thread | None = None
+        self.pending: collections.deque = collections.deque()  # CUDA timing events (start, end, nbytes)
+        self.lock = threading.Lock()
+
+    def put(self, item) -> bool:
+        while not self.stop.is_set():
+            try:
+                self.q.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def poll_timing(self, wait: bool = False) -> None:
+        with self.lock:
+            while self.pending and (wait or self.pending[0][1].query()):
+                start, end, nbytes = self.pending.popleft()
+                end.synchronize()
+                self.stats.h2d_s += start.elapsed_time(end) / 1e3
+                self.stats.h2d_bytes += nbytes
+
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+def _stop_all() -> None:  # atexit: stop producers cleanly before the interpreter tears down
+    for sh in list(_LIVE):
+        sh.stop.set()
+        _drain(sh.q)
+        t = sh.thread
+        if t is not None and t.is_alive() and t is not threading.current_thread():
+            t.join(timeout=1.0)
+
+
+atexit.register(_stop_all)
+
+
+def _drain(q: queue.Queue) -> None:
+    try:
+        while True:
+            q.get_nowait()
+    except queue.Empty:
+        pass
+
+
+def _stage(sh: _Shared, batch) -> _Item:
+    """Copy the tensors of ``batch`` into a ring slot (and to the device); return what the consumer needs."""
+    cfg, ring, stats = sh.cfg, sh.ring, sh.stats
+    cuda: bool = cfg["cuda"]
+    device: torch.device = cfg["device"]
+    leaves: list[torch.Tensor] = []
+    spec = _flatten(batch, leaves)
+    out: list = list(leaves)
+    staged = []  # (leaf index, src, offset, nbytes, keep_strides, strides)
+    direct = []  # leaf indices copied without the ring
+    off = 0
+    for i, t in enumerate(leaves):
+        if (
+            t.device.type != "cpu"
+            or t.layout != torch.strided
+            or t.is_quantized
+            or t.numel() == 0
+            or (cuda and t.is_pinned())
+        ):
+            direct.append(i)
+            continue
+        if t.requires_grad:
+            t = t.detach()
+        keep = _dense(t) and not t.is_conj() and not t.is_neg()
+        strides = t.stride() if keep else _contiguous_strides(t.shape)
+        nbytes = t.numel() * t.element_size()
+        off = _align(off)
+        staged.append((i, t, off, nbytes, keep, strides))
+        off += nbytes
+    total = off
+    if total > ring.max_slot_bytes:  # larger than the bounded ring allows: no staging for this batch
+        stats.oversize += 1
+        direct += [s[0] for s in staged]
+        direct.sort()
+        staged, total = [], 0
+
+    t0 = time.perf_counter()
+    event, record = None, []
+    if staged:
+        j, slot = ring.acquire(total)
+        if cfg["copy_backend"] == "cpp":
+            torch.ops.fastdl_cpp.loader_fill(
+                [s[1] for s in staged], slot, [s[2] for s in staged], [int(s[4]) for s in staged], cfg["threads"]
+            )
+            if not cuda:
+                for i, t, o, _, _, strides in staged:
+                    out[i] = slot.view(t.dtype).as_strided(t.shape, strides, o // t.element_size())
+        else:
+            for i, t, o, _, _, strides in staged:
+                v = slot.view(t.dtype).as_strided(t.shape, strides, o // t.element_size())
+                v.copy_(t)
+                if not cuda:
+                    out[i] = v
+        if cuda:
+            stream = cfg["stream"]
+            dbuf = torch.empty(_align(total), dtype=torch.uint8, device=device)  # on the side stream
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            dbuf[:total].copy_(slot[:total], non_blocking=True)
+            end.record(stream)
+            ring.events[j] = end
+            with sh.lock:
+                sh.pending.append((start, end, total))
+            for i, t, o, _, _, strides in staged:
+                out[i] = dbuf.view(t.dtype).as_strided(t.shape, strides, o // t.element_size())
+            record.append(dbuf)
+            event = end
+        del slot
+        stats.bytes += total
+    for i in direct:
+        t = leaves[i]
+        if t.device != device:
+            t = t.to(device, non_blocking=cuda and t.device.type == "cpu" and t.is_pinned())
+            if t.layout == torch.strided:
+                stats.bytes += t.numel() * t.element_size()
+        out[i] = t
+        if cuda and t.is_cuda:
+            record.append(t)
+    if cuda and (direct or staged):
+        if event is None or direct:
+            event = torch.cuda.Event()
+            event.record(cfg["stream"])
+        sh.poll_timing()
+    stats.copy_s += time.perf_counter() - t0
+    return _Item(spec, out, event, record)
+
+
+def _produce(sh: _Shared) -> None:
+    cfg = sh.cfg
+    stats = sh.stats
+    ctx = None
+    try:
+        # OpenMP/MKL thread counts are per thread: a new thread would use every core for its torch ops and
+        # oversubscribe the consumer's (two threads of 192^2 matmuls on 2 cores: 1.23x -> 1.96x with this line).
+        if getattr(torch._C, "has_openmp", False):
+            torch.set_num_threads(cfg["intra_op_threads"])
+        if cfg["cuda"]:
+            torch.cuda.set_device(cfg["device"])
+            ctx = torch.cuda.stream(cfg["stream"])  # the wrapped loader's own CUDA work, if any, runs here too
+            ctx.__enter__()
+        it = sh.it
+        t0 = time.perf_counter()
+        for _ in range(sh.skip):  # resume: fast-forward without staging
+            if sh.stop.is_set():
+                return
+            try:
+                next(it)
+            except StopIteration:
+                sh.put(_End)
+                return
+        stats.produce_s += time.perf_counter() - t0
+        while not sh.stop.is_set():
+            t0 = time.perf_counter()
+            try:
+                batch = next(it)
+            except StopIteration:
+                break
+            stats.produce_s += time.perf_counter() - t0
+            item = _stage(sh, batch)
+            del batch
+            if not sh.put(item):
+                return
+            del item
+        sh.put(_End)
+    except BaseException as exc:  # noqa: B036  (hand everything, KeyboardInterrupt included, to the consumer)
+        sh.put(_Error(exc))
+    finally:
+        sh.it = None
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# consumer side
+
+
+class _PrefetchIter:
+    def __init__(self, loader: PrefetchLoader, skip: int):
+        self._loader_ref = weakref.ref(loader)
+        self._device = loader.device
+        self._cuda = loader.device.type == "cuda"
+        self._stats = loader._stats
+        self._timeout = loader.timeout
+        self._shutdown_timeout = loader.shutdown_timeout
+        self._bar = None
+        self._bar_t = 0.0
+        ring = loader._get_ring()
+        it = iter(loader.loader)  # in the caller's thread: DataLoader workers are started from here
+        self._sh = sh = _Shared(it, loader._cfg(), ring, loader._stats, skip, loader.depth)
+        _LIVE.add(sh)
+        self._stats.iter_start = time.perf_counter()
+        if loader.progress:
+            self._bar = _make_bar(loader, skip)
+        sh.thread = threading.Thread(target=_produce, args=(sh,), name=_THREAD_NAME, daemon=True)
+        sh.thread.start()
+
+    def __iter__(self):
+        return self
+
+    def _get(self, sh: _Shared):
+        t_start = time.perf_counter()
+        while True:
+            try:
+                return sh.q.get(timeout=0.05)
+            except queue.Empty:
+                if not sh.thread.is_alive() and sh.q.empty():
+                    raise RuntimeError("fastdl PrefetchLoader: the producer thread exited unexpectedly") from None
+                if self._timeout and time.perf_counter() - t_start > self._timeout:
+                    raise TimeoutError(
+                        f"fastdl PrefetchLoader: no batch from the wrapped loader within {self._timeout} s"
+                    ) from None
+
+    def __next__(self):
+        sh = self._sh
+        if sh is None:
+            raise StopIteration
+        t0 = time.perf_counter()
+        try:
+            item = self._get(sh)
+        except BaseException:  # KeyboardInterrupt while waiting, timeout: stop the thread, then propagate
+            self.close()
+            raise
+        self._stats.wait_s += time.perf_counter() - t0
+        if item is _End:
+            self._finish()
+            raise StopIteration
+        if isinstance(item, _Error):
+            self.close()
+            exc = item.exc
+            del item
+            raise exc  # carries the producer-side traceback (the wrapped loader's frames)
+        if item.event is not None:
+            stream = torch.cuda.current_stream(self._device)
+            stream.wait_event(item.event)
+            for t in item.record:
+                t.record_stream(stream)
+        batch = _unflatten(item.spec, iter(item.tensors))
+        del item
+        self._stats.batches += 1
+        loader = self._loader_ref()
+        if loader is not None:
+            loader._consumed += 1
+        if self._bar is not None:
+            self._update_bar()
+        return batch
+
+    def _update_bar(self):
+        self._bar.update(1)
+        now = time.perf_counter()
+        if now - self._bar_t > 0.5:
+            self._bar_t = now
+            s = self._stats
+            el = max(now - (s.iter_start or now) + s.elapsed_s, 1e-9)
+            self._bar.set_postfix(wait=f"{100 * s.wait_s / el:.0f}%", MBps=f"{s.bytes / el / 1e6:.0f}", refresh=False)
+
+    def _finish(self):
+        loader = self._loader_ref()
+        if loader is not None:
+            loader._consumed = 0
+        self._stats.epochs += 1
+        self.close()
+
+    def close(self) -> None:
+        """Stop the producer thread and release everything; safe to call more than once."""
+        sh, self._sh = self._sh, None
+        if sh is None:
+            return
+        sh.stop.set()
+        _drain(sh.q)
+        t = sh.thread
+        if t is not None and t is not threading.current_thread():
+            t.join(self._shutdown_timeout)
+            if t.is_alive():
+                warnings.warn(
+                    f"fastdl PrefetchLoader: producer thread still inside the wrapped loader after "
+                    f"{self._shutdown_timeout} s; leaving it (daemon) and using a new ring",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                loader = self._loader_ref()
+                if loader is not None and loader._ring is sh.ring:
+                    loader._ring = None
+            _drain(sh.q)
+        if self._cuda:
+            try:
+                sh.poll_timing(wait=not t.is_alive())
+            except Exception:
+                pass
+        s = self._stats
+        if s.iter_start is not None:
+            s.elapsed_s += time.perf_counter() - s.iter_start
+            s.iter_start = None
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        _LIVE.discard(sh)
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def _make_bar(loader: PrefetchLoader, skip: int):
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        warnings.warn("fastdl PrefetchLoader: progress=True needs tqdm (pip install tqdm); no progress bar",
+                      RuntimeWarning, stacklevel=4)
+        loader.progress = False
+        return None
+    try:
+        total = len(loader.loader) - skip
+    except TypeError:
+        total = None
+    desc = loader.progress if isinstance(loader.progress, str) else "fastdl"
+    return tqdm(total=total, unit="batch", desc=desc, dynamic_ncols=True)
+
+
+class PrefetchLoader:
+    """Wrap ``loader`` (any iterable of tensors or nested tuples/lists/dicts of tensors; other leaves pass
+    through) and prefetch ``depth`` batches ahead on a background thread, staged through a reused host ring and,
+    on a GPU, copied to ``device`` on a side stream.
+
+    Args:
+        loader: the wrapped iterable, e.g. a ``torch.utils.data.DataLoader``. ``len()``, ``sampler``,
+            ``dataset``, ... are passed through; ``set_epoch`` reaches its sampler (DistributedSampler).
+        device: target device; default the current CUDA device if CUDA is available, else the CPU.
+        depth: batches prepared ahead of the consumer (queue length; >= 1).
+        pin_memory: page-lock the ring. Default: on for CUDA targets. On a CPU target with CUDA available, True
+            gives mode "cpu-pinned".
+        max_ring_bytes: bound on the ring's total size; a batch larger than one slot's share is not staged
+            (copied directly, counted as ``oversize_batches``).
+        copy_backend: "auto" (C++ when the extension is built, else torch; ``FASTDL_BACKEND`` can force it),
+            "cpp" or "torch".
+        copy_threads: threads of one host copy (default 1 on a CPU target, 4 for a GPU target).
+        progress: show a tqdm bar (True or a description string); needs tqdm.
+        timeout: seconds to wait for one batch before raising TimeoutError (0: forever).
+        shutdown_timeout: seconds to wait for the producer thread when an iteration is stopped early.
+
+    The batches of a CPU target are views into the ring: they stay valid as long as you hold them (a slot still
+    referenced is never reused). Tensors are detached; tensors that share memory in the source batch are copied
+    separately (aliasing is not preserved).
+    """
+
+    def __init__(
+        self,
+        loader: Iterable,
+        device: torch.device | str | int | None = None,
+        depth: int = 2,
+        *,
+        pin_memory: bool | None = None,
+        max_ring_bytes: int = DEFAULT_MAX_RING_BYTES,
+        copy_backend: str = "auto",
+        copy_threads: int | None = None,
+        progress: bool | str = False,
+        timeout: float = 0.0,
+        shutdown_timeout: float = 5.0,
+    ):
+        if int(depth) < 1:
+            raise ValueError(f"depth must be >= 1, got {depth}")
+        self.loader = loader
+        self.depth = int(depth)
+        dev = _default_device() if device is None else torch.device(device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(f"fastdl PrefetchLoader: device {dev} requested but CUDA is not available")
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        if dev.type not in ("cpu", "cuda"):
+            raise ValueError(f"device must be a CPU or CUDA device, got {dev}")
+        self.device = dev
+        cuda = dev.type == "cuda"
+        if pin_memory is None:
+            pin_memory = cuda
+        if pin_memory and not torch.cuda.is_available():
+            if cuda:
+                raise RuntimeError("fastdl PrefetchLoader: CUDA device requested but CUDA is not available")
+            warnings.warn("fastdl PrefetchLoader: pin_memory=True needs CUDA; using pageable memory",
+                          RuntimeWarning, stacklevel=2)
+            pin_memory = False
+        self.pin_memory = bool(pin_memory)
+        self.copy_backend = _resolve_copy_backend(copy_backend)
+        self.copy_threads = int(copy_threads) if copy_threads else (_CUDA_COPY_THREADS if cuda else 1)
+        if self.copy_threads < 1:
+            raise ValueError(f"copy_threads must be >= 1, got {copy_threads}")
+        self.max_ring_bytes = int(max_ring_bytes)
+        self.progress = progress
+        self.timeout = float(timeout)
+        self.shutdown_timeout = float(shutdown_timeout)
+        # Slots in use at once. GPU target: a slot is free again as soon as its device copy is done, so two let the
+        # staging of batch k overlap the copy of batch k-1. CPU target: the consumer's handed-out batches are views,
+        # and in `for b in loader` the slots of the batch still bound to `b`, of the one being returned, of the
+        # `depth` queued ones and of the one the producer holds while it waits for queue space are all referenced.
+        self._nslots = max(self.depth, 2) if cuda else self.depth + 3
+        self._ring: _Ring | None = None
+        self._stream = None
+        self._stats = _Stats()
+        self._active: weakref.ref | None = None
+        self._consumed = 0  # batches handed out in the current (or interrupted) pass
+        self._skip = 0  # batches to skip at the start of the next pass (load_state_dict)
+        self._epoch: int | None = None
+
+    # -- mode / configuration ------------------------------------------------------------------------------------
+
+    @property
+    def mode(self) -> str:
+        if self.device.type == "cuda":
+            return "cuda-pinned" if self.pin_memory else "cuda-pageable"
+        return "cpu-pinned" if self.pin_memory else "cpu"
+
+    def _cfg(self) -> dict:
+        cuda = self.device.type == "cuda"
+        if cuda and self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)  # lives as long as the loader
+        return {
+            "cuda": cuda,
+            "device": self.device,
+            "stream": self._stream,
+            "copy_backend": self.copy_backend,
+            "threads": self.copy_threads,
+            "intra_op_threads": torch.get_num_threads(),  # of the thread that starts the pass
+        }
+
+    def _get_ring(self) -> _Ring:
+        if self._ring is None:
+            self._ring = _Ring(
+                self._nslots,
+                self.pin_memory,
+                max(self.max_ring_bytes // self._nslots, 1),
+                self.device.type == "cpu",
+                _use_count_fn(self.copy_backend),
+            )
+        return self._ring
+
+    # -- iteration -------------------------------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator:
+        self._close_active()  # one pass at a time: the ring belongs to it
+        skip, self._skip = self._skip, 0
+        self._consumed = skip
+        it = _PrefetchIter(self, skip)
+        self._active = weakref.ref(it)
+        return it
+
+    def _close_active(self) -> None:
+        it = self._active() if self._active is not None else None
+        if it is not None:
+            it.close()
+        self._active = None
+
+    def close(self) -> None:
+        """Stop the current pass (if any) and free the ring."""
+        self._close_active()
+        self._ring = None
+
+    # No __del__: a live iterator owns its producer thread and keeps working if the loader is dropped (as with
+    # DataLoader); the thread stops when the iterator is exhausted, closed or garbage-collected.
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name: str):
+        # sampler, batch_sampler, dataset, batch_size, ... of the wrapped loader
+        if name.startswith("_") or name == "loader":
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Forward to the wrapped loader's ``set_epoch``, else to its sampler / batch sampler (DistributedSampler)."""
+        self._epoch = int(epoch)
+        inner = self.loader
+        if hasattr(inner, "set_epoch"):
+            inner.set_epoch(epoch)
+            return
+        for name in ("sampler", "batch_sampler"):
+            s = getattr(inner, name, None)
+            if s is not None and hasattr(s, "set_epoch"):
+                s.set_epoch(epoch)
+                return
+        s = getattr(getattr(inner, "batch_sampler", None), "sampler", None)
+        if s is not None and hasattr(s, "set_epoch"):
+            s.set_epoch(epoch)
+
+    # -- resume ----------------------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """Position in the current pass: batches already handed to the consumer (prefetched ones do not count),
+        and the epoch last given to ``set_epoch``. 0 after a pass completed."""
+        return {"version": 1, "batches_consumed": int(self._consumed), "epoch": self._epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        """The next pass skips the ``batches_consumed`` batches (read from the wrapped loader, not staged), so a
+        restarted job continues with the next unseen batch; needs a deterministic sampler order. Restores the
+        epoch with ``set_epoch``."""
+        if state.get("version") != 1:
+            raise ValueError(f"unsupported PrefetchLoader state version {state.get('version')!r} (expected 1)")
+        n = int(state["batches_consumed"])
+        if n < 0:
+            raise ValueError(f"batches_consumed must be >= 0, got {n}")
+        if state.get("epoch") is not None:
+            self.set_epoch(state["epoch"])
+        self._skip = n
+        self._consumed = n
+
+    # -- telemetry ---------------------------------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        """Counters since construction (or ``reset_stats``): ``wait_s`` is the time the consumer waited for data
+        (exposed loading time), ``copy_s`` the producer's staging/copy time, ``h2d_s`` the device time of the
+        host-to-device copies (CUDA), ``produce_s`` the time spent in the wrapped loader."""
+        s = self._stats
+        it = self._active() if self._active is not None else None
+        if it is not None and it._sh is not None and self.device.type == "cuda":
+            it._sh.poll_timing()
+        elapsed = s.elapsed_s + (time.perf_counter() - s.iter_start if s.iter_start is not None else 0.0)
+        ring = self._ring
+        return {
+            "mode": self.mode,
+            "device": str(self.device),
+            "copy_backend": self.copy_backend,
+            "depth": self.depth,
+            "batches": s.batches,
+            "bytes": s.bytes,
+            "epochs": s.epochs,
+            "elapsed_s": elapsed,
+            "batches_per_s": s.batches / elapsed if elapsed > 0 else 0.0,
+            "bytes_per_s": s.bytes / elapsed if elapsed > 0 else 0.0,
+            "wait_s": s.wait_s,
+            "wait_frac": s.wait_s / elapsed if elapsed > 0 else 0.0,
+            "produce_s": s.produce_s,
+            "copy_s": s.copy_s,
+            "h2d_s": s.h2d_s if self.device.type == "cuda" else None,
+            "h2d_gbps": s.h2d_bytes / s.h2d_s / 1e9 if s.h2d_s > 0 else None,
+            "ring_slots": self._nslots,
+            "ring_bytes": ring.nbytes() if ring is not None else 0,
+            "ring_allocs": ring.allocs if ring is not None else 0,
+            "ring_replaced": ring.replaced if ring is not None else 0,
+            "oversize_batches": s.oversize,
+        }
+
+    def reset_stats(self) -> None:
+        running = self._stats.iter_start is not None
+        self._stats.reset()
+        if running:
+            self._stats.iter_start = time.perf_counter()
+
+    def __repr__(self) -> str:
+        return (
+            f"PrefetchLoader(mode={self.mode!r}, device={str(self.device)!r}, depth={self.depth}, "
+            f"copy_backend={self.copy_backend!r}, loader={type(self.loader).__name__})"
+        )
