@@ -23,7 +23,6 @@ Standalone: ``python -m fastdl.bench.loader --csv out.csv``.
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import statistics
 import time
@@ -32,6 +31,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from ..data import PrefetchLoader
+from .common import print_table, write_csv
 
 LOADERS = ("dl0", "dl2", "fastdl", "fastdl+dl2")
 KINDS = ("torch", "python", "sleep")
@@ -353,13 +353,13 @@ def run(args) -> list[dict]:
             ("wait_ms_per_batch", "exposed ms/batch"), ("exposed_pct_of_step", "exposed % step"),
             ("epoch_s_min", "min s"), ("epoch_s_max", "max s"),
         ]
-        _print_table(rows, cols)
+        print_table(rows, cols)
         if rows:
             p, s = rows[0].get("producer_total_s"), rows[0].get("step_total_s")
             print(f"(serial totals of the first kind: producer {p:.2f} s, step {s:.2f} s; ideal epoch = max)")
         if device.type == "cuda":
             h2d = _run_h2d(args, device)
-            _print_table(h2d, [("name", "host-to-device"), ("gbps", "GB/s"), ("pct_of_raw_pinned", "% raw pinned")])
+            print_table(h2d, [("name", "host-to-device"), ("gbps", "GB/s"), ("pct_of_raw_pinned", "% raw pinned")])
             rows += h2d
         return rows
     finally:
@@ -373,37 +373,13 @@ def _loadavg() -> str:
         return "n/a"
 
 
-def _print_table(rows: list[dict], columns: list[tuple[str, str]]) -> None:
-    try:
-        from .common import print_table
-    except ImportError:
-        print_table = None
-    if print_table is not None:
-        print_table(rows, columns)
-        return
-    for r in rows:  # pragma: no cover  (fallback without the shared helpers)
-        print("  ".join(f"{h}={r.get(k)}" for k, h in columns))
-
-
-def _write_csv(rows: list[dict], path: str) -> None:
-    keys: list[str] = []
-    for r in rows:
-        keys += [k for k in r if k not in keys]
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=keys)
-        w.writeheader()
-        w.writerows(rows)
-    print(f"wrote {len(rows)} rows to {path}")
-
-
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(prog="python -m fastdl.bench.loader", description=__doc__.split("\n")[0])
     add_arguments(parser)
     args = parser.parse_args(argv)
     rows = run(args)
     if args.csv:
-        _write_csv(rows, args.csv)
+        write_csv(rows, args.csv)
     return rows
 
 
