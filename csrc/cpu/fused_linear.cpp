@@ -1,0 +1,486 @@
+// CPU implementation of fastdl_cpp::fused_linear / fused_linear_backward (schemas are defined in Python).
+// This file holds the argument checks, the choice of path, threading (at::parallel_for) and the ATen GEMM calls; the
+// SIMD kernels live in fused_linear_avx512.cpp (no torch headers there, ISA enabled per function).
+//
+// Paths (c = x.dtype, M = rows of x after flattening):
+//   bf16 on an AVX512_BF16 CPU: forward kernels reading the weight rows in place, never packing or copying the weight
+//     (fp32 master weights are rounded to bf16 in registers or per 12-row tile, RNE like autocast): M <= 4 inner
+//     products streaming the weight; M > 4 a broadcast kernel over x^T (packed once), within 1-2 % of the vdpbf16ps
+//     peak and faster than both the packed GEMM below and oneDNN. Epilogue fused per 48 output columns.
+//   fp32 on an AVX-512 CPU, M <= 64: small-M FMA kernel (MKL's sgemm is 2-5x slower there on this AMD CPU).
+//   otherwise (fp32 M > 64, fp16, CPUs without AVX512_BF16): at::mm in fp32 on the operands rounded to c (products
+//     of bf16/fp16 values are exact in fp32), then the vectorised epilogue.
+// Backward: one pass computes dpre (rounded to c) and grad_bias; then grad_x / grad_weight with small-M kernels
+// (M <= 16: weight rows streamed once, grad_weight written row by row) or the packed bf16 GEMM (vdpbf16ps, fp32
+// accumulation, epilogue per 512 x 48 block). fp32 master weights are read directly and grad_weight is written
+// directly in fp32: no bf16 weight copy, no bf16 gradient + cast. fp32 / fp16 / no AVX512_BF16: at::mm.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <exception>
+#include <memory>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
+#if AT_PARALLEL_OPENMP && !defined(_OPENMP) && defined(__linux__)
+#include <dlfcn.h>
+#define FL_OMP_SHIM 1
+#else
+#define FL_OMP_SHIM 0
+#endif
+
+#include "fused_linear_kernels.h"
+
+namespace fastdl {
+namespace fused_linear {
+namespace {
+
+#if FL_OMP_SHIM
+// at::parallel_for is header code: in a file compiled without -fopenmp (the project's generic flags) it silently runs
+// serially although torch itself uses OpenMP. In that case the chunks are dispatched through the OpenMP runtime
+// torch has already loaded (libgomp's GOMP_parallel, looked up with RTLD_NOLOAD so no second runtime is ever loaded),
+// exactly as at::parallel_for's OpenMP branch would do: same thread team, same torch.set_num_threads() setting.
+struct OmpRuntime {
+    void (*parallel)(void (*)(void *), void *, unsigned, unsigned) = nullptr;
+    int (*thread_num)() = nullptr;
+    int (*num_threads)() = nullptr;
+};
+
+const OmpRuntime &omp_runtime() {
+    static const OmpRuntime rt = [] {
+        OmpRuntime r;
+        void *lib = dlopen("libgomp.so.1", RTLD_LAZY | RTLD_NOLOAD);
+        void *h = lib ? lib : RTLD_DEFAULT;
+        r.parallel = reinterpret_cast<decltype(r.parallel)>(dlsym(h, "GOMP_parallel"));
+        r.thread_num = reinterpret_cast<decltype(r.thread_num)>(dlsym(h, "omp_get_thread_num"));
+        r.num_threads = reinterpret_cast<decltype(r.num_threads)>(dlsym(h, "omp_get_num_threads"));
+        if (!r.parallel || !r.thread_num || !r.num_threads)
+            r = OmpRuntime{};
+        return r;
+    }();
+    return rt;
+}
+
+template <class F> struct OmpTask {
+    OmpTask(const F *f_, int64_t b, int64_t e, int64_t g, const OmpRuntime *r)
+        : f(f_), begin(b), end(e), grain(g), rt(r) {}
+    const F *f;
+    int64_t begin, end, grain;
+    const OmpRuntime *rt;
+    std::atomic_flag err = ATOMIC_FLAG_INIT;
+    std::exception_ptr eptr;
+
+    static void run(void *p) { // same chunking as at::internal::invoke_parallel
+        auto &t = *static_cast<OmpTask *>(p);
+        int64_t nt = t.rt->num_threads();
+        if (t.grain > 0)
+            nt = std::min<int64_t>(nt, (t.end - t.begin + t.grain - 1) / t.grain);
+        const int64_t tid = t.rt->thread_num();
+        const int64_t chunk = (t.end - t.begin + nt - 1) / nt;
+        const int64_t b = t.begin + tid * chunk;
+        if (b >= t.end)
+            return;
+        try {
+            at::internal::ThreadIdGuard guard(static_cast<int>(tid));
+            (*t.f)(b, std::min(t.end, b + chunk));
+        } catch (...) {
+            if (!t.err.test_and_set())
+                t.eptr = std::current_exception();
+        }
+    }
+};
+#endif
+
+// at::parallel_for, also parallel when this file is compiled without -fopenmp (see above).
+template <class F> void parallel_for(int64_t begin, int64_t end, int64_t grain, const F &f) {
+#if FL_OMP_SHIM
+    const OmpRuntime &rt = omp_runtime();
+    if (rt.parallel && end - begin > std::max<int64_t>(grain, 1) && at::get_num_threads() > 1 &&
+        !at::in_parallel_region()) {
+        OmpTask<F> task(&f, begin, end, grain, &rt);
+        rt.parallel(&OmpTask<F>::run, &task, 0, 0); // 0 threads = the runtime default torch has set
+        if (task.eptr)
+            std::rethrow_exception(task.eptr);
+        return;
+    }
+#endif
+    at::parallel_for(begin, end, grain, f);
+}
+
+// fp32 small-M threshold (rows of x after flattening): the FMA kernel beats MKL's sgemm (at::mm) on the dev machine
+// (Zen 5, 2 threads, K = N = 4096) at every M <= 64: M = 1: 0.52 vs 2.1 ms, 16: 2.4 vs 7.8, 64: 8.0 vs 13.
+constexpr int64_t kFwdF32SmallM = 64;
+static_assert(kFwdF32SmallM <= kFwdF32MaxM, "the fp32 small-M kernel accepts at most kFwdF32MaxM rows");
+
+Act parse_activation(c10::string_view s, const char *fn) {
+    if (s == "none")
+        return Act::None;
+    if (s == "relu")
+        return Act::Relu;
+    if (s == "gelu")
+        return Act::Gelu;
+    if (s == "gelu_tanh")
+        return Act::GeluTanh;
+    if (s == "silu")
+        return Act::Silu;
+    TORCH_CHECK(false, fn, ": activation must be one of 'none', 'relu', 'gelu', 'gelu_tanh', 'silu', got '",
+                std::string(s.data(), s.size()), "'");
+}
+
+bool native_io(at::ScalarType t) {
+    return t == at::kFloat || t == at::kBFloat16;
+}
+DType dtype_of(at::ScalarType t) {
+    return t == at::kFloat ? DType::F32 : DType::BF16;
+}
+
+// t viewed as a contiguous [rows, cols] matrix in a dtype the kernels read natively (others are converted to fp32).
+at::Tensor as_matrix(const at::Tensor &t, int64_t rows, int64_t cols) {
+    at::Tensor m = t.reshape({rows, cols});
+    if (!native_io(m.scalar_type()))
+        m = m.to(at::kFloat);
+    return m.contiguous();
+}
+
+int64_t leading_rows(const at::Tensor &t) {
+    int64_t m = 1;
+    for (int64_t d = 0; d + 1 < t.dim(); ++d)
+        m *= t.size(d);
+    return m;
+}
+
+void check_compute_dtype(const at::Tensor &x, const char *fn) {
+    const auto c = x.scalar_type();
+    TORCH_CHECK(c == at::kFloat || c == at::kBFloat16 || c == at::kHalf, fn,
+                ": x.dtype must be float32, bfloat16 or float16, got ", c);
+}
+
+void check_weight(const at::Tensor &x, const at::Tensor &weight, const char *fn) {
+    TORCH_CHECK(weight.dim() == 2, fn, ": weight must be 2-D [N, K], got shape ", weight.sizes());
+    TORCH_CHECK(weight.size(1) == x.size(-1), fn, ": weight must have shape [N, K] with K = x.size(-1) = ", x.size(-1),
+                ", got weight.shape = ", weight.sizes());
+    TORCH_CHECK(weight.scalar_type() == x.scalar_type() || weight.scalar_type() == at::kFloat, fn,
+                ": weight.dtype must be x.dtype (", x.scalar_type(), ") or float32, got ", weight.scalar_type());
+    TORCH_CHECK(weight.device() == x.device(), fn, ": weight must be on device ", x.device(),
+                " (the device of x), got ", weight.device());
+}
+
+void check_optional(const at::Tensor &t, const char *name, at::IntArrayRef shape, const at::Tensor &x, const char *fn) {
+    TORCH_CHECK(at::isFloatingType(t.scalar_type()), fn, ": ", name, " must be a floating-point tensor, got dtype ",
+                t.scalar_type());
+    TORCH_CHECK(t.device() == x.device(), fn, ": ", name, " must be on device ", x.device(), " (the device of x), got ",
+                t.device());
+    TORCH_CHECK(t.sizes() == shape, fn, ": ", name, " must have shape ", shape, ", got ", t.sizes());
+}
+
+// Fresh multi-MB outputs are first touched by our kernels, one page fault per 4 KB page: for a 64 MB fp32
+// grad_weight that is 16K faults, ~10 ms on the dev machine - more than computing it. Transparent huge pages cut that
+// to 32 faults (measured 12 ms -> 2.6 ms for allocating + filling 64 MB). Only the 2 MB-aligned interior of the
+// buffer is advised (no effect outside it); a no-op where THP is off, PyTorch's THP_MEM_ALLOC_ENABLE does the same.
+at::Tensor empty_output(at::IntArrayRef shape, const at::TensorOptions &opts) {
+    at::Tensor t = at::empty(shape, opts);
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    constexpr uintptr_t kHuge = uintptr_t{2} << 20;
+    if (t.nbytes() >= 4 * kHuge) {
+        const uintptr_t p = reinterpret_cast<uintptr_t>(t.data_ptr());
+        const uintptr_t a = (p + kHuge - 1) & ~(kHuge - 1), e = (p + t.nbytes()) & ~(kHuge - 1);
+        if (e > a)
+            madvise(reinterpret_cast<void *>(a), e - a, MADV_HUGEPAGE);
+    }
+#endif
+    return t;
+}
+
+// Scratch buffers kept per (thread, slot) and reused across calls: a fresh multi-MB buffer costs one page fault per
+// 4 KB page on every call (the 11 MB packed operand of a 512 x 11008 GEMM: ~2.8K faults, ~2-3 ms; a 64 MB one: ~10 ms).
+// Slot kSharedSlot holds buffers the calling thread shares with the team (packed GEMM operand), kTaskSlot per-task
+// workspaces. Requests above 64 MB are not kept (allocated per call). Memory is released at thread exit.
+constexpr int kSharedSlot = 0, kTaskSlot = 1;
+
+struct Scratch {
+    void *ptr = nullptr;
+    at::Tensor holder; // defined only for buffers that are not kept
+};
+
+Scratch thread_scratch(int slot, size_t bytes) {
+    constexpr size_t kKeepLimit = size_t{64} << 20;
+    Scratch s;
+    if (bytes + 64 > kKeepLimit) {
+        s.holder = at::empty({static_cast<int64_t>(bytes + 64)}, at::TensorOptions().dtype(at::kByte));
+        s.ptr = s.holder.data_ptr();
+    } else {
+        struct Buffer {
+            std::unique_ptr<char[]> data;
+            size_t size = 0;
+        };
+        thread_local Buffer kept[2];
+        Buffer &b = kept[slot];
+        if (b.size < bytes + 64) {
+            b.data.reset(); // free first: never hold two big buffers at once
+            b.data.reset(new char[bytes + 64]);
+            b.size = bytes + 64;
+        }
+        s.ptr = b.data.get();
+    }
+    char *p = static_cast<char *>(s.ptr);
+    s.ptr = p + (64 - reinterpret_cast<uintptr_t>(p) % 64) % 64;
+    return s;
+}
+
+// Epilogue over a full [M, N] fp32 accumulator, parallel over rows.
+void run_epilogue(const Epilogue &e, const float *acc, int64_t M, int64_t N) {
+    const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(N, 1));
+    parallel_for(0, M, grain, [&](int64_t r0, int64_t r1) { apply_epilogue(e, acc + r0 * N, N, r0, r1 - r0, 0, N); });
+}
+
+// C[M, N] = A[M, K] * B[K, N] with the bf16 GEMM, then the epilogue on C. A is packed once (shared by all
+// threads); the threads then split the (M block, 48-column panel) tiles, each packing its own B panels.
+void run_gemm_bf16(const GemmOperand &a, const GemmOperand &b, int64_t M, int64_t N, int64_t K, const Epilogue &e) {
+    if (M == 0 || N == 0)
+        return;
+    const Scratch ap = thread_scratch(kSharedSlot, sizeof(uint16_t) * gemm_packed_a_elems(M, K));
+    uint16_t *app = static_cast<uint16_t *>(ap.ptr);
+    const int64_t panels = (M + kGemmMR - 1) / kGemmMR;
+    const int64_t pairs = (panels + 1) / 2;
+    parallel_for(0, pairs, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)),
+                 [&](int64_t p0, int64_t p1) { gemm_pack_a(a, M, K, 2 * p0, std::min(panels, 2 * p1), app); });
+    const int64_t n_tiles = (N + kGemmNR - 1) / kGemmNR;
+    const int64_t m_blocks = (M + kGemmMC - 1) / kGemmMC;
+    parallel_for(0, m_blocks * n_tiles, 1, [&](int64_t t0, int64_t t1) {
+        const Scratch ws = thread_scratch(kTaskSlot, gemm_workspace_bytes());
+        for (int64_t t = t0; t < t1; ++t)
+            gemm_tile(app, b, M, N, K, (t / n_tiles) * kGemmMC, (t % n_tiles) * kGemmNR, e, ws.ptr);
+    });
+}
+
+void forward_kernels(DType compute, const at::Tensor &x2, const at::Tensor &w, int64_t M, int64_t N, int64_t K,
+                     const Epilogue &e) {
+    // Tasks: (block of kFwdRowBlock x rows, slice of N) pairs, the N slices multiples of 48 weight rows; a thread's
+    // tasks are contiguous (one row block and a weight slice at a time). Every task packs the x^T of its row block,
+    // so N is only cut finer than ~512 rows when there are fewer row blocks than threads (M = 8192, N = 64: cutting
+    // N in two cost 30 % in duplicated packing).
+    const int64_t m_blocks = (compute == DType::BF16 && M > 4) ? (M + kFwdRowBlock - 1) / kFwdRowBlock : 1;
+    const int64_t nt = std::max<int64_t>(1, at::get_num_threads());
+    int64_t n_slices = std::min(nt, (N + kGemmNR - 1) / kGemmNR);
+    if (m_blocks >= nt)
+        n_slices = std::min(n_slices, std::max<int64_t>(1, (N + 511) / 512));
+    const int64_t slice = ((N + n_slices - 1) / n_slices + kGemmNR - 1) / kGemmNR * kGemmNR;
+    n_slices = (N + slice - 1) / slice;
+    const int64_t rows_per_block = m_blocks == 1 ? M : kFwdRowBlock;
+    // Small problems (< ~256K multiply-adds per task) stay on one thread.
+    const int64_t grain = M * K * slice < (int64_t{1} << 18) ? m_blocks * n_slices : 1;
+    parallel_for(0, m_blocks * n_slices, grain, [&](int64_t t0, int64_t t1) {
+        const Scratch ws = thread_scratch(kTaskSlot, fwd_workspace_bytes(M, K));
+        for (int64_t t = t0; t < t1; ++t) {
+            const int64_t mb = t / n_slices, sl = t % n_slices;
+            const int64_t m0 = mb * rows_per_block, m1 = std::min(M, m0 + rows_per_block);
+            const int64_t n0 = sl * slice, n1 = std::min(N, n0 + slice);
+            fwd_compute(compute, x2.data_ptr(), K, M, w.data_ptr(), dtype_of(w.scalar_type()), K, K, m0, m1, n0, n1, e,
+                        ws.ptr);
+        }
+    });
+}
+
+void forward_compute(const at::Tensor &x2, const at::Tensor &w, int64_t M, int64_t N, int64_t K, const Epilogue &e) {
+    const CpuCaps &caps = cpu_caps();
+    const auto c = x2.scalar_type();
+    if (K == 0) { // empty reduction: acc = 0
+        at::Tensor acc = at::zeros({M, N}, x2.options().dtype(at::kFloat));
+        return run_epilogue(e, acc.data_ptr<float>(), M, N);
+    }
+    if (c == at::kBFloat16 && caps.avx512bf16)
+        return forward_kernels(DType::BF16, x2, w, M, N, K, e);
+    if (c == at::kFloat && caps.avx512 && M <= kFwdF32SmallM)
+        return forward_kernels(DType::F32, x2, w, M, N, K, e);
+    // Generic: fp32 GEMM of the operands rounded to c (the products of bf16/fp16 values are exact in fp32).
+    at::Tensor acc = c == at::kFloat ? at::mm(x2, w.t()) : at::mm(x2.to(at::kFloat), w.to(c).to(at::kFloat).t());
+    run_epilogue(e, acc.data_ptr<float>(), M, N);
+}
+
+std::tuple<at::Tensor, at::Tensor> fused_linear_cpu(const at::Tensor &x, const at::Tensor &weight,
+                                                    const std::optional<at::Tensor> &bias, c10::string_view activation,
+                                                    const std::optional<at::Tensor> &residual, bool save_preact) {
+    constexpr const char *fn = "fused_linear";
+    const Act act = parse_activation(activation, fn);
+    TORCH_CHECK(x.dim() >= 1, fn, ": x must have at least one dimension [..., K], got a 0-d tensor");
+    check_compute_dtype(x, fn);
+    check_weight(x, weight, fn);
+    const auto c = x.scalar_type();
+    const int64_t K = x.size(-1), N = weight.size(0), M = leading_rows(x);
+    std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+    out_shape.back() = N;
+    const bool has_bias = bias.has_value() && bias->defined();
+    const bool has_res = residual.has_value() && residual->defined();
+    if (has_bias)
+        check_optional(*bias, "bias", {N}, x, fn);
+    if (has_res)
+        check_optional(*residual, "residual", out_shape, x, fn);
+
+    const bool store_pre = save_preact && act != Act::None;
+    const auto io = c == at::kHalf ? at::kFloat : c; // fp16 (CUDA's dtype) is computed through fp32 on CPU
+    at::Tensor out = empty_output({M, N}, x.options().dtype(io));
+    at::Tensor pre = store_pre ? empty_output({M, N}, x.options().dtype(io)) : at::Tensor();
+    if (M > 0 && N > 0) {
+        const at::Tensor b32 = has_bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
+        const at::Tensor res = has_res ? as_matrix(*residual, M, N) : at::Tensor();
+        Epilogue e;
+        e.bias = has_bias ? b32.data_ptr<float>() : nullptr;
+        if (has_res) {
+            e.res = res.data_ptr();
+            e.ld_res = N;
+            e.res_dtype = dtype_of(res.scalar_type());
+        }
+        e.out = out.data_ptr();
+        e.ld_out = N;
+        e.out_dtype = dtype_of(io);
+        e.pre = store_pre ? pre.data_ptr() : nullptr;
+        e.ld_pre = N;
+        e.act = act;
+        forward_compute(x.reshape({M, K}).contiguous(), weight.contiguous(), M, N, K, e);
+    }
+    if (c == at::kHalf) {
+        out = out.to(c);
+        if (store_pre)
+            pre = pre.to(c);
+    }
+    return {out.view(out_shape), store_pre ? pre.view(out_shape) : at::empty({0}, x.options())};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor>
+fused_linear_backward_cpu(const at::Tensor &grad_out, const at::Tensor &x, const at::Tensor &weight,
+                          const at::Tensor &preact, c10::string_view activation, std::array<bool, 3> output_mask) {
+    constexpr const char *fn = "fused_linear_backward";
+    const Act act = parse_activation(activation, fn);
+    TORCH_CHECK(x.dim() >= 1, fn, ": x must have at least one dimension [..., K], got a 0-d tensor");
+    check_compute_dtype(x, fn);
+    check_weight(x, weight, fn);
+    const auto c = x.scalar_type();
+    const int64_t K = x.size(-1), N = weight.size(0), M = leading_rows(x);
+    std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+    out_shape.back() = N;
+    check_optional(grad_out, "grad_out", out_shape, x, fn);
+    if (act != Act::None)
+        check_optional(preact, "preact", out_shape, x, fn);
+    const bool need_gx = output_mask[0], need_gw = output_mask[1], need_gb = output_mask[2];
+    const bool need_d = need_gx || need_gw;
+    const bool fast_bf16 = c == at::kBFloat16 && cpu_caps().avx512bf16;
+
+    // 1. dpre = g * act'(p) (fp32) -> grad_bias (fp32 column sums) and dpre_c = round_c(dpre), one pass.
+    const at::Tensor g2 = as_matrix(grad_out, M, N);
+    at::Tensor dpre; // dpre_c as [M, N] (fp16: computed in fp32, rounded below)
+    at::Tensor gb =
+        need_gb ? at::empty({N}, x.options().dtype(at::kFloat)) : at::empty({0}, x.options().dtype(at::kFloat));
+    const bool dpre_is_g = need_d && act == Act::None && g2.scalar_type() == c; // round_c(g) == g: nothing to write
+    if (dpre_is_g)
+        dpre = g2;
+    else if (need_d)
+        dpre = empty_output({M, N}, x.options().dtype(c == at::kHalf ? at::kFloat : c));
+    if (need_gb || (need_d && !dpre_is_g)) {
+        const at::Tensor p2 = act != Act::None ? as_matrix(preact, M, N) : at::Tensor();
+        DpreArgs a;
+        a.g = g2.data_ptr();
+        a.ld_g = N;
+        a.g_dtype = dtype_of(g2.scalar_type());
+        if (act != Act::None) {
+            a.p = p2.data_ptr();
+            a.ld_p = N;
+            a.p_dtype = dtype_of(p2.scalar_type());
+        }
+        a.act = act;
+        if (need_d && !dpre_is_g) {
+            a.dpre = dpre.data_ptr();
+            a.ld_dpre = N;
+            a.dpre_dtype = dtype_of(dpre.scalar_type());
+        }
+        a.grad_bias = need_gb ? gb.data_ptr<float>() : nullptr;
+        // Threads split the columns, so every grad_bias element is a private, deterministic sum.
+        const int64_t grain = std::max<int64_t>(16, 16384 / std::max<int64_t>(M, 1));
+        parallel_for(0, N, grain, [&](int64_t c0, int64_t c1) { dpre_pass(a, M, c0, c1); });
+    }
+    if (c == at::kHalf && need_d)
+        dpre = dpre.to(c);
+
+    const at::Tensor x2 = need_gw ? x.reshape({M, K}).contiguous() : at::Tensor();
+    const at::Tensor w = need_gx ? weight.contiguous() : at::Tensor();
+    const bool empty = M == 0 || N == 0 || K == 0;
+
+    // 2. grad_x = dpre_c @ w_c -> [..., K] in c.
+    at::Tensor gx = at::empty({0}, x.options());
+    if (need_gx) {
+        if (empty) {
+            gx = at::zeros({M, K}, x.options());
+        } else if (fast_bf16 && M <= kSmallGradXMax) {
+            // Small M: stream the weight rows once (threads split the columns of grad_x).
+            gx = empty_output({M, K}, x.options());
+            const int64_t grain = std::max<int64_t>(64, (int64_t{1} << 18) / std::max<int64_t>(1, M * N));
+            parallel_for(0, K, grain, [&](int64_t k0, int64_t k1) {
+                const Scratch ws = thread_scratch(kTaskSlot, small_grad_x_workspace_bytes(M, k1 - k0));
+                small_m_grad_x(dpre.data_ptr(), N, M, w.data_ptr(), dtype_of(w.scalar_type()), K, N, k0, k1,
+                               gx.data_ptr(), K, ws.ptr);
+            });
+        } else if (fast_bf16) {
+            gx = empty_output({M, K}, x.options());
+            Epilogue e;
+            e.out = gx.data_ptr();
+            e.ld_out = K;
+            e.out_dtype = DType::BF16;
+            run_gemm_bf16({dpre.data_ptr(), N, DType::BF16, false}, {w.data_ptr(), K, dtype_of(w.scalar_type()), false},
+                          M, K, N, e);
+        } else if (c == at::kFloat) {
+            gx = at::mm(dpre, w);
+        } else {
+            gx = at::mm(dpre.to(at::kFloat), w.to(c).to(at::kFloat)).to(c);
+        }
+        gx = gx.view(x.sizes());
+    }
+
+    // 3. grad_weight = dpre_c^T @ x_c, fp32 accumulation, in weight.dtype.
+    at::Tensor gw = at::empty({0}, weight.options());
+    if (need_gw) {
+        if (empty) {
+            gw = at::zeros({N, K}, weight.options());
+        } else if (fast_bf16 && M <= kSmallGradXMax) {
+            // Small M: rank-M update written row by row (threads split the rows of grad_weight).
+            gw = empty_output({N, K}, weight.options());
+            const int64_t grain = std::max<int64_t>(8, (int64_t{1} << 18) / std::max<int64_t>(1, M * K));
+            parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+                const Scratch ws = thread_scratch(kTaskSlot, small_grad_w_workspace_bytes(M, K));
+                small_m_grad_w(dpre.data_ptr(), N, x2.data_ptr(), K, M, K, n0, n1, gw.data_ptr(),
+                               dtype_of(weight.scalar_type()), K, ws.ptr);
+            });
+        } else if (fast_bf16) {
+            gw = empty_output({N, K}, weight.options());
+            Epilogue e;
+            e.out = gw.data_ptr();
+            e.ld_out = K;
+            e.out_dtype = dtype_of(weight.scalar_type());
+            e.stream = true; // grad_weight is not read back by this op: skip the read-for-ownership traffic
+            run_gemm_bf16({dpre.data_ptr(), N, DType::BF16, true}, {x2.data_ptr(), K, DType::BF16, false}, N, K, M, e);
+        } else if (c == at::kFloat) {
+            gw = at::mm(dpre.t(), x2);
+        } else {
+            gw = at::mm(dpre.to(at::kFloat).t(), x2.to(at::kFloat)).to(weight.scalar_type());
+        }
+    }
+    if (need_gb && M == 0)
+        gb.zero_();
+    return {gx, gw, gb};
+}
+
+} // namespace
+} // namespace fused_linear
+} // namespace fastdl
+
+TORCH_LIBRARY_IMPL(fastdl_cpp, CPU, m) {
+    m.impl("fused_linear", TORCH_FN(fastdl::fused_linear::fused_linear_cpu));
+    m.impl("fused_linear_backward", TORCH_FN(fastdl::fused_linear::fused_linear_backward_cpu));
+}

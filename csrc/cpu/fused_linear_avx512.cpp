@@ -1,0 +1,1250 @@
+// SIMD kernels of the fused linear layer: epilogue, backward elementwise pass, bf16 GEMM (vdpbf16ps) and small-M
+// kernels. This translation unit includes no torch headers and is compiled with the generic project flags; AVX-512
+// code is enabled per function with target attributes and only called after the run-time check in cpu_caps().
+#include "fused_linear_kernels.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#define FL_X86 1
+#if defined(__GNUC__) && !defined(__clang__)
+// GCC 12's AVX-512 headers trip -W(maybe-)uninitialized on their own _mm512_undefined_* (GCC bug 105593).
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+#include <cpuid.h>
+#include <immintrin.h>
+#else
+#define FL_X86 0
+#endif
+
+namespace fastdl {
+namespace fused_linear {
+
+// ============================================================================================================
+// CPU feature detection
+// ============================================================================================================
+namespace {
+CpuCaps detect_caps() {
+    CpuCaps caps;
+#if FL_X86
+    __builtin_cpu_init();
+    // __builtin_cpu_supports also checks that the OS saves the zmm / opmask state (XCR0).
+    caps.avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                  __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+                  __builtin_cpu_supports("fma");
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    // AVX512_BF16 is CPUID.(EAX=7, ECX=1):EAX bit 5 (queried directly: older compilers lack the feature name).
+    if (caps.avx512 && __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx))
+        caps.avx512bf16 = (eax >> 5) & 1u;
+#endif
+    if (const char *isa = std::getenv("FASTDL_CPU_ISA")) {
+        if (std::strcmp(isa, "scalar") == 0 || std::strcmp(isa, "avx2") == 0) // no AVX2 kernels here: ATen path
+            caps.avx512 = caps.avx512bf16 = false;
+        else if (std::strcmp(isa, "avx512") == 0)
+            caps.avx512bf16 = false;
+    }
+    return caps;
+}
+
+// Number of k pairs per packed A panel, rounded up to whole 16 x 16 transposes.
+inline int64_t packed_kp(int64_t K) {
+    return ((K + 1) / 2 + 15) / 16 * 16;
+}
+
+// ============================================================================================================
+// Scalar helpers (fallback paths and tails)
+// ============================================================================================================
+inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = static_cast<uint32_t>(h) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+// Round to nearest even, NaN -> 0x7FC0: bit-identical to c10::BFloat16 (and so to torch's .to(torch.bfloat16)).
+inline uint16_t f32_to_bf16(float f) {
+    if (std::isnan(f))
+        return 0x7FC0;
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+inline float load_scalar(const void *p, DType dt, int64_t i) {
+    return dt == DType::F32 ? static_cast<const float *>(p)[i] : bf16_to_f32(static_cast<const uint16_t *>(p)[i]);
+}
+
+inline void store_scalar(void *p, DType dt, int64_t i, float v) {
+    if (dt == DType::F32)
+        static_cast<float *>(p)[i] = v;
+    else
+        static_cast<uint16_t *>(p)[i] = f32_to_bf16(v);
+}
+
+constexpr float kSqrt1_2 = 0.70710678118654752f;
+constexpr float kInvSqrt2Pi = 0.39894228040143268f; // 1 / sqrt(2 pi)
+constexpr float kSqrt2OverPi = 0.79788456080286536f;
+constexpr float kGeluTanhC = 0.044715f;
+
+// sigmoid(z) and 1 - sigmoid(z) without cancellation or overflow (same form as the vector v_sigmoid).
+inline float sigmoid_scalar(float z, float *oms = nullptr) {
+    const float e = std::exp(-std::fabs(z)), r = 1.f / (1.f + e);
+    if (oms)
+        *oms = z < 0.f ? r : e * r;
+    return z < 0.f ? e * r : r;
+}
+
+inline float act_scalar(Act a, float x) {
+    switch (a) {
+    case Act::None:
+        return x;
+    case Act::Relu:
+        return (x > 0.f || std::isnan(x)) ? x : 0.f;
+    case Act::Gelu:
+        return 0.5f * x * std::erfc(-x * kSqrt1_2);
+    case Act::GeluTanh: // 0.5 x (1 + tanh(u)) == x * sigmoid(2u): no cancellation for negative x
+        return x * sigmoid_scalar(2.f * kSqrt2OverPi * (x + kGeluTanhC * x * x * x));
+    case Act::Silu:
+        return x * sigmoid_scalar(x);
+    }
+    return x;
+}
+
+inline float act_grad_scalar(Act a, float p) {
+    switch (a) {
+    case Act::None:
+        return 1.f;
+    case Act::Relu:
+        return p > 0.f ? 1.f : 0.f;
+    case Act::Gelu:
+        return 0.5f * std::erfc(-p * kSqrt1_2) + p * std::exp(-0.5f * p * p) * kInvSqrt2Pi;
+    case Act::GeluTanh: {
+        float oms;
+        const float s = sigmoid_scalar(2.f * kSqrt2OverPi * (p + kGeluTanhC * p * p * p), &oms);
+        return s + 2.f * p * s * oms * kSqrt2OverPi * (1.f + 3.f * kGeluTanhC * p * p);
+    }
+    case Act::Silu: {
+        float oms;
+        const float s = sigmoid_scalar(p, &oms);
+        return s * (1.f + p * oms);
+    }
+    }
+    return 1.f;
+}
+
+void epilogue_scalar(const Epilogue &e, const float *acc, int64_t ld_acc, int64_t row0, int64_t rows, int64_t col0,
+                     int64_t cols) {
+    for (int64_t i = 0; i < rows; ++i) {
+        const int64_t r = row0 + i;
+        for (int64_t j = 0; j < cols; ++j) {
+            const int64_t c = col0 + j;
+            float v = acc[i * ld_acc + j];
+            if (e.bias)
+                v += e.bias[c];
+            if (e.pre)
+                store_scalar(e.pre, e.out_dtype, r * e.ld_pre + c, v);
+            v = act_scalar(e.act, v);
+            if (e.res)
+                v += load_scalar(e.res, e.res_dtype, r * e.ld_res + c);
+            store_scalar(e.out, e.out_dtype, r * e.ld_out + c, v);
+        }
+    }
+}
+
+void dpre_pass_scalar(const DpreArgs &a, int64_t M, int64_t col0, int64_t col1) {
+    for (int64_t c = col0; c < col1; ++c) {
+        float total = 0.f;
+        for (int64_t r0 = 0; r0 < M; r0 += 64) { // two-level sum: error ~ (64 + M / 64) ulp instead of M ulp
+            float part = 0.f;
+            for (int64_t r = r0; r < std::min(M, r0 + 64); ++r) {
+                float d = load_scalar(a.g, a.g_dtype, r * a.ld_g + c);
+                if (a.act != Act::None)
+                    d *= act_grad_scalar(a.act, load_scalar(a.p, a.p_dtype, r * a.ld_p + c));
+                part += d;
+                if (a.dpre)
+                    store_scalar(a.dpre, a.dpre_dtype, r * a.ld_dpre + c, d);
+            }
+            total += part;
+        }
+        if (a.grad_bias)
+            a.grad_bias[c] = total;
+    }
+}
+} // namespace
+
+const CpuCaps &cpu_caps() {
+    static const CpuCaps caps = detect_caps();
+    return caps;
+}
+
+#if FL_X86
+// ============================================================================================================
+// AVX-512 helpers
+// ============================================================================================================
+#define FL_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma")))
+#define FL_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma,avx512bf16")))
+#define FL_INLINE inline __attribute__((always_inline))
+
+namespace {
+FL_AVX512 FL_INLINE __mmask16 mask16(int64_t n) {
+    return n >= 16 ? static_cast<__mmask16>(0xFFFF) : n <= 0 ? 0 : static_cast<__mmask16>((1u << n) - 1u);
+}
+FL_AVX512 FL_INLINE __mmask32 mask32(int64_t n) {
+    return n >= 32 ? static_cast<__mmask32>(0xFFFFFFFFu) : n <= 0 ? 0 : static_cast<__mmask32>((1u << n) - 1u);
+}
+
+FL_AVX512 FL_INLINE __m512 v_load(const void *p, DType dt, int64_t i, __mmask16 m) {
+    if (dt == DType::F32)
+        return _mm512_maskz_loadu_ps(m, static_cast<const float *>(p) + i);
+    const __m256i h = _mm256_maskz_loadu_epi16(m, static_cast<const uint16_t *>(p) + i);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_maskz_cvtepu16_epi32(m, h), 16));
+}
+
+// fp32 -> bf16 round-to-nearest-even with NaN -> 0x7FC0, bit-identical to the scalar f32_to_bf16 (vcvtneps2bf16
+// would flush denormals, so the integer form is used for outputs).
+FL_AVX512 FL_INLINE __m256i v_to_bf16(__m512 v) {
+    const __m512i b = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+FL_AVX512 FL_INLINE void v_store(void *p, DType dt, int64_t i, __m512 v, __mmask16 m) {
+    if (dt == DType::F32)
+        _mm512_mask_storeu_ps(static_cast<float *>(p) + i, m, v);
+    else
+        _mm256_mask_storeu_epi16(static_cast<uint16_t *>(p) + i, m, v_to_bf16(v));
+}
+
+// exp(x): Cody-Waite reduction to r in [-ln2/2, ln2/2], degree-6 minimax polynomial (fitted for this file,
+// max rel. error 1e-7 when evaluated in fp32), 2^n applied with vscalefps. Input clamped to [-104, 88] (NaN kept:
+// vmaxps/vminps return the second operand when one is NaN).
+FL_AVX512 FL_INLINE __m512 v_exp(__m512 x) {
+    x = _mm512_min_ps(_mm512_set1_ps(88.f), _mm512_max_ps(_mm512_set1_ps(-104.f), x));
+    const __m512 n =
+        _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(0.0013836845755577087f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.008374815806746483f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.04166822507977486f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.16666419804096222f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.49999991059303284f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+// Phi(x) = 0.5 erfc(-x / sqrt2) and exp(-x^2 / 2). erfc(a) (a = |x| / sqrt2 >= 0) is evaluated as
+// t * exp(-a^2) * Q(t) with t = 1 / (1 + 0.4 a) and Q a degree-9 polynomial fitted for this file (Lawson minimax,
+// max rel. error 8e-9, 2e-7 in fp32): the relative accuracy holds in the tails, so gelu(x) = x Phi(x) keeps
+// ~1e-6 relative accuracy even for negative x. exp(-x^2/2) uses the exact split x^2 = hi + lo (an error of 1 ulp in
+// a^2 = 32 would already cost 4e-6). Beyond |x| = 14.5 both results are 0 in fp32 and are set to 0 (NaN is kept).
+FL_AVX512 FL_INLINE __m512 v_phi(__m512 x, __m512 &gauss) {
+    const __m512 ax = _mm512_min_ps(_mm512_set1_ps(14.5f), _mm512_abs_ps(x));
+    const __m512 a = _mm512_mul_ps(ax, _mm512_set1_ps(kSqrt1_2));
+    const __m512 t = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_fmadd_ps(a, _mm512_set1_ps(0.4f), _mm512_set1_ps(1.f)));
+    const __m512 x2 = _mm512_mul_ps(ax, ax);
+    const __m512 x2lo = _mm512_mul_ps(_mm512_fmsub_ps(ax, ax, x2), _mm512_set1_ps(0.5f));
+    __m512 e = v_exp(_mm512_mul_ps(x2, _mm512_set1_ps(-0.5f)));
+    e = _mm512_fnmadd_ps(e, x2lo, e); // exp(-x2/2 - x2lo/2) ~= exp(-x2/2) (1 - x2lo/2)
+    e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(ax, _mm512_set1_ps(14.5f), _CMP_LT_OQ), e);
+    gauss = e;
+    __m512 q = _mm512_set1_ps(-0.029593978077173233f);
+    q = _mm512_fmadd_ps(q, t, _mm512_set1_ps(0.1980113387107849f));
+    q = _mm512_fmadd_ps(q, t, _mm512_set1_ps(-0.49880725145339966f));
+    q = _mm512_fmadd_ps(q, t, _mm512_set1_ps(0.5474300384521484f));
+    q = _mm512_fmadd_ps(q, t, _mm512_set1_ps(-0.2843623757362366f));
+    q = _mm512_fmadd_ps(q, t, _mm512_set1_ps(0.2720640301704407f));
+    q = _mm512_fmadd_ps(q, t, _mm512_set1_ps(0.1296803206205368f));
+    q = _mm512_fmadd_ps(q, t, _mm512_set1_ps(0.21491895616054535f));
+    q = _mm512_fmadd_ps(q, t, _mm512_set1_ps(0.22495204210281372f));
+    q = _mm512_fmadd_ps(q, t, _mm512_set1_ps(0.22570690512657166f));
+    const __m512 half_erfc = _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(t, e), q), _mm512_set1_ps(0.5f));
+    const __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+    return _mm512_mask_blend_ps(neg, _mm512_sub_ps(_mm512_set1_ps(1.f), half_erfc), half_erfc);
+}
+
+// sigmoid(z) and, in oms, 1 - sigmoid(z), both without cancellation or overflow: with e = exp(-|z|) in (0, 1],
+// the pair is (1, e) / (1 + e) for z >= 0 and (e, 1) / (1 + e) for z < 0 (NaN propagates through e).
+FL_AVX512 FL_INLINE __m512 v_sigmoid(__m512 z, __m512 &oms) {
+    const __m512 e = v_exp(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(z)));
+    const __m512 r = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_add_ps(_mm512_set1_ps(1.f), e));
+    const __m512 er = _mm512_mul_ps(e, r);
+    const __mmask16 neg = _mm512_cmp_ps_mask(z, _mm512_setzero_ps(), _CMP_LT_OQ);
+    oms = _mm512_mask_blend_ps(neg, er, r);
+    return _mm512_mask_blend_ps(neg, r, er);
+}
+
+FL_AVX512 FL_INLINE __m512 v_gelu_tanh_u(__m512 x) {
+    const __m512 x2 = _mm512_mul_ps(x, x);
+    return _mm512_mul_ps(_mm512_mul_ps(x, _mm512_set1_ps(kSqrt2OverPi)),
+                         _mm512_fmadd_ps(x2, _mm512_set1_ps(kGeluTanhC), _mm512_set1_ps(1.f)));
+}
+
+template <Act A> FL_AVX512 FL_INLINE __m512 v_act(__m512 x) {
+    __m512 tmp;
+    if constexpr (A == Act::Relu) {
+        return _mm512_max_ps(_mm512_setzero_ps(), x); // NaN propagates (second operand)
+    } else if constexpr (A == Act::Gelu) {
+        return _mm512_mul_ps(x, v_phi(x, tmp));
+    } else if constexpr (A == Act::GeluTanh) {
+        const __m512 u2 = _mm512_add_ps(v_gelu_tanh_u(x), v_gelu_tanh_u(x));
+        return _mm512_mul_ps(x, v_sigmoid(u2, tmp)); // x * sigmoid(2u) == 0.5 x (1 + tanh u)
+    } else if constexpr (A == Act::Silu) {
+        return _mm512_mul_ps(x, v_sigmoid(x, tmp));
+    } else {
+        return x;
+    }
+}
+
+template <Act A> FL_AVX512 FL_INLINE __m512 v_act_grad(__m512 p) {
+    if constexpr (A == Act::Relu) {
+        return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(p, _mm512_setzero_ps(), _CMP_GT_OQ), _mm512_set1_ps(1.f));
+    } else if constexpr (A == Act::Gelu) {
+        __m512 gauss;
+        const __m512 phi = v_phi(p, gauss);
+        return _mm512_fmadd_ps(_mm512_mul_ps(p, gauss), _mm512_set1_ps(kInvSqrt2Pi), phi);
+    } else if constexpr (A == Act::GeluTanh) {
+        __m512 oms;
+        const __m512 u2 = _mm512_add_ps(v_gelu_tanh_u(p), v_gelu_tanh_u(p));
+        const __m512 s = v_sigmoid(u2, oms);
+        // d = s + 2 p s (1 - s) sqrt(2/pi) (1 + 3 c p^2)
+        const __m512 inner =
+            _mm512_fmadd_ps(_mm512_mul_ps(p, p), _mm512_set1_ps(3.f * kGeluTanhC), _mm512_set1_ps(1.f));
+        const __m512 k = _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(s, oms), p), _mm512_set1_ps(2.f * kSqrt2OverPi));
+        return _mm512_fmadd_ps(k, inner, s);
+    } else if constexpr (A == Act::Silu) {
+        __m512 oms;
+        const __m512 s = v_sigmoid(p, oms);
+        return _mm512_mul_ps(s, _mm512_fmadd_ps(p, oms, _mm512_set1_ps(1.f)));
+    } else {
+        return _mm512_set1_ps(1.f);
+    }
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// Epilogue / backward pass (AVX-512)
+// ------------------------------------------------------------------------------------------------------------
+template <Act A>
+FL_AVX512 void epilogue_avx512(const Epilogue &e, const float *acc, int64_t ld_acc, int64_t row0, int64_t rows,
+                               int64_t col0, int64_t cols) {
+    for (int64_t i = 0; i < rows; ++i) {
+        const int64_t r = row0 + i;
+        const float *a = acc + i * ld_acc;
+        for (int64_t j = 0; j < cols; j += 16) {
+            const __mmask16 m = mask16(cols - j);
+            const int64_t c = col0 + j;
+            __m512 v = _mm512_maskz_loadu_ps(m, a + j);
+            if (e.bias)
+                v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, e.bias + c));
+            if (e.pre)
+                v_store(e.pre, e.out_dtype, r * e.ld_pre + c, v, m);
+            v = v_act<A>(v);
+            if (e.res)
+                v = _mm512_add_ps(v, v_load(e.res, e.res_dtype, r * e.ld_res + c, m));
+            float *dst = static_cast<float *>(e.out) + r * e.ld_out + c;
+            if (e.stream && e.out_dtype == DType::F32 && m == 0xFFFF && reinterpret_cast<uintptr_t>(dst) % 64 == 0)
+                _mm512_stream_ps(dst, v);
+            else
+                v_store(e.out, e.out_dtype, r * e.ld_out + c, v, m);
+        }
+    }
+    if (e.stream)
+        _mm_sfence();
+}
+
+FL_AVX512 void epilogue_avx512_dispatch(const Epilogue &e, const float *acc, int64_t ld_acc, int64_t row0, int64_t rows,
+                                        int64_t col0, int64_t cols) {
+    switch (e.act) {
+    case Act::None:
+        return epilogue_avx512<Act::None>(e, acc, ld_acc, row0, rows, col0, cols);
+    case Act::Relu:
+        return epilogue_avx512<Act::Relu>(e, acc, ld_acc, row0, rows, col0, cols);
+    case Act::Gelu:
+        return epilogue_avx512<Act::Gelu>(e, acc, ld_acc, row0, rows, col0, cols);
+    case Act::GeluTanh:
+        return epilogue_avx512<Act::GeluTanh>(e, acc, ld_acc, row0, rows, col0, cols);
+    case Act::Silu:
+        return epilogue_avx512<Act::Silu>(e, acc, ld_acc, row0, rows, col0, cols);
+    }
+}
+
+template <Act A> FL_AVX512 void dpre_pass_avx512(const DpreArgs &a, int64_t M, int64_t col0, int64_t col1) {
+    constexpr int64_t kCols = 256; // column chunk: 16 vectors of partial sums stay in L1
+    constexpr int64_t kRows = 64;  // two-level row sum: error ~ (64 + M / 64) ulp instead of M ulp
+    for (int64_t cb = col0; cb < col1; cb += kCols) {
+        const int64_t w = std::min(kCols, col1 - cb);
+        const int64_t nv = (w + 15) / 16;
+        __m512 total[kCols / 16], part[kCols / 16];
+        for (int64_t v = 0; v < nv; ++v)
+            total[v] = _mm512_setzero_ps();
+        for (int64_t r0 = 0; r0 < M; r0 += kRows) {
+            for (int64_t v = 0; v < nv; ++v)
+                part[v] = _mm512_setzero_ps();
+            const int64_t r1 = std::min(M, r0 + kRows);
+            for (int64_t r = r0; r < r1; ++r) {
+                for (int64_t v = 0; v < nv; ++v) {
+                    const __mmask16 m = mask16(w - 16 * v);
+                    const int64_t c = cb + 16 * v;
+                    __m512 d = v_load(a.g, a.g_dtype, r * a.ld_g + c, m);
+                    if constexpr (A != Act::None)
+                        d = _mm512_mul_ps(d, v_act_grad<A>(v_load(a.p, a.p_dtype, r * a.ld_p + c, m)));
+                    part[v] = _mm512_add_ps(part[v], d);
+                    if (a.dpre)
+                        v_store(a.dpre, a.dpre_dtype, r * a.ld_dpre + c, d, m);
+                }
+            }
+            for (int64_t v = 0; v < nv; ++v)
+                total[v] = _mm512_add_ps(total[v], part[v]);
+        }
+        if (a.grad_bias)
+            for (int64_t v = 0; v < nv; ++v)
+                _mm512_mask_storeu_ps(a.grad_bias + cb + 16 * v, mask16(w - 16 * v), total[v]);
+    }
+}
+
+FL_AVX512 void dpre_pass_avx512_dispatch(const DpreArgs &a, int64_t M, int64_t col0, int64_t col1) {
+    switch (a.act) {
+    case Act::None:
+        return dpre_pass_avx512<Act::None>(a, M, col0, col1);
+    case Act::Relu:
+        return dpre_pass_avx512<Act::Relu>(a, M, col0, col1);
+    case Act::Gelu:
+        return dpre_pass_avx512<Act::Gelu>(a, M, col0, col1);
+    case Act::GeluTanh:
+        return dpre_pass_avx512<Act::GeluTanh>(a, M, col0, col1);
+    case Act::Silu:
+        return dpre_pass_avx512<Act::Silu>(a, M, col0, col1);
+    }
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// bf16 GEMM. Packed formats (one dword = two bf16 consecutive along the reduction dim, as vdpbf16ps pairs them):
+//   A: panels of kGemmMR rows: ap[(panel * kpt + kp) * MR + r] = (A[i][2kp], A[i][2kp+1]), i = panel * MR + r
+//   B: one panel of kGemmNR columns per K block: bp[kp * NR + j] = (B[2kp][j], B[2kp+1][j])
+// Out-of-range rows / columns / k are packed as zeros, so the micro kernel never needs masks.
+// ------------------------------------------------------------------------------------------------------------
+// 16 dwords = 32 consecutive elements of a row (bf16, or fp32 rounded to bf16 with vcvtne2ps2bf16, the RNE
+// rounding autocast uses), zero beyond `rem` valid elements.
+FL_AVX512BF16 FL_INLINE __m512i load_pairs(const void *base, DType dt, int64_t off, int64_t rem) {
+    if (rem <= 0)
+        return _mm512_setzero_si512();
+    if (dt == DType::BF16)
+        return _mm512_maskz_loadu_epi16(mask32(rem), static_cast<const uint16_t *>(base) + off);
+    const float *f = static_cast<const float *>(base) + off;
+    const __m512 lo = _mm512_maskz_loadu_ps(mask16(rem), f);
+    const __m512 hi = _mm512_maskz_loadu_ps(mask16(rem - 16), f + 16);
+    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+}
+
+// 16 consecutive elements of two rows interleaved: dword j = (r0[j], r1[j]); zero beyond `rem` columns.
+FL_AVX512BF16 FL_INLINE __m512i interleave_rows(const void *r0, const void *r1, DType dt, int64_t rem) {
+    const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21,
+                                         5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __mmask16 m = mask16(rem);
+    __m512i v;
+    if (dt == DType::BF16) {
+        const __m256i lo = _mm256_maskz_loadu_epi16(m, r0);
+        const __m256i hi = r1 ? _mm256_maskz_loadu_epi16(m, r1) : _mm256_setzero_si256();
+        v = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    } else {
+        const __m512 lo = _mm512_maskz_loadu_ps(m, r0);
+        const __m512 hi = r1 ? _mm512_maskz_loadu_ps(m, r1) : _mm512_setzero_ps();
+        v = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+    }
+    return _mm512_permutexvar_epi16(idx, v);
+}
+
+// In-register transpose of a 16 x 16 dword matrix: on return r[q] holds column q.
+FL_AVX512BF16 FL_INLINE void transpose16(__m512i r[16]) {
+    __m512i t[16];
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {
+        r[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i + 0], t[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i + 0], t[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+#pragma GCC unroll 4
+    for (int q = 0; q < 4; ++q) {
+        t[q + 0] = _mm512_shuffle_i32x4(r[q], r[4 + q], 0x88);
+        t[q + 4] = _mm512_shuffle_i32x4(r[q], r[4 + q], 0xdd);
+        t[q + 8] = _mm512_shuffle_i32x4(r[8 + q], r[12 + q], 0x88);
+        t[q + 12] = _mm512_shuffle_i32x4(r[8 + q], r[12 + q], 0xdd);
+    }
+#pragma GCC unroll 4
+    for (int q = 0; q < 4; ++q) {
+        r[q + 0] = _mm512_shuffle_i32x4(t[q], t[q + 8], 0x88);
+        r[q + 4] = _mm512_shuffle_i32x4(t[q + 4], t[q + 12], 0x88);
+        r[q + 8] = _mm512_shuffle_i32x4(t[q], t[q + 8], 0xdd);
+        r[q + 12] = _mm512_shuffle_i32x4(t[q + 4], t[q + 12], 0xdd);
+    }
+}
+
+// Packs B[k0 : k0 + kc][j0 : j0 + NR] into bp, B[k][j] = b[k * ld + j] (kc even unless the block ends at K):
+// rows 2kp and 2kp + 1 interleaved, fp32 rounded to bf16 on the way.
+FL_AVX512BF16 void pack_b(const GemmOperand &b, int64_t N, int64_t K, int64_t j0, int64_t k0, int64_t kc,
+                          uint32_t *bp) {
+    const int64_t kpn = (kc + 1) / 2;
+    const int64_t k_end = std::min(K, k0 + kc);
+    const size_t esz = b.dtype == DType::F32 ? 4 : 2;
+    const char *base = static_cast<const char *>(b.ptr);
+    for (int64_t kp = 0; kp < kpn; ++kp) {
+        const int64_t k = k0 + 2 * kp;
+        const char *r0 = base + (k * b.ld + j0) * esz;
+        const char *r1 = k + 1 < k_end ? r0 + b.ld * esz : nullptr;
+        for (int g = 0; g < kGemmNR / 16; ++g)
+            _mm512_storeu_si512(
+                bp + kp * kGemmNR + 16 * g,
+                interleave_rows(r0 + 16 * g * esz, r1 ? r1 + 16 * g * esz : nullptr, b.dtype, N - j0 - 16 * g));
+    }
+}
+
+// Micro kernel: c[MR][NR] (+)= sum_kp A-panel x B-panel. 24 zmm accumulators, 3 B vectors and one broadcast: each
+// k pair costs 3 loads + 8 broadcasts for 24 vdpbf16ps, which keeps both FMA pipes busy (measured ~500 GFLOP/s per
+// Zen 5 core with B in L1, ~97% of the vdpbf16ps peak).
+FL_AVX512BF16 void micro_kernel(int64_t kpn, const uint32_t *ap, const uint32_t *bp, float *c, bool accumulate) {
+    __m512 acc[kGemmMR][3];
+#pragma GCC unroll 8
+    for (int i = 0; i < kGemmMR; ++i)
+#pragma GCC unroll 3
+        for (int j = 0; j < 3; ++j)
+            acc[i][j] = accumulate ? _mm512_loadu_ps(c + i * kGemmNR + 16 * j) : _mm512_setzero_ps();
+    for (int64_t kp = 0; kp < kpn; ++kp) {
+        const __m512bh b0 = (__m512bh)_mm512_loadu_si512(bp + kp * kGemmNR);
+        const __m512bh b1 = (__m512bh)_mm512_loadu_si512(bp + kp * kGemmNR + 16);
+        const __m512bh b2 = (__m512bh)_mm512_loadu_si512(bp + kp * kGemmNR + 32);
+#pragma GCC unroll 8
+        for (int i = 0; i < kGemmMR; ++i) {
+            const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(ap[kp * kGemmMR + i]));
+            acc[i][0] = _mm512_dpbf16_ps(acc[i][0], a, b0);
+            acc[i][1] = _mm512_dpbf16_ps(acc[i][1], a, b1);
+            acc[i][2] = _mm512_dpbf16_ps(acc[i][2], a, b2);
+        }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < kGemmMR; ++i)
+#pragma GCC unroll 3
+        for (int j = 0; j < 3; ++j)
+            _mm512_storeu_ps(c + i * kGemmNR + 16 * j, acc[i][j]);
+}
+
+FL_AVX512BF16 void pack_a_avx512bf16(const GemmOperand &a, int64_t M, int64_t K, int64_t panel0, int64_t panel1,
+                                     uint16_t *ap16) {
+    uint32_t *ap = reinterpret_cast<uint32_t *>(ap16);
+    const int64_t kpt = packed_kp(K);
+    const uint16_t *src = static_cast<const uint16_t *>(a.ptr);
+    for (int64_t p = panel0; p < panel1; p += 2) { // two panels (16 rows) at a time
+        const bool two = p + 1 < panel1;
+        const int64_t i0 = p * kGemmMR;
+        uint32_t *out0 = ap + p * kpt * kGemmMR;
+        uint32_t *out1 = out0 + kpt * kGemmMR;
+        if (!a.trans) { // A[i][k] = a[i * lda + k]: transpose 16 rows x 16 dwords
+            for (int64_t kp0 = 0; kp0 < kpt; kp0 += 16) {
+                __m512i r[16];
+                for (int i = 0; i < 16; ++i) {
+                    const bool ok = i0 + i < M && (i < kGemmMR || two);
+                    r[i] = ok ? load_pairs(src, DType::BF16, (i0 + i) * a.ld + 2 * kp0, K - 2 * kp0)
+                              : _mm512_setzero_si512();
+                }
+                transpose16(r);
+                for (int q = 0; q < 16; ++q) {
+                    _mm256_storeu_si256(reinterpret_cast<__m256i *>(out0 + (kp0 + q) * kGemmMR),
+                                        _mm512_castsi512_si256(r[q]));
+                    if (two)
+                        _mm256_storeu_si256(reinterpret_cast<__m256i *>(out1 + (kp0 + q) * kGemmMR),
+                                            _mm512_extracti64x4_epi64(r[q], 1));
+                }
+            }
+        } else { // A[i][k] = a[k * lda + i]: interleave source rows 2kp, 2kp + 1 over 16 consecutive i
+            const int64_t wi = std::min<int64_t>(M - i0, two ? 16 : kGemmMR);
+            for (int64_t kp = 0; kp < kpt; ++kp) {
+                const int64_t k = 2 * kp;
+                __m512i v = _mm512_setzero_si512();
+                if (k < K)
+                    v = interleave_rows(src + k * a.ld + i0, k + 1 < K ? src + (k + 1) * a.ld + i0 : nullptr,
+                                        DType::BF16, wi);
+                _mm256_storeu_si256(reinterpret_cast<__m256i *>(out0 + kp * kGemmMR), _mm512_castsi512_si256(v));
+                if (two)
+                    _mm256_storeu_si256(reinterpret_cast<__m256i *>(out1 + kp * kGemmMR),
+                                        _mm512_extracti64x4_epi64(v, 1));
+            }
+        }
+    }
+}
+
+FL_AVX512BF16 void gemm_tile_avx512bf16(const uint16_t *ap16, const GemmOperand &b, int64_t M, int64_t N, int64_t K,
+                                        int64_t m0, int64_t j0, const Epilogue &epi, void *workspace) {
+    const uint32_t *ap = reinterpret_cast<const uint32_t *>(ap16);
+    uint32_t *bp = static_cast<uint32_t *>(workspace);
+    float *cp = reinterpret_cast<float *>(bp + kGemmKC / 2 * kGemmNR);
+    const int64_t rows = std::min<int64_t>(kGemmMC, M - m0);
+    const int64_t panels = (rows + kGemmMR - 1) / kGemmMR;
+    const int64_t kpt = packed_kp(K);
+    if (K == 0)
+        std::memset(cp, 0, sizeof(float) * panels * kGemmMR * kGemmNR);
+    for (int64_t k0 = 0; k0 < K; k0 += kGemmKC) {
+        const int64_t kc = std::min<int64_t>(kGemmKC, K - k0);
+        pack_b(b, N, K, j0, k0, kc, bp);
+        const int64_t kpn = (kc + 1) / 2;
+        for (int64_t pi = 0; pi < panels; ++pi)
+            micro_kernel(kpn, ap + ((m0 / kGemmMR + pi) * kpt + k0 / 2) * kGemmMR, bp, cp + pi * kGemmMR * kGemmNR,
+                         k0 > 0);
+    }
+    epilogue_avx512_dispatch(epi, cp, kGemmNR, m0, rows, j0, std::min<int64_t>(kGemmNR, N - j0));
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// Small-M forward, M <= 4: inner products of x rows with weight rows (both contiguous along K), MT x R accumulators
+// of 16 lanes, horizontal sums at the end. No packing: at M = 1 the weight read is the whole cost, so each weight
+// byte is loaded exactly once and R rows are streamed concurrently (K = N = 4096 bf16, 2 threads: 0.34 ms, ~100 GB/s,
+// the DRAM bandwidth of the dev machine). fp32 weights are rounded to bf16 in registers (vcvtne2ps2bf16, RNE).
+// ------------------------------------------------------------------------------------------------------------
+template <bool WF32, bool TAIL> FL_AVX512BF16 FL_INLINE __m512bh load_w32(const void *w, int64_t off, int64_t rem) {
+    if constexpr (WF32) {
+        const float *f = static_cast<const float *>(w) + off;
+        if constexpr (!TAIL)
+            return _mm512_cvtne2ps_pbh(_mm512_loadu_ps(f + 16), _mm512_loadu_ps(f));
+        return _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(mask16(rem - 16), f + 16),
+                                   _mm512_maskz_loadu_ps(mask16(rem), f));
+    } else {
+        const uint16_t *h = static_cast<const uint16_t *>(w) + off;
+        if constexpr (!TAIL)
+            return (__m512bh)_mm512_loadu_si512(h);
+        return (__m512bh)_mm512_maskz_loadu_epi16(mask32(rem), h);
+    }
+}
+
+// One 32-wide k step of an MT x R tile (TAIL: only rem < 32 elements are valid, the rest is zero-filled). The tile
+// code is split into a full-step loop and one tail step so that the accumulators stay in registers (a tail test
+// inside the loop made GCC keep them on the stack: 4x slower at M = 4).
+template <int MT, int R, bool WF32, bool TAIL>
+FL_AVX512BF16 FL_INLINE void small_step_bf16(__m512 (&acc)[MT][R], const uint16_t *x, int64_t ldx, const void *w,
+                                             int64_t ldw, int64_t k, int64_t rem) {
+    __m512bh wv[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+        wv[r] = load_w32<WF32, TAIL>(w, r * ldw + k, rem);
+#pragma GCC unroll 4
+    for (int m = 0; m < MT; ++m) {
+        const __m512bh xv = load_w32<false, TAIL>(x, m * ldx + k, rem);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r)
+            acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv, wv[r]);
+    }
+}
+
+template <int MT, int R, bool WF32>
+FL_AVX512BF16 void small_tile_bf16(const uint16_t *x, int64_t ldx, const void *w, int64_t ldw, int64_t K, float *c,
+                                   int64_t ldc) {
+    __m512 acc[MT][R];
+#pragma GCC unroll 4
+    for (int m = 0; m < MT; ++m)
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r)
+            acc[m][r] = _mm512_setzero_ps();
+    const int64_t kmain = K & ~int64_t{31};
+    for (int64_t k = 0; k < kmain; k += 32)
+        small_step_bf16<MT, R, WF32, false>(acc, x, ldx, w, ldw, k, 32);
+    if (kmain < K)
+        small_step_bf16<MT, R, WF32, true>(acc, x, ldx, w, ldw, kmain, K - kmain);
+#pragma GCC unroll 4
+    for (int m = 0; m < MT; ++m)
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r)
+            c[m * ldc + r] = _mm512_reduce_add_ps(acc[m][r]);
+}
+
+template <int MT, int R, bool TAIL>
+FL_AVX512 FL_INLINE void small_step_f32(__m512 (&acc)[MT][R], const float *x, int64_t ldx, const float *w, int64_t ldw,
+                                        int64_t k, int64_t rem) {
+    const __mmask16 msk = TAIL ? mask16(rem) : static_cast<__mmask16>(0xFFFF);
+    __m512 wv[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+        wv[r] = TAIL ? _mm512_maskz_loadu_ps(msk, w + r * ldw + k) : _mm512_loadu_ps(w + r * ldw + k);
+#pragma GCC unroll 4
+    for (int m = 0; m < MT; ++m) {
+        const __m512 xv = TAIL ? _mm512_maskz_loadu_ps(msk, x + m * ldx + k) : _mm512_loadu_ps(x + m * ldx + k);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r)
+            acc[m][r] = _mm512_fmadd_ps(xv, wv[r], acc[m][r]);
+    }
+}
+
+template <int MT, int R>
+FL_AVX512 void small_tile_f32(const float *x, int64_t ldx, const float *w, int64_t ldw, int64_t K, float *c,
+                              int64_t ldc) {
+    __m512 acc[MT][R];
+#pragma GCC unroll 4
+    for (int m = 0; m < MT; ++m)
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r)
+            acc[m][r] = _mm512_setzero_ps();
+    const int64_t kmain = K & ~int64_t{15};
+    for (int64_t k = 0; k < kmain; k += 16)
+        small_step_f32<MT, R, false>(acc, x, ldx, w, ldw, k, 16);
+    if (kmain < K)
+        small_step_f32<MT, R, true>(acc, x, ldx, w, ldw, kmain, K - kmain);
+#pragma GCC unroll 4
+    for (int m = 0; m < MT; ++m)
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r)
+            c[m * ldc + r] = _mm512_reduce_add_ps(acc[m][r]);
+}
+
+// R (weight rows per tile) by MT: MT * R + R + 1 <= 32 zmm registers.
+template <int MT> constexpr int small_r() {
+    return MT <= 2 ? 8 : 6;
+}
+
+template <int MT>
+FL_AVX512BF16 void small_rows_bf16(const uint16_t *x, int64_t ldx, const void *w, bool wf32, int64_t ldw, int64_t K,
+                                   int64_t nrows, float *c, int64_t ldc) {
+    constexpr int R = small_r<MT>();
+    const size_t esz = wf32 ? 4 : 2;
+    const char *wb = static_cast<const char *>(w);
+    int64_t r = 0;
+    for (; r + R <= nrows; r += R) {
+        if (wf32)
+            small_tile_bf16<MT, R, true>(x, ldx, wb + r * ldw * esz, ldw, K, c + r, ldc);
+        else
+            small_tile_bf16<MT, R, false>(x, ldx, wb + r * ldw * esz, ldw, K, c + r, ldc);
+    }
+    for (; r < nrows; ++r) {
+        if (wf32)
+            small_tile_bf16<MT, 1, true>(x, ldx, wb + r * ldw * esz, ldw, K, c + r, ldc);
+        else
+            small_tile_bf16<MT, 1, false>(x, ldx, wb + r * ldw * esz, ldw, K, c + r, ldc);
+    }
+}
+
+template <int MT>
+FL_AVX512 void small_rows_f32(const float *x, int64_t ldx, const float *w, int64_t ldw, int64_t K, int64_t nrows,
+                              float *c, int64_t ldc) {
+    constexpr int R = small_r<MT>();
+    int64_t r = 0;
+    for (; r + R <= nrows; r += R)
+        small_tile_f32<MT, R>(x, ldx, w + r * ldw, ldw, K, c + r, ldc);
+    for (; r < nrows; ++r)
+        small_tile_f32<MT, 1>(x, ldx, w + r * ldw, ldw, K, c + r, ldc);
+}
+
+// M > 4: "weight-stationary broadcast" kernel, the GEMM micro kernel with the roles swapped. x is packed once per
+// call as x^T pairs in chunks of 64 rows, xt[kp][m] = (x[m][2kp], x[m][2kp+1]) (J = 1..4 vectors of 16 m lanes,
+// zero-padded), and a tile of RW weight rows runs over the whole K with RW x J accumulators: per k pair, J xt loads
+// and RW x J vdpbf16ps whose other operand is a dword of the weight row broadcast straight from memory. The weight is
+// read in place (fp32 rows are first rounded to a bf16 copy, 12 rows at a time): no packing, no horizontal sums, no
+// partial sums in memory, and the GEMM's B-panel transposes (15-17 % of its time at M = 128) disappear.
+// Tiles: 12 rows x 1-2 vectors, 8 x 3, 6 x 4 (24 rows ran out of general registers for the row pointers).
+// Single core, K = N = 4096, M = 16: inner products (4 x 6 tiles, horizontal sums) 2.4 ms, K-blocked inner products
+// 2.1 ms, this kernel 1.6 ms. 2 threads: M = 128: 4.7 ms (910 GFLOP/s, ~90 % of the vdpbf16ps peak) vs 5.6 ms for
+// the packed GEMM and 5.7 ms for oneDNN; M = 512: 19.2 ms, same as the GEMM.
+template <int RW, int J>
+FL_AVX512BF16 void wstat_tile(const char *w, int64_t ldw_bytes, const uint32_t *xt, int64_t K, float *c, int64_t ldc,
+                              int64_t M, int64_t rows) {
+    __m512 acc[RW][J];
+#pragma GCC unroll 24
+    for (int i = 0; i < RW; ++i)
+#pragma GCC unroll 4
+        for (int j = 0; j < J; ++j)
+            acc[i][j] = _mm512_setzero_ps();
+    const int64_t kpn = K / 2; // whole pairs; an odd last element is handled below
+    for (int64_t kp = 0; kp < kpn; ++kp) {
+        if ((kp & 15) == 0) // a new cache line per weight row every 16 k pairs: prefetch 1 KB ahead (M = 16: -6 %)
+#pragma GCC unroll 24
+            for (int i = 0; i < RW; ++i)
+                _mm_prefetch(w + i * ldw_bytes + kp * 4 + 1024, _MM_HINT_T0);
+        __m512bh b[J];
+#pragma GCC unroll 4
+        for (int j = 0; j < J; ++j)
+            b[j] = (__m512bh)_mm512_loadu_si512(xt + (kp * J + j) * 16);
+#pragma GCC unroll 24
+        for (int i = 0; i < RW; ++i) {
+            int32_t pair;
+            std::memcpy(&pair, w + i * ldw_bytes + kp * 4, 4);
+            const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+#pragma GCC unroll 4
+            for (int j = 0; j < J; ++j)
+                acc[i][j] = _mm512_dpbf16_ps(acc[i][j], a, b[j]);
+        }
+    }
+    if (K & 1) { // last element of each row paired with a zero (never read past the row)
+        __m512bh b[J];
+#pragma GCC unroll 4
+        for (int j = 0; j < J; ++j)
+            b[j] = (__m512bh)_mm512_loadu_si512(xt + (kpn * J + j) * 16);
+#pragma GCC unroll 24
+        for (int i = 0; i < RW; ++i) {
+            uint16_t last;
+            std::memcpy(&last, w + i * ldw_bytes + (K - 1) * 2, 2);
+            const __m512bh a = (__m512bh)_mm512_set1_epi32(last);
+#pragma GCC unroll 4
+            for (int j = 0; j < J; ++j)
+                acc[i][j] = _mm512_dpbf16_ps(acc[i][j], a, b[j]);
+        }
+    }
+    // acc[i][j] lane l = result (m = 16 j + l, n = i): scatter into the M x 48 block (rows >= `rows` are padding).
+    alignas(64) float tmp[16];
+    for (int i = 0; i < RW; ++i) {
+        if (i >= rows)
+            break;
+        for (int j = 0; j < J; ++j) {
+            _mm512_store_ps(tmp, acc[i][j]);
+            for (int64_t l = 0; l < 16 && 16 * j + l < M; ++l)
+                c[(16 * j + l) * ldc + i] = tmp[l];
+        }
+    }
+}
+
+// Column block of the small-M path: 48 weight rows (multiple of R = 6, 8 and of the wstat tiles 6, 8, 12).
+constexpr int64_t kFwdNB = 48;
+constexpr int64_t kXtChunk = 64;           // m rows per x^T chunk (J <= 4 vectors of 16 lanes)
+constexpr int64_t kXtSuper = kFwdRowBlock; // m rows per pass over the weight (see fwd_bf16)
+
+// k pairs per x^T chunk (+ overrun of the last 16 x 16 transpose) and dwords per chunk.
+inline int64_t xt_kp(int64_t K) {
+    return (K + 1) / 2 + 16;
+}
+inline int64_t xt_chunk_dwords(int64_t K) {
+    return xt_kp(K) * kXtChunk;
+}
+
+struct FwdWorkspace {
+    float *cbuf;     // [min(M, 256)][kFwdNB] fp32 results before the epilogue
+    uint16_t *wconv; // [12][K] weight rows rounded to bf16 (fp32 weights)
+    uint32_t *xt;    // x^T pairs of one row block: kFwdRowBlock / kXtChunk chunks of xt_chunk_dwords(K)
+};
+
+inline FwdWorkspace fwd_workspace(void *workspace, int64_t M, int64_t K) {
+    char *p = static_cast<char *>(workspace);
+    p += (64 - reinterpret_cast<uintptr_t>(p) % 64) % 64;
+    FwdWorkspace ws;
+    ws.cbuf = reinterpret_cast<float *>(p);
+    ws.wconv = reinterpret_cast<uint16_t *>(ws.cbuf + std::max<int64_t>(std::min(M, kFwdRowBlock), 1) * kFwdNB);
+    ws.xt = reinterpret_cast<uint32_t *>(ws.wconv + (12 * K + 31) / 32 * 32);
+    return ws;
+}
+
+// x^T chunk c (rows 64c ...): xt[kp][16 J] = (x[m][2kp], x[m][2kp + 1]), zero past the chunk's rows.
+FL_AVX512BF16 void pack_xt_chunk(const uint16_t *x, int64_t ldx, int64_t M, int64_t K, int64_t c, uint32_t *xt) {
+    const int64_t m0 = c * kXtChunk, rows = std::min(kXtChunk, M - m0);
+    const int J = static_cast<int>((rows + 15) / 16);
+    uint32_t *out = xt + c * xt_chunk_dwords(K);
+    const int64_t kpn = (K + 1) / 2;
+    for (int j = 0; j < J; ++j)
+        for (int64_t kp0 = 0; kp0 < kpn; kp0 += 16) {
+            __m512i r[16];
+            for (int i = 0; i < 16; ++i) {
+                const int64_t m = 16 * j + i;
+                r[i] = m < rows ? load_pairs(x + (m0 + m) * ldx, DType::BF16, 2 * kp0, K - 2 * kp0)
+                                : _mm512_setzero_si512();
+            }
+            transpose16(r);
+            for (int q = 0; q < 16; ++q)
+                _mm512_storeu_si512(out + ((kp0 + q) * J + j) * 16, r[q]);
+        }
+}
+
+// Runs one x^T chunk (J vectors) against the RW weight rows at wt, results into c (rows m, column 0..RW).
+template <int RW>
+FL_AVX512BF16 void wstat_chunk(const char *wt, int64_t ldb, const uint32_t *xt, int64_t K, int64_t M, int64_t c,
+                               float *cbuf, int64_t col, int64_t rows) {
+    const int64_t m0 = c * kXtChunk, mr = std::min(kXtChunk, M - m0);
+    const uint32_t *xc = xt + c * xt_chunk_dwords(K);
+    float *out = cbuf + m0 * kFwdNB + col;
+    switch ((mr + 15) / 16) {
+    case 1:
+        return wstat_tile<RW, 1>(wt, ldb, xc, K, out, kFwdNB, mr, rows);
+    case 2:
+        return wstat_tile<RW, 2>(wt, ldb, xc, K, out, kFwdNB, mr, rows);
+    case 3:
+        return wstat_tile<RW, 3>(wt, ldb, xc, K, out, kFwdNB, mr, rows);
+    default:
+        return wstat_tile<RW, 4>(wt, ldb, xc, K, out, kFwdNB, mr, rows);
+    }
+}
+
+// All x^T chunks against nr weight rows, RW rows at a time (each RW-row slice of the weight is read from memory
+// once and then from L1/L2 for the other chunks).
+template <int RW>
+FL_AVX512BF16 void wstat_block(const FwdWorkspace &ws, const uint32_t *xt, int64_t M, const void *w, bool wf32,
+                               int64_t ldw, int64_t K, int64_t nr) {
+    const int64_t chunks = (M + kXtChunk - 1) / kXtChunk;
+    for (int64_t t0 = 0; t0 < nr; t0 += RW) {
+        const int64_t rows = std::min<int64_t>(RW, nr - t0);
+        const char *wt;
+        int64_t ldb, col = t0;
+        if (wf32) { // round the tile's rows to bf16 once (RNE, like autocast); padding rows repeat the last row
+            for (int64_t i = 0; i < RW; ++i) {
+                const float *src = static_cast<const float *>(w) + (t0 + std::min(i, rows - 1)) * ldw;
+                for (int64_t k = 0; k < K; k += 32)
+                    _mm512_mask_storeu_epi16(ws.wconv + i * K + k, mask32(K - k),
+                                             (__m512i)load_w32<true, true>(src, k, K - k));
+            }
+            wt = reinterpret_cast<const char *>(ws.wconv);
+            ldb = K * 2;
+        } else {
+            ldb = ldw * 2;
+            wt = static_cast<const char *>(w) + t0 * ldb;
+            if (rows < RW) {
+                if (nr < RW) { // fewer rows than one tile: one row at a time
+                    for (int64_t i = 0; i < rows; ++i)
+                        for (int64_t c = 0; c < chunks; ++c)
+                            wstat_chunk<1>(wt + i * ldb, ldb, xt, K, M, c, ws.cbuf, t0 + i, 1);
+                    continue;
+                }
+                wt -= (RW - rows) * ldb; // tail tile: redo the last RW rows (recomputes a few outputs)
+                col -= RW - rows;
+            }
+        }
+        for (int64_t c = 0; c < chunks; ++c)
+            wstat_chunk<RW>(wt, ldb, xt, K, M, c, ws.cbuf, col, wf32 ? rows : RW);
+    }
+}
+
+FL_AVX512BF16 void fwd_bf16(const uint16_t *x, int64_t ldx, int64_t M, const void *w, bool wf32, int64_t ldw, int64_t K,
+                            int64_t m0, int64_t m1, int64_t n0, int64_t n1, const Epilogue &epi, void *workspace) {
+    const FwdWorkspace ws = fwd_workspace(workspace, M, K);
+    const size_t esz = wf32 ? 4 : 2;
+    if (M <= 4) { // one m-tile, every weight byte loaded once (fp32 weights rounded in registers)
+        for (int64_t nb = n0; nb < n1; nb += kFwdNB) {
+            const int64_t nr = std::min(kFwdNB, n1 - nb);
+            const void *wrows = static_cast<const char *>(w) + nb * ldw * esz;
+            switch (M) {
+            case 1:
+                small_rows_bf16<1>(x, ldx, wrows, wf32, ldw, K, nr, ws.cbuf, kFwdNB);
+                break;
+            case 2:
+                small_rows_bf16<2>(x, ldx, wrows, wf32, ldw, K, nr, ws.cbuf, kFwdNB);
+                break;
+            case 3:
+                small_rows_bf16<3>(x, ldx, wrows, wf32, ldw, K, nr, ws.cbuf, kFwdNB);
+                break;
+            default:
+                small_rows_bf16<4>(x, ldx, wrows, wf32, ldw, K, nr, ws.cbuf, kFwdNB);
+                break;
+            }
+            epilogue_avx512_dispatch(epi, ws.cbuf, kFwdNB, 0, M, nb, nr);
+        }
+        return;
+    }
+    // Broadcast kernel, x rows in blocks of kFwdRowBlock: the block's x^T (kFwdRowBlock x K bf16, 2 MB for K = 4096)
+    // is packed here (each thread packs the blocks it works on: x is small next to the weight slice it meets) and
+    // re-read from L2/L3 by every weight tile; the weight slice is read once per row block.
+    for (int64_t ms = m0; ms < m1; ms += kXtSuper) {
+        const int64_t rows = std::min(kXtSuper, m1 - ms);
+        for (int64_t c = 0; c * kXtChunk < rows; ++c)
+            pack_xt_chunk(x + ms * ldx, ldx, rows, K, c, ws.xt);
+        const uint32_t *xs = ws.xt;
+        for (int64_t nb = n0; nb < n1; nb += kFwdNB) {
+            const int64_t nr = std::min(kFwdNB, n1 - nb);
+            const void *wrows = static_cast<const char *>(w) + nb * ldw * esz;
+            // weight tile height by accumulator count: 12 x 1-2 vectors, 8 x 3, 6 x 4
+            if (rows <= 32)
+                wstat_block<12>(ws, xs, rows, wrows, wf32, ldw, K, nr);
+            else if (rows <= 48)
+                wstat_block<8>(ws, xs, rows, wrows, wf32, ldw, K, nr);
+            else
+                wstat_block<6>(ws, xs, rows, wrows, wf32, ldw, K, nr);
+            epilogue_avx512_dispatch(epi, ws.cbuf, kFwdNB, ms, rows, nb, nr);
+        }
+    }
+}
+
+FL_AVX512 void fwd_small_f32(const float *x, int64_t ldx, int64_t M, const float *w, int64_t ldw, int64_t K, int64_t n0,
+                             int64_t n1, const Epilogue &epi, void *workspace) {
+    float *cbuf = fwd_workspace(workspace, M, K).cbuf;
+    for (int64_t nb = n0; nb < n1; nb += kFwdNB) {
+        const int64_t nr = std::min(kFwdNB, n1 - nb);
+        const float *wrows = w + nb * ldw;
+        for (int64_t m = 0; m < M; m += 4) {
+            const float *xm = x + m * ldx;
+            float *cm = cbuf + m * kFwdNB;
+            switch (std::min<int64_t>(4, M - m)) {
+            case 1:
+                small_rows_f32<1>(xm, ldx, wrows, ldw, K, nr, cm, kFwdNB);
+                break;
+            case 2:
+                small_rows_f32<2>(xm, ldx, wrows, ldw, K, nr, cm, kFwdNB);
+                break;
+            case 3:
+                small_rows_f32<3>(xm, ldx, wrows, ldw, K, nr, cm, kFwdNB);
+                break;
+            default:
+                small_rows_f32<4>(xm, ldx, wrows, ldw, K, nr, cm, kFwdNB);
+                break;
+            }
+        }
+        epilogue_avx512_dispatch(epi, cbuf, kFwdNB, 0, M, nb, nr);
+    }
+}
+// ------------------------------------------------------------------------------------------------------------
+// Small-M backward, grad_x = dpre @ w for the columns [k0, k1): the weight is streamed row by row (16 rows at a
+// time, each row contiguous over the thread's columns) and the fp32 sums of all M rows stay in an L1/L2 buffer.
+// Pairs of weight rows are interleaved in registers (fp32 rows rounded to bf16 on the way) so that vdpbf16ps pairs
+// them with a broadcast dword (dpre[m][n], dpre[m][n + 1]). Reading column strips instead (the packed GEMM's B
+// panels) touches 48 floats per weight row per strip and ran at ~25 GB/s.
+// ------------------------------------------------------------------------------------------------------------
+// One block of 16 weight rows x 3 column vectors: the 8 interleaved row pairs x 3 vectors stay in 24 registers
+// while every m row accumulates 24 vdpbf16ps (broadcast dwords read straight from dpre).
+FL_AVX512BF16 void grad_x_block_full(const uint16_t *d, int64_t ldd, int64_t M, const char *w, bool wf32,
+                                     int64_t ldw_bytes, int64_t n0, int64_t kbyte, __m512 *acc, int64_t nv) {
+    __m512bh wp[8][3];
+    const DType dt = wf32 ? DType::F32 : DType::BF16;
+    const int64_t vb = wf32 ? 64 : 32; // bytes per 16 columns
+#pragma GCC unroll 8
+    for (int p = 0; p < 8; ++p) {
+        const char *r0 = w + (n0 + 2 * p) * ldw_bytes + kbyte;
+#pragma GCC unroll 3
+        for (int j = 0; j < 3; ++j)
+            wp[p][j] = (__m512bh)interleave_rows(r0 + j * vb, r0 + ldw_bytes + j * vb, dt, 16);
+    }
+    for (int64_t m = 0; m < M; ++m) {
+        const uint16_t *dm = d + m * ldd + n0;
+        __m512 a0 = acc[m * nv], a1 = acc[m * nv + 1], a2 = acc[m * nv + 2];
+#pragma GCC unroll 8
+        for (int p = 0; p < 8; ++p) {
+            int32_t pair;
+            std::memcpy(&pair, dm + 2 * p, 4);
+            const __m512bh b = (__m512bh)_mm512_set1_epi32(pair);
+            a0 = _mm512_dpbf16_ps(a0, b, wp[p][0]);
+            a1 = _mm512_dpbf16_ps(a1, b, wp[p][1]);
+            a2 = _mm512_dpbf16_ps(a2, b, wp[p][2]);
+        }
+        acc[m * nv] = a0;
+        acc[m * nv + 1] = a1;
+        acc[m * nv + 2] = a2;
+    }
+}
+
+FL_AVX512BF16 void small_grad_x_bf16(const uint16_t *d, int64_t ldd, int64_t M, const void *w, bool wf32, int64_t ldw,
+                                     int64_t N, int64_t k0, int64_t k1, __m512 *acc, uint16_t *gx, int64_t ldgx) {
+    const int64_t kw = k1 - k0, nv = (kw + 15) / 16;
+    const int64_t esz = wf32 ? 4 : 2;
+    const char *wb = static_cast<const char *>(w);
+    for (int64_t i = 0; i < M * nv; ++i)
+        acc[i] = _mm512_setzero_ps();
+    for (int64_t n0 = 0; n0 < N; n0 += 16) {
+        const int64_t np = std::min<int64_t>(8, (N - n0 + 1) / 2); // row pairs in this block
+        int64_t v = 0;
+        if (n0 + 16 <= N) // full block: 3 column vectors at a time
+            for (; v + 3 <= nv && 16 * (v + 3) <= kw; v += 3)
+                grad_x_block_full(d, ldd, M, wb, wf32, ldw * esz, n0, (k0 + 16 * v) * esz, acc + v, nv);
+        for (; v < nv; ++v) { // generic: one vector, partial pairs / columns
+            const int64_t k = k0 + 16 * v;
+            __m512bh wp[8];
+            for (int64_t p = 0; p < np; ++p) {
+                const int64_t n = n0 + 2 * p;
+                const char *r0 = wb + (n * ldw + k) * esz;
+                wp[p] = (__m512bh)interleave_rows(r0, n + 1 < N ? r0 + ldw * esz : nullptr,
+                                                  wf32 ? DType::F32 : DType::BF16, k1 - k);
+            }
+            for (int64_t m = 0; m < M; ++m) {
+                const uint16_t *dm = d + m * ldd + n0;
+                __m512 a = acc[m * nv + v];
+                for (int64_t p = 0; p < np; ++p) {
+                    uint32_t pair = dm[2 * p];
+                    if (n0 + 2 * p + 1 < N) // the last row of an odd N pairs with zero
+                        pair |= static_cast<uint32_t>(dm[2 * p + 1]) << 16;
+                    a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_set1_epi32(static_cast<int>(pair)), wp[p]);
+                }
+                acc[m * nv + v] = a;
+            }
+        }
+    }
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t v = 0; v < nv; ++v)
+            _mm256_mask_storeu_epi16(gx + m * ldgx + k0 + 16 * v, mask16(kw - 16 * v), v_to_bf16(acc[m * nv + v]));
+}
+
+// Small-M backward, grad_w[n][k] = sum_m dpre[m][n] x[m][k] for the rows [n0, n1): a rank-M update written row by
+// row (sequential stores, the output is the whole cost at M = 1). x is packed once as row pairs interleaved,
+// xi[p][k] = (x[2p][k], x[2p + 1][k]), so each output vector costs ceil(M / 2) vdpbf16ps with the broadcast dword
+// (dpre[2p][n], dpre[2p + 1][n]). (The packed GEMM wrote 48-column strips of 512 rows: 4.3 ms -> see the report.)
+FL_AVX512BF16 void pack_x_pairs(const uint16_t *x, int64_t ldx, int64_t M, int64_t K, int64_t ldxi, uint32_t *xi) {
+    for (int64_t p = 0; p < (M + 1) / 2; ++p) {
+        const uint16_t *r0 = x + 2 * p * ldx;
+        const uint16_t *r1 = 2 * p + 1 < M ? r0 + ldx : nullptr;
+        for (int64_t k = 0; k < K; k += 16)
+            _mm512_storeu_si512(xi + p * ldxi + k, interleave_rows(r0 + k, r1 ? r1 + k : nullptr, DType::BF16, K - k));
+    }
+}
+
+FL_AVX512BF16 void small_grad_w_bf16(const uint16_t *d, int64_t ldd, const uint32_t *xi, int64_t ldxi, int64_t M,
+                                     int64_t K, int64_t n0, int64_t n1, void *gw, DType out_dtype, int64_t ldgw) {
+    const int64_t mp = (M + 1) / 2;
+    // Column chunks keep the xi slice in L1 (<= 32 KB): M = 16 streamed 8 x 64 B from L2 per output vector otherwise.
+    const int64_t kch = std::max<int64_t>(256, (32768 / (4 * mp)) / 16 * 16);
+    // fp32 output: non-temporal stores, the output is not read back soon and needs no read-for-ownership traffic
+    // (single core, M = 1, K = N = 4096: 2.9 ms -> 1.5 ms).
+    const bool stream = out_dtype == DType::F32;
+    for (int64_t kc0 = 0; kc0 < K; kc0 += kch) {
+        const int64_t kc1 = std::min(K, kc0 + kch);
+        for (int64_t n = n0; n < n1; ++n) {
+            __m512bh a[kSmallGradXMax / 2];
+            for (int64_t p = 0; p < mp; ++p) {
+                uint32_t pair = d[2 * p * ldd + n];
+                if (2 * p + 1 < M)
+                    pair |= static_cast<uint32_t>(d[(2 * p + 1) * ldd + n]) << 16;
+                a[p] = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+            }
+            int64_t k = kc0;
+            float *row = static_cast<float *>(gw) + n * ldgw;
+            if (stream && reinterpret_cast<uintptr_t>(row + k) % 64 == 0)
+                for (; k + 64 <= kc1; k += 64) { // 4 independent accumulation chains
+                    __m512 c0 = _mm512_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
+                    for (int64_t p = 0; p < mp; ++p) {
+                        const uint32_t *src = xi + p * ldxi + k;
+                        c0 = _mm512_dpbf16_ps(c0, a[p], (__m512bh)_mm512_loadu_si512(src));
+                        c1 = _mm512_dpbf16_ps(c1, a[p], (__m512bh)_mm512_loadu_si512(src + 16));
+                        c2 = _mm512_dpbf16_ps(c2, a[p], (__m512bh)_mm512_loadu_si512(src + 32));
+                        c3 = _mm512_dpbf16_ps(c3, a[p], (__m512bh)_mm512_loadu_si512(src + 48));
+                    }
+                    _mm512_stream_ps(row + k, c0);
+                    _mm512_stream_ps(row + k + 16, c1);
+                    _mm512_stream_ps(row + k + 32, c2);
+                    _mm512_stream_ps(row + k + 48, c3);
+                }
+            for (; k < kc1; k += 16) {
+                __m512 acc = _mm512_setzero_ps();
+                for (int64_t p = 0; p < mp; ++p)
+                    acc = _mm512_dpbf16_ps(acc, a[p], (__m512bh)_mm512_loadu_si512(xi + p * ldxi + k));
+                float *dst = static_cast<float *>(gw) + n * ldgw + k;
+                if (stream && k + 16 <= K && reinterpret_cast<uintptr_t>(dst) % 64 == 0)
+                    _mm512_stream_ps(dst, acc);
+                else
+                    v_store(gw, out_dtype, n * ldgw + k, acc, mask16(K - k));
+            }
+        }
+    }
+    if (stream)
+        _mm_sfence();
+}
+} // namespace
+#endif // FL_X86
+
+// ============================================================================================================
+// Public entry points
+// ============================================================================================================
+void apply_epilogue(const Epilogue &e, const float *acc, int64_t ld_acc, int64_t row0, int64_t rows, int64_t col0,
+                    int64_t cols) {
+#if FL_X86
+    if (cpu_caps().avx512)
+        return epilogue_avx512_dispatch(e, acc, ld_acc, row0, rows, col0, cols);
+#endif
+    epilogue_scalar(e, acc, ld_acc, row0, rows, col0, cols);
+}
+
+void dpre_pass(const DpreArgs &a, int64_t M, int64_t col0, int64_t col1) {
+#if FL_X86
+    if (cpu_caps().avx512)
+        return dpre_pass_avx512_dispatch(a, M, col0, col1);
+#endif
+    dpre_pass_scalar(a, M, col0, col1);
+}
+
+int64_t gemm_packed_a_elems(int64_t M, int64_t K) {
+    const int64_t panels = (M + kGemmMR - 1) / kGemmMR;
+    return panels * kGemmMR * packed_kp(K) * 2;
+}
+
+size_t gemm_workspace_bytes() {
+    return sizeof(uint32_t) * kGemmKC / 2 * kGemmNR + sizeof(float) * kGemmMC * kGemmNR;
+}
+
+void gemm_pack_a(const GemmOperand &a, int64_t M, int64_t K, int64_t panel0, int64_t panel1, uint16_t *ap) {
+#if FL_X86
+    if (cpu_caps().avx512bf16)
+        return pack_a_avx512bf16(a, M, K, panel0, panel1, ap);
+#endif
+    (void)a, (void)M, (void)K, (void)panel0, (void)panel1, (void)ap;
+    std::abort(); // callers check cpu_caps().avx512bf16
+}
+
+void gemm_tile(const uint16_t *ap, const GemmOperand &b, int64_t M, int64_t N, int64_t K, int64_t m0, int64_t j0,
+               const Epilogue &epi, void *workspace) {
+#if FL_X86
+    if (cpu_caps().avx512bf16)
+        return gemm_tile_avx512bf16(ap, b, M, N, K, m0, j0, epi, workspace);
+#endif
+    (void)ap, (void)b, (void)M, (void)N, (void)K, (void)m0, (void)j0, (void)epi, (void)workspace;
+    std::abort();
+}
+
+size_t small_grad_x_workspace_bytes(int64_t M, int64_t k_cols) {
+    return 64 + 64 * static_cast<size_t>(M) * ((k_cols + 15) / 16);
+}
+
+void small_m_grad_x(const void *dpre, int64_t ldd, int64_t M, const void *w, DType w_dtype, int64_t ldw, int64_t N,
+                    int64_t k0, int64_t k1, void *gx, int64_t ldgx, void *workspace) {
+#if FL_X86
+    if (cpu_caps().avx512bf16) {
+        char *p = static_cast<char *>(workspace);
+        p += (64 - reinterpret_cast<uintptr_t>(p) % 64) % 64;
+        return small_grad_x_bf16(static_cast<const uint16_t *>(dpre), ldd, M, w, w_dtype == DType::F32, ldw, N, k0, k1,
+                                 reinterpret_cast<__m512 *>(p), static_cast<uint16_t *>(gx), ldgx);
+    }
+#endif
+    (void)dpre, (void)ldd, (void)M, (void)w, (void)w_dtype, (void)ldw, (void)N, (void)k0, (void)k1, (void)gx;
+    (void)ldgx, (void)workspace;
+    std::abort();
+}
+
+size_t small_grad_w_workspace_bytes(int64_t M, int64_t K) {
+    return 64 + sizeof(uint32_t) * static_cast<size_t>((M + 1) / 2) * ((K + 15) / 16 * 16);
+}
+
+void small_m_grad_w(const void *dpre, int64_t ldd, const void *x, int64_t ldx, int64_t M, int64_t K, int64_t n0,
+                    int64_t n1, void *gw, DType out_dtype, int64_t ldgw, void *workspace) {
+#if FL_X86
+    if (cpu_caps().avx512bf16) {
+        char *p = static_cast<char *>(workspace);
+        p += (64 - reinterpret_cast<uintptr_t>(p) % 64) % 64;
+        uint32_t *xi = reinterpret_cast<uint32_t *>(p);
+        const int64_t ldxi = (K + 15) / 16 * 16;
+        pack_x_pairs(static_cast<const uint16_t *>(x), ldx, M, K, ldxi, xi);
+        return small_grad_w_bf16(static_cast<const uint16_t *>(dpre), ldd, xi, ldxi, M, K, n0, n1, gw, out_dtype, ldgw);
+    }
+#endif
+    (void)dpre, (void)ldd, (void)x, (void)ldx, (void)M, (void)K, (void)n0, (void)n1, (void)gw, (void)out_dtype;
+    (void)ldgw, (void)workspace;
+    std::abort();
+}
+
+size_t fwd_workspace_bytes(int64_t M, int64_t K) {
+    // alignment + results (min(M, 256) x 48 fp32) + 12 weight rows rounded to bf16 + x^T of one row block (M > 4)
+    const int64_t rows = std::max<int64_t>(std::min(M, kFwdRowBlock), 1);
+    const int64_t chunks = M > 4 ? (rows + kXtChunk - 1) / kXtChunk : 0;
+    return 64 + sizeof(float) * rows * kFwdNB + sizeof(uint16_t) * ((12 * K + 31) / 32 * 32) +
+           sizeof(uint32_t) * chunks * xt_chunk_dwords(K);
+}
+
+void fwd_compute(DType compute, const void *x, int64_t ldx, int64_t M, const void *w, DType w_dtype, int64_t ldw,
+                 int64_t K, int64_t m0, int64_t m1, int64_t n0, int64_t n1, const Epilogue &epi, void *workspace) {
+#if FL_X86
+    if (compute == DType::BF16 && cpu_caps().avx512bf16)
+        return fwd_bf16(static_cast<const uint16_t *>(x), ldx, M, w, w_dtype == DType::F32, ldw, K, m0, m1, n0, n1, epi,
+                        workspace);
+    if (compute == DType::F32 && w_dtype == DType::F32 && cpu_caps().avx512)
+        return fwd_small_f32(static_cast<const float *>(x), ldx, M, static_cast<const float *>(w), ldw, K, n0, n1, epi,
+                             workspace);
+#endif
+    (void)compute, (void)x, (void)ldx, (void)M, (void)w, (void)w_dtype, (void)ldw, (void)K, (void)m0, (void)m1;
+    (void)n0, (void)n1, (void)epi, (void)workspace;
+    std::abort();
+}
+
+} // namespace fused_linear
+} // namespace fastdl

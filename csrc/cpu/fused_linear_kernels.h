@@ -1,0 +1,119 @@
+// Shared declarations between the ATen glue (fused_linear.cpp) and the SIMD kernels (fused_linear_avx512.cpp).
+// No torch headers here: the SIMD translation unit must not see ATen (it is compiled with the generic project flags
+// and enables AVX-512 per function with target attributes).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace fastdl {
+namespace fused_linear {
+
+enum class Act : int { None = 0, Relu, Gelu, GeluTanh, Silu };
+
+// Element types the kernels read or write natively. Anything else is converted by the glue code first.
+enum class DType : int { F32 = 0, BF16 };
+
+struct CpuCaps {
+    bool avx512 = false;     // AVX512 F/BW/DQ/VL (+ OS support): vectorised epilogue / backward pass / fp32 kernels
+    bool avx512bf16 = false; // AVX512_BF16 (vdpbf16ps): every bf16 matrix kernel
+};
+// Detected once; FASTDL_CPU_ISA=scalar|avx2 (no AVX-512 at all) or =avx512 (no AVX512_BF16 kernels) forces a lower
+// level for tests, like the other fastdl CPU kernels.
+const CpuCaps &cpu_caps();
+
+// ---------------------------------------------------------------------------------------------------------------
+// Forward epilogue. Applied to a tile of fp32 accumulators acc[rows][cols] (leading dimension ld_acc) whose element
+// (i, j) is output element (row0 + i, col0 + j):
+//   pre = acc + bias[col];  preact = round(pre);  out = round(act(pre) + residual[row][col])
+// bias is fp32 indexed by the global column; residual / out / preact are indexed by global (row, col).
+struct Epilogue {
+    const float *bias = nullptr;
+    const void *res = nullptr;
+    int64_t ld_res = 0;
+    DType res_dtype = DType::F32;
+    void *out = nullptr;
+    int64_t ld_out = 0;
+    DType out_dtype = DType::F32;
+    void *pre = nullptr; // same dtype as out; nullptr = not stored
+    int64_t ld_pre = 0;
+    Act act = Act::None;
+    bool stream = false; // fp32 out: non-temporal stores for aligned full vectors (large outputs not read back soon)
+};
+void apply_epilogue(const Epilogue &e, const float *acc, int64_t ld_acc, int64_t row0, int64_t rows, int64_t col0,
+                    int64_t cols);
+
+// ---------------------------------------------------------------------------------------------------------------
+// Backward elementwise pass for the columns [col0, col1) of all M rows, in one pass over grad_out / preact:
+//   dpre = g * act'(p) (fp32);  grad_bias[col] = sum_rows dpre (fp32);  dpre_out = round(dpre)
+// dpre_out (nullptr = not written) and grad_bias (nullptr = not computed) are optional.
+struct DpreArgs {
+    const void *g = nullptr;
+    int64_t ld_g = 0;
+    DType g_dtype = DType::F32;
+    const void *p = nullptr; // ignored for Act::None
+    int64_t ld_p = 0;
+    DType p_dtype = DType::F32;
+    Act act = Act::None;
+    void *dpre = nullptr;
+    int64_t ld_dpre = 0;
+    DType dpre_dtype = DType::F32;
+    float *grad_bias = nullptr; // indexed by the global column
+};
+void dpre_pass(const DpreArgs &a, int64_t M, int64_t col0, int64_t col1);
+
+// ---------------------------------------------------------------------------------------------------------------
+// bf16 GEMM with fp32 accumulation (AVX512_BF16 only, used by the backward): C[M, N] = A[M, K] * B[K, N], then the
+// epilogue on C.
+//   A is bf16:                a.trans ? A[i][k] = a[k * lda + i] : A[i][k] = a[i * lda + k]
+//   B is bf16 or fp32 (fp32 is rounded to bf16 while packing, like autocast's weight cast), row-major:
+//                             B[k][j] = b[k * ldb + j]   (b.trans is not supported)
+// Usage: pack A once (gemm_pack_a, parallel over A panels), then call gemm_tile for every (M block, N panel) pair,
+// each thread with its own workspace of gemm_workspace_bytes().
+constexpr int kGemmMR = 8;   // rows of a micro tile (one A panel)
+constexpr int kGemmNR = 48;  // columns of a micro tile (one B panel, 3 x 16 fp32 lanes)
+constexpr int kGemmMC = 512; // rows per M block (C block of MC x NR fp32 = 96 KB, stays in L2)
+constexpr int kGemmKC = 256; // K per packed B block (KC/2 x NR dwords = 24 KB, stays in L1)
+
+struct GemmOperand {
+    const void *ptr = nullptr;
+    int64_t ld = 0;
+    DType dtype = DType::BF16;
+    bool trans = false;
+};
+int64_t gemm_packed_a_elems(int64_t M, int64_t K); // size of the packed A buffer, in bf16 elements
+void gemm_pack_a(const GemmOperand &a, int64_t M, int64_t K, int64_t panel0, int64_t panel1, uint16_t *ap);
+size_t gemm_workspace_bytes();
+// Computes C rows [m0, min(m0 + kGemmMC, M)) x columns [j0, min(j0 + kGemmNR, N)); m0 % kGemmMR == 0.
+void gemm_tile(const uint16_t *ap, const GemmOperand &b, int64_t M, int64_t N, int64_t K, int64_t m0, int64_t j0,
+               const Epilogue &epi, void *workspace);
+
+// ---------------------------------------------------------------------------------------------------------------
+// Forward: acc[m][n] = sum_k x[m][k] * w[n][k] for the x rows [m0, m1) and weight rows [n0, n1), reading the weight
+// rows in place (no packing), then the epilogue. Kernels by M:
+//   compute BF16 (x bf16, w bf16 or fp32 rounded to bf16 like autocast; needs avx512bf16): M <= 4 inner products
+//     streaming the weight rows; M > 4 (any M) a broadcast kernel over x^T, packed per row block of kFwdRowBlock.
+//   compute F32 (x fp32, w fp32, FMA; needs avx512): small M only, M <= kFwdF32MaxM.
+// m0 is a multiple of kFwdRowBlock (bf16 with M <= 4 and fp32: the whole [0, M)); workspace: fwd_workspace_bytes.
+constexpr int64_t kFwdRowBlock = 256;
+size_t fwd_workspace_bytes(int64_t M, int64_t K);
+void fwd_compute(DType compute, const void *x, int64_t ldx, int64_t M, const void *w, DType w_dtype, int64_t ldw,
+                 int64_t K, int64_t m0, int64_t m1, int64_t n0, int64_t n1, const Epilogue &epi, void *workspace);
+constexpr int64_t kFwdF32MaxM = 64; // largest M of the fp32 forward kernel
+
+// Small-M backward (AVX512_BF16): grad_x[m][k] = sum_n dpre[m][n] * w[n][k] for the columns [k0, k1), all M rows
+// (M <= kSmallGradXMax); dpre bf16 [M, N], w bf16 or fp32 (rounded to bf16) [N, K], grad_x bf16. The weight rows are
+// streamed sequentially; workspace: small_grad_x_workspace_bytes(M, k1 - k0).
+constexpr int64_t kSmallGradXMax = 16;
+size_t small_grad_x_workspace_bytes(int64_t M, int64_t k_cols);
+void small_m_grad_x(const void *dpre, int64_t ldd, int64_t M, const void *w, DType w_dtype, int64_t ldw, int64_t N,
+                    int64_t k0, int64_t k1, void *gx, int64_t ldgx, void *workspace);
+// Small-M backward (AVX512_BF16): grad_w[n][k] = sum_m dpre[m][n] * x[m][k] (fp32 accumulation) for the rows
+// [n0, n1), written row by row in out_dtype (fp32 or bf16); dpre bf16 [M, N], x bf16 [M, K], M <= kSmallGradXMax.
+// workspace: small_grad_w_workspace_bytes(M, K) (x packed as interleaved row pairs, done by every call).
+size_t small_grad_w_workspace_bytes(int64_t M, int64_t K);
+void small_m_grad_w(const void *dpre, int64_t ldd, const void *x, int64_t ldx, int64_t M, int64_t K, int64_t n0,
+                    int64_t n1, void *gw, DType out_dtype, int64_t ldgw, void *workspace);
+
+} // namespace fused_linear
+} // namespace fastdl
