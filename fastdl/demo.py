@@ -103,6 +103,7 @@ def _worker(rank: int, world: int, args, out_path: str) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from . import sparsity
+    from ._distributed import finish_worker
 
     use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world and not args.cpu
     device = torch.device(f"cuda:{rank}" if use_cuda else "cpu")
@@ -152,6 +153,7 @@ def _worker(rank: int, world: int, args, out_path: str) -> None:
         torch.save(results, out_path)
     dist.barrier()
     dist.destroy_process_group()
+    finish_worker()  # see fastdl._distributed: avoids an abort in gloo teardown
 
 
 def _time_inference(model, x, sync, reps=30) -> float:

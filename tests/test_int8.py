@@ -18,6 +18,7 @@ import fastdl
 import fastdl.nn.int8 as nn_int8
 import fastdl.ops.int8 as int8_ops  # registers the int8 ops
 from fastdl import backends, quant
+from fastdl._distributed import finish_worker
 from fastdl.nn.int8 import FORMAT_VERSION, Int8Linear
 from fastdl.ops.int8 import (
     int8_linear,
@@ -729,6 +730,7 @@ def _qat_ddp_worker(rank, world, port, result_dir):
     state = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
     torch.save({"state": state, "before": before, "after": after}, os.path.join(result_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
+    finish_worker()  # see fastdl._distributed: avoids an abort in gloo teardown
 
 
 def test_qat_ddp_two_processes_gloo():

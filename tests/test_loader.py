@@ -25,6 +25,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler, TensorDataset
 
 from fastdl import data as fdata
+from fastdl._distributed import finish_worker
 from fastdl.data import PrefetchLoader
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -253,6 +254,7 @@ def _ddp_worker(rank: int, world: int, out_dir: str) -> None:
         dist.barrier()  # no rank tears gloo down while the other still talks to it
     finally:
         dist.destroy_process_group()
+    finish_worker()  # see fastdl._distributed: avoids an abort in gloo teardown
 
 
 @pytest.mark.slow

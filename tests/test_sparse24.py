@@ -17,6 +17,7 @@ from torch import nn
 import fastdl
 import fastdl.ops.sparse24 as sp  # registers the ops (until fastdl.ops imports it)
 from fastdl import backends, sparsity
+from fastdl._distributed import finish_worker
 from fastdl.nn import FusedLinear
 from fastdl.nn.sparse24 import Sparse24Linear
 
@@ -618,6 +619,7 @@ def _ddp_worker(rank, world, result_dir):
             opt.step()
     torch.save({k: v.detach() for k, v in model.state_dict().items()}, os.path.join(result_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
+    finish_worker()  # see fastdl._distributed: avoids an abort in gloo teardown
 
 
 def test_ddp_two_processes_gloo_identical_masks_and_weights():
