@@ -144,7 +144,16 @@ def define(
     return Op(getattr(torch.ops.fastdl, name), route)
 
 
-def register_autocast_rule(name: str, cast: Callable) -> None:
+def cast_first_arg(args, dtype):
+    """The autocast rule of fastdl's linear ops: cast x (the first argument) to the autocast dtype, leave the rest
+    (fp32 master weights, scales, bias) alone; float64 stays float64."""
+    x, *rest = args
+    if x.is_floating_point() and x.dtype != torch.float64:
+        x = x.to(dtype)
+    return (x, *rest)
+
+
+def register_autocast_rule(name: str, cast: Callable = cast_first_arg) -> None:
     """Autocast for ``fastdl::name``: ``cast(args, dtype)`` returns the arguments to call the op with.
 
     Unlike ``torch.library.register_autocast`` (which casts every float input), fastdl's mixed-precision ops keep

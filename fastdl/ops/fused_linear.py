@@ -266,14 +266,7 @@ def _backward(ctx, grad_out, _grad_preact):
 torch.library.register_autograd("fastdl::fused_linear", _backward, setup_context=_setup_context)
 
 
-def _autocast_cast(args, dtype):
-    x, *rest = args
-    if x.is_floating_point() and x.dtype != torch.float64:
-        x = x.to(dtype)
-    return (x, *rest)
-
-
-register_autocast_rule("fused_linear", _autocast_cast)
+register_autocast_rule("fused_linear")
 
 
 # ------------------------------------------------------------------------------------------------ public API

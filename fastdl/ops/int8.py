@@ -515,15 +515,8 @@ torch.library.register_autograd("fastdl::int8_linear_qat", _qat_backward, setup_
 
 
 # --------------------------------------------------------------------------------------------------- autocast
-def _autocast_x(args, dtype):
-    x, *rest = args
-    if x.is_floating_point() and x.dtype != torch.float64:
-        x = x.to(dtype)
-    return (x, *rest)
-
-
 for _name in ("int8_linear", "int8_weight_only_linear", "int8_linear_qat"):
-    register_autocast_rule(_name, _autocast_x)
+    register_autocast_rule(_name)
 
 
 # ------------------------------------------------------------------------------------------------- public API

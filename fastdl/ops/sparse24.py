@@ -344,14 +344,7 @@ def _linear_backward(ctx, grad_out):
 torch.library.register_autograd("fastdl::sparse24_linear", _linear_backward, setup_context=_linear_setup_context)
 
 
-def _autocast_cast(args, dtype):
-    x, *rest = args
-    if x.is_floating_point() and x.dtype != torch.float64:
-        x = x.to(dtype)
-    return (x, *rest)
-
-
-register_autocast_rule("sparse24_linear", _autocast_cast)
+register_autocast_rule("sparse24_linear")
 
 
 # ------------------------------------------------------------------------------------------------ public API
