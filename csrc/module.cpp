@@ -2,6 +2,8 @@
 // from static initialisers when this library is loaded; the module itself only reports build facts.
 #include <torch/extension.h>
 
+const char *fastdl_int8_isa(); // csrc/cpu/int8.cpp: the int8 CPU kernels chosen in this process
+
 namespace {
 
 // What the CPU can run, checked at run time (the same build runs on CPUs without AVX-512).
@@ -30,4 +32,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.attr("with_cuda") = false;
 #endif
     m.def("cpu_features", &cpu_features, "CPU ISA extensions detected at run time");
+    m.def(
+        "int8_cpu_kernels", [] { return std::string(fastdl_int8_isa()); },
+        "the int8 CPU kernels this process runs (cpuid, capped by FASTDL_CPU_ISA)");
 }

@@ -159,6 +159,15 @@ def cpu_features() -> dict:
     return {n: n in flags for n in names}
 
 
+def int8_cpu_kernels() -> str | None:
+    """The int8 CPU kernels this process runs ("avx512_vnni+bf16", "avx512_vnni", "avx2" or "scalar": cpuid, capped
+    by FASTDL_CPU_ISA), or None without the extension."""
+    mod = _state["module"]
+    if mod is not None and hasattr(mod, "int8_cpu_kernels"):
+        return str(mod.int8_cpu_kernels())
+    return None
+
+
 def cpu_isa() -> str:
     """The best ISA level fastdl's CPU kernels use here: avx512_bf16 > avx512_vnni > avx2 > none."""
     f = cpu_features()

@@ -62,6 +62,7 @@ def collect() -> dict:
         "cuda_runtime": torch.version.cuda,
         "cpu_isa": _extension.cpu_isa(),
         "cpu_features": _extension.cpu_features(),
+        "int8_cpu_kernels": _extension.int8_cpu_kernels(),
         "threads": torch.get_num_threads(),
         "gpu": gpu,
         "extension": _extension.extension_info(),
@@ -77,7 +78,7 @@ def format_info(d: dict) -> str:
         f"fastdl {d['fastdl']}  torch {d['torch']}  triton {d['triton'] or 'not installed'}  "
         f"CUDA {d['cuda_runtime'] or 'none (CPU build of torch)'}",
         f"CPU ISA: {d['cpu_isa']}  ({', '.join(k for k, v in d['cpu_features'].items() if v) or 'none'}), "
-        f"{d['threads']} threads",
+        f"{d['threads']} threads; int8 CPU kernels: {d['int8_cpu_kernels'] or 'none (no extension)'}",
     ]
     if d["gpu"]:
         g = d["gpu"]

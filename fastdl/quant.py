@@ -17,9 +17,16 @@ import torch
 from torch import nn
 
 from .nn.int8 import MODES, Int8Linear
-from .ops.int8 import quantize_per_channel, quantize_per_token
+from .ops.int8 import quantize_per_channel, quantize_per_group, quantize_per_token
 
-__all__ = ["dequantize", "freeze_model", "quantize_model", "quantize_per_channel", "quantize_per_token"]
+__all__ = [
+    "dequantize",
+    "freeze_model",
+    "quantize_model",
+    "quantize_per_channel",
+    "quantize_per_group",
+    "quantize_per_token",
+]
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -5,7 +5,7 @@ Public launchers (same arguments as the ops):
     quantize_per_token(x) -> (q, scale)
     int8_mm(a_q, b_q, a_scale, b_scale, bias, out_dtype, b_packed, b_comp) -> out
     int8_linear(x, w_q, w_scale, bias, w_packed, w_comp) -> out
-    int8_weight_only_linear(x, w_q, w_scale, bias) -> out
+    int8_weight_only_linear(x, w_q, w_scale, bias, w_group_scale=None) -> out
 
 Kernels:
 
@@ -21,10 +21,13 @@ Kernels:
   is tiny and L2-resident and the saved launch and q round trip matter); larger M runs ``_quant_kernel`` once and
   then the plain int8 GEMM (x read once, the GEMM reads 1-byte A tiles).
 * ``_wo_kernel``: weight-only int8: the int8 weight tile is loaded and converted to x's dtype in registers (exact:
-  |w| <= 127 is representable in bf16/fp16), ``tl.dot`` with fp32 accumulation, then ``* w_scale + bias``.
+  |w| <= 127 is representable in bf16/fp16), ``tl.dot`` with fp32 accumulation, then ``* w_scale + bias``. With
+  group scales (``HAS_GROUPS``) the uint8 code of each element's group (``k // 16``) is loaded alongside and
+  ``d = w * code`` is formed in fp32 (exact, |d| <= 127 * 255) before the cast to x's dtype (fp16 keeps 11
+  significant bits of d, bf16 8: the precision of a 16-bit GEMM on the dequantized weight).
 * ``_wo_gemv_kernel``: weight-only for M <= ``GEMV_MAX_M`` (decode): no tensor-core padding of M to 16, each
   program streams a [BLOCK_N, K] slab of the weight with coalesced 1-byte loads and keeps one accumulator row per
-  token; purely bandwidth bound (the weight is read exactly once).
+  token; purely bandwidth bound (the weight is read exactly once). Group scales as above (d exact in fp32).
 
 Round half to even: ``libdevice.rint`` (cvt.rni) on the GPU; the interpreter has no libdevice, so there the
 ``(v + 1.5 * 2**23) - 1.5 * 2**23`` identity is used (exact for |v| <= 127 under round-to-nearest-even).
@@ -72,6 +75,8 @@ FUSE_MAX_M = _env_int("FASTDL_INT8_FUSE_MAX_M", 64)
 # int8_weight_only_linear uses the GEMV kernel for M <= GEMV_MAX_M.
 GEMV_MAX_M = _env_int("FASTDL_INT8_GEMV_MAX_M", 4)
 _GROUP = 8
+# k per group scale of int8_weight_only_linear (w_group_scale [N, ceil(K / 16)]); the kernels hard-code 16 too.
+WEIGHT_GROUP = 16
 # Set to the error text if the fused-quantization GEMM fails to compile here (e.g. a Triton version without
 # register-operand int8 dots on this GPU): int8_linear then runs the two-kernel path, and says so once.
 _FUSED_ERROR = None
@@ -137,9 +142,10 @@ def _max_smem(device_index):
         return 1 << 30
 
 
-def _prune(configs, named_args, a_name, b_name, M):
+def _prune(configs, named_args, a_name, b_name, M, b_extra=0):
     """Keep the tiles that suit M (small-M tiles for decode, big tiles for large M) and fit in shared memory;
-    fewer candidates also means less autotuning time. Always keeps at least one config."""
+    fewer candidates also means less autotuning time. Always keeps at least one config. ``b_extra``: bytes per B
+    element loaded besides B itself (the group-scale codes of the weight-only kernel, counted as if pipelined)."""
     if len(configs) <= 1:
         return configs
     if M <= 16:
@@ -158,7 +164,8 @@ def _prune(configs, named_args, a_name, b_name, M):
 
     def smem(c):
         kw = c.kwargs
-        return c.num_stages * kw["BLOCK_K"] * (kw["BLOCK_M"] * a.element_size() + kw["BLOCK_N"] * b.element_size())
+        b_bytes = b.element_size() + b_extra
+        return c.num_stages * kw["BLOCK_K"] * (kw["BLOCK_M"] * a.element_size() + kw["BLOCK_N"] * b_bytes)
 
     fitting = [c for c in configs if smem(c) <= limit]
     return fitting or [min(configs, key=smem)]
@@ -169,7 +176,8 @@ def _prune_mm(configs, named_args, **kwargs):
 
 
 def _prune_wo(configs, named_args, **kwargs):
-    return _prune(configs, named_args, "x_ptr", "w_ptr", named_args["M"])
+    groups = bool(kwargs.get("HAS_GROUPS", named_args.get("HAS_GROUPS", False)))
+    return _prune(configs, named_args, "x_ptr", "w_ptr", named_args["M"], b_extra=1 if groups else 0)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -345,14 +353,17 @@ def _int8_mm_kernel(
 # weight-only int8: float activations, int8 weight converted in registers, fp32 accumulation
 # --------------------------------------------------------------------------------------------------------------
 @triton.autotune(
-    configs=_configs(_WO_GPU, _MM_INTERP), key=["M", "N", "K"], prune_configs_by={"early_config_prune": _prune_wo}
+    configs=_configs(_WO_GPU, _MM_INTERP),
+    key=["M", "N", "K", "HAS_GROUPS"],
+    prune_configs_by={"early_config_prune": _prune_wo},
 )
 @triton.jit
 def _wo_kernel(
-    x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr,
+    x_ptr, w_ptr, ws_ptr, gs_ptr, bias_ptr, out_ptr,
     M, N, K,
-    stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
-    HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, IN_PREC: tl.constexpr, RNE_BF16: tl.constexpr,
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_gn, stride_gk, stride_om, stride_on,
+    HAS_BIAS: tl.constexpr, HAS_GROUPS: tl.constexpr, UPCAST: tl.constexpr, IN_PREC: tl.constexpr,
+    RNE_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0).to(tl.int64)
@@ -365,21 +376,27 @@ def _wo_kernel(
     mask_n = offs_n < N
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk
     w_ptrs = w_ptr + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
+    g_cols = gs_ptr + offs_n[None, :] * stride_gn  # [1, BN]; row (k // 16) added per tile (any BLOCK_K)
     x_step = tl.full((), BLOCK_K, tl.int64) * stride_xk
     w_step = tl.full((), BLOCK_K, tl.int64) * stride_wk
+    k_abs = offs_k  # int64 k of each row of the weight tile
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
         mask_k = arange_k < K - kb * BLOCK_K
+        mask_b = mask_k[:, None] & mask_n[None, :]
         a = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        b = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0)
+        b = tl.load(w_ptrs, mask=mask_b, other=0).to(tl.float32)
+        if HAS_GROUPS:  # d = w * code[n, k // 16]: an integer, |d| <= 127 * 255, exact in fp32
+            code = tl.load(g_cols + (k_abs // 16)[:, None] * stride_gk, mask=mask_b, other=0)
+            b = b * code.to(tl.float32)
         if UPCAST:  # interpreter (no bf16 dot, no int8 -> bf16 cast there): exact products in fp32
             a = a.to(tl.float32)
-            b = b.to(tl.float32)
         else:
-            b = b.to(tl.float32).to(x_ptr.dtype.element_ty)  # exact: |w| <= 127
+            b = b.to(x_ptr.dtype.element_ty)  # exact for |w| <= 127; a grouped d is rounded to a 16-bit x's dtype
         acc = tl.dot(a, b, acc, input_precision=IN_PREC)
         x_ptrs += x_step
         w_ptrs += w_step
+        k_abs += BLOCK_K
     y = acc * tl.load(ws_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
     if HAS_BIAS:
         y = y + tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
@@ -390,13 +407,13 @@ def _wo_kernel(
     )
 
 
-@triton.autotune(configs=_gemv_configs(), key=["M", "N", "K"])
+@triton.autotune(configs=_gemv_configs(), key=["M", "N", "K", "HAS_GROUPS"])
 @triton.jit
 def _wo_gemv_kernel(
-    x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr,
+    x_ptr, w_ptr, ws_ptr, gs_ptr, bias_ptr, out_ptr,
     M, N, K,
-    stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
-    HAS_BIAS: tl.constexpr, RNE_BF16: tl.constexpr,
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_gn, stride_gk, stride_om, stride_on,
+    HAS_BIAS: tl.constexpr, HAS_GROUPS: tl.constexpr, RNE_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0).to(tl.int64)
@@ -406,19 +423,26 @@ def _wo_gemv_kernel(
     arange_k = tl.arange(0, BLOCK_K)
     offs_k = arange_k.to(tl.int64)
     w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk  # [BN, BK], K contiguous
+    g_rows = gs_ptr + offs_n[:, None] * stride_gn  # [BN, 1]; column (k // 16) added per tile (any BLOCK_K)
     w_step = tl.full((), BLOCK_K, tl.int64) * stride_wk
     x_step = tl.full((), BLOCK_K, tl.int64) * stride_xk
     x_ptrs = x_ptr + offs_k * stride_xk
+    k_abs = offs_k  # int64 k of each column of the weight tile
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
         mask_k = arange_k < K - kb * BLOCK_K
-        w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0).to(tl.float32)
+        mask_w = mask_n[:, None] & mask_k[None, :]
+        w = tl.load(w_ptrs, mask=mask_w, other=0).to(tl.float32)
+        if HAS_GROUPS:  # d = w * code[n, k // 16], exact in fp32
+            code = tl.load(g_rows + (k_abs // 16)[None, :] * stride_gk, mask=mask_w, other=0)
+            w = w * code.to(tl.float32)
         for m in tl.static_range(BLOCK_M):  # each weight tile is used by every token
             xm = tl.load(x_ptrs + m * stride_xm, mask=mask_k & (m < M), other=0.0).to(tl.float32)
             part = tl.sum(w * xm[None, :], axis=1)  # [BN]
             acc = tl.where(arange_m[:, None] == m, acc + part[None, :], acc)
         w_ptrs += w_step
         x_ptrs += x_step
+        k_abs += BLOCK_K
     y = acc * tl.load(ws_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
     if HAS_BIAS:
         y = y + tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
@@ -472,6 +496,16 @@ def _check_vec(t, name, fn, ref, n, what, fp32=True):
         _fail(ValueError, f"{fn}: {name} must be a floating tensor, got dtype {t.dtype}")
     if tuple(t.shape) != (n,):
         _fail(ValueError, f"{fn}: {name} must have shape [{what}] = [{n}], got {tuple(t.shape)}")
+
+
+def _check_group_scale(t, fn, ref, n, k):
+    _check_device(t, "w_group_scale", fn, ref)
+    if t.dtype != torch.uint8:
+        _fail(ValueError, f"{fn}: w_group_scale must be uint8 (from quantize_per_group), got dtype {t.dtype}")
+    g = -(-k // WEIGHT_GROUP)
+    if tuple(t.shape) != (n, g):
+        _fail(ValueError, f"{fn}: w_group_scale must have shape [N, ceil(K / {WEIGHT_GROUP})] = [{n}, {g}], "
+                          f"got {tuple(t.shape)}")  # fmt: skip
 
 
 def _check_packed(packed, comp, n, k, fn, ref, names):
@@ -660,10 +694,14 @@ def int8_linear(x, w_q, w_scale, bias, w_packed, w_comp):
     return out
 
 
-def int8_weight_only_linear(x, w_q, w_scale, bias):
-    """out = (x @ w_q.T) * w_scale + bias with the int8 weight converted in registers, fp32 accumulation."""
+def int8_weight_only_linear(x, w_q, w_scale, bias, w_group_scale=None):
+    """out = (x @ d.T) * w_scale + bias with the int8 weight converted in registers, fp32 accumulation; d = w_q, or
+    d[n, k] = w_q[n, k] * w_group_scale[n, k // 16] with the uint8 group scales (formed exactly in fp32)."""
     fn = "int8_weight_only_linear"
     K, N = _check_linear(x, w_q, w_scale, bias, fn)
+    has_groups = w_group_scale is not None
+    if has_groups:
+        _check_group_scale(w_group_scale, fn, x, N, K)
     lead = tuple(x.shape[:-1])
     M = math.prod(lead)
     out = torch.empty((*lead, N), dtype=x.dtype, device=x.device)
@@ -678,11 +716,15 @@ def int8_weight_only_linear(x, w_q, w_scale, bias):
     out2 = out.view(M, N)
     dummy = out2
     b = bias if bias is not None else dummy
+    # never read without HAS_GROUPS
+    gs, stride_gn, stride_gk = (w_group_scale, *w_group_scale.stride()) if has_groups else (w_q, 0, 0)
     if M <= GEMV_MAX_M:
         _wo_gemv_kernel[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](
-            x2, w_q, w_scale, b, out2, M, N, K,
-            x2.stride(0), x2.stride(1), w_q.stride(0), w_q.stride(1), out2.stride(0), out2.stride(1),
-            HAS_BIAS=bias is not None, RNE_BF16=_rne_bf16(out2), BLOCK_M=triton.next_power_of_2(M),
+            x2, w_q, w_scale, gs, b, out2, M, N, K,
+            x2.stride(0), x2.stride(1), w_q.stride(0), w_q.stride(1), stride_gn, stride_gk,
+            out2.stride(0), out2.stride(1),
+            HAS_BIAS=bias is not None, HAS_GROUPS=has_groups, RNE_BF16=_rne_bf16(out2),
+            BLOCK_M=triton.next_power_of_2(M),
         )  # fmt: skip
         return out
 
@@ -690,9 +732,10 @@ def int8_weight_only_linear(x, w_q, w_scale, bias):
         return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
 
     _wo_kernel[grid](
-        x2, w_q, w_scale, b, out2, M, N, K,
-        x2.stride(0), x2.stride(1), w_q.stride(0), w_q.stride(1), out2.stride(0), out2.stride(1),
-        HAS_BIAS=bias is not None, UPCAST=_INTERPRET or x.device.type != "cuda", IN_PREC=_in_prec(x.dtype),
-        RNE_BF16=_rne_bf16(out2),
+        x2, w_q, w_scale, gs, b, out2, M, N, K,
+        x2.stride(0), x2.stride(1), w_q.stride(0), w_q.stride(1), stride_gn, stride_gk,
+        out2.stride(0), out2.stride(1),
+        HAS_BIAS=bias is not None, HAS_GROUPS=has_groups, UPCAST=_INTERPRET or x.device.type != "cuda",
+        IN_PREC=_in_prec(x.dtype), RNE_BF16=_rne_bf16(out2),
     )  # fmt: skip
     return out

@@ -4,7 +4,7 @@
 //   int8_mm(Tensor a_q, Tensor b_q, Tensor a_scale, Tensor b_scale, Tensor? bias, ScalarType out_dtype,
 //           Tensor? b_packed, Tensor? b_comp) -> Tensor
 //   int8_linear(Tensor x, Tensor w_q, Tensor w_scale, Tensor? bias, Tensor? w_packed, Tensor? w_comp) -> Tensor
-//   int8_weight_only_linear(Tensor x, Tensor w_q, Tensor w_scale, Tensor? bias) -> Tensor
+//   int8_weight_only_linear(Tensor x, Tensor w_q, Tensor w_scale, Tensor? bias, Tensor? w_group_scale=None) -> Tensor
 // This file checks arguments, cuts the work into blocks and threads (at::parallel_for); the arithmetic lives in the
 // kernels of int8_kernels.h (AVX512-VNNI, AVX2, scalar), chosen once per process from cpuid.
 #include <ATen/ATen.h>
@@ -498,7 +498,8 @@ at::Tensor int8_linear(const at::Tensor &x, const at::Tensor &w_q, const at::Ten
 }
 
 at::Tensor int8_weight_only_linear(const at::Tensor &x, const at::Tensor &w_q, const at::Tensor &w_scale,
-                                   const c10::optional<at::Tensor> &bias) {
+                                   const c10::optional<at::Tensor> &bias,
+                                   const c10::optional<at::Tensor> &w_group_scale) {
     constexpr const char *op = "int8_weight_only_linear";
     check_cpu(x, op, "x");
     TORCH_CHECK(is_act_dtype(x.scalar_type()), op, ": x must be float32, bfloat16 or float16, got ", x.scalar_type());
@@ -506,13 +507,25 @@ at::Tensor int8_weight_only_linear(const at::Tensor &x, const at::Tensor &w_q, c
     const int64_t K = x.size(-1);
     check_weight(op, "w_q", w_q, K, "x.shape[-1]", "w_scale", w_scale, bias);
     const int64_t N = w_q.size(0);
+    at::Tensor wg;
+    if (w_group_scale.has_value()) {
+        const int64_t G = ceil_div(K, kWeightGroup);
+        check_cpu(*w_group_scale, op, "w_group_scale");
+        TORCH_CHECK(w_group_scale->scalar_type() == at::kByte, op, ": w_group_scale must be uint8, got ",
+                    w_group_scale->scalar_type());
+        TORCH_CHECK(w_group_scale->dim() == 2 && w_group_scale->size(0) == N && w_group_scale->size(1) == G, op,
+                    ": w_group_scale must have shape [N, ceil(K / 16)] = [", N, ", ", G, "], got ",
+                    w_group_scale->sizes());
+        wg = w_group_scale->contiguous();
+    }
     std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
     out_shape.back() = N;
     at::Tensor out = at::empty(out_shape, x.options());
     if (out.numel() == 0) {
         return out;
     }
-    const Kernels &kr = kernels();
+    // A kernel table without group-scale support hands grouped weights to the portable kernel.
+    const Kernels &kr = !wg.defined() || kernels().weight_only_groups ? kernels() : *kernels_scalar();
     // bf16 x goes to the vdpbf16ps kernel as it is, from 4 rows up; otherwise the kernel reads fp32 (a bf16 / fp16 x
     // is converted once: M x K values, small next to the N x K weights). At 1-2 rows the fp32 kernel is faster (1 row
     // x 2048 x 4096, one core: 0.120 ms fp32 vs 0.175 ms bf16): vcvtne2ps2bf16 (~1.25 per cycle) is then not
@@ -533,6 +546,8 @@ at::Tensor int8_weight_only_linear(const at::Tensor &x, const at::Tensor &w_q, c
     base.cols = N;
     base.w_scale = ws.data_ptr<float>();
     base.bias = fp32_ptr(bias, bias_f);
+    base.w_group = wg.defined() ? wg.data_ptr<uint8_t>() : nullptr;
+    base.ldg = wg.defined() ? wg.stride(0) : 0;
     base.out = out.data_ptr();
     base.ldo = N;
     base.out_dtype = dtype_of(x.scalar_type());
@@ -556,6 +571,7 @@ at::Tensor int8_weight_only_linear(const at::Tensor &x, const at::Tensor &w_q, c
             p.w = base.w + cols.first * base.ldw;
             p.cols = cols.second - cols.first;
             p.w_scale = base.w_scale + cols.first;
+            p.w_group = base.w_group ? base.w_group + cols.first * base.ldg : nullptr;
             p.bias = base.bias ? base.bias + cols.first : nullptr;
             p.out = static_cast<char *>(base.out) + (rows.first * N + cols.first) * oe;
             fn(p);

@@ -14,6 +14,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <memory>
 
 #define FDL_AVX2 __attribute__((target("avx2,fma,f16c")))
 
@@ -352,7 +353,45 @@ void gemm_block(const GemmBlock &g) {
 
 // ------------------------------------------------------------------------------------------------- weight-only
 // fp32 FMA on dot products: MB = 1 row x NB = 8 w rows, or MB = 2 x NB = 6 (8-12 accumulators, within 16 ymm).
-template <int MB, int NB> FDL_AVX2 void wo_tile(const WeightOnly &p, int64_t m0, int64_t n0) {
+// Grouped: the weights of group k / 16 are multiplied by its code (fp32, exact: |d| <= 127 * 255) before the FMA.
+// The codes are converted to fp32 once per 24 w rows (wo_codes) in chunks of kCodeChunk groups, where the code of
+// w row j is at a constant offset j * kCodeChunk from one pointer (a variable row stride takes a register per row,
+// and the tile then kept its accumulators on the stack).
+constexpr int64_t kWoCols = 24;
+constexpr int64_t kCodeChunk = 64;
+constexpr int64_t kCodeChunkStride = kWoCols * kCodeChunk; // floats per chunk
+
+// Address of the code of group g of the tile's first w row (codes: that row's entry in chunk 0).
+inline const float *code_at(const float *codes, int64_t g) {
+    return codes + (g / kCodeChunk) * kCodeChunkStride + g % kCodeChunk;
+}
+
+// 8 k (k + 8 <= K); Grouped: c[j * kCodeChunk] is the code of their group for w row j.
+template <int MB, int NB, bool Grouped>
+FDL_AVX2 inline void wo_step(const float *x, int64_t ldx, const int8_t *w, int64_t ldw, int64_t k, const float *c,
+                             __m256 (&acc)[MB][NB]) {
+    __m256 xv[MB];
+#pragma GCC unroll 2
+    for (int i = 0; i < MB; ++i) {
+        xv[i] = _mm256_loadu_ps(x + i * ldx + k);
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < NB; ++j) {
+        int64_t w8;
+        std::memcpy(&w8, w + j * ldw + k, 8);
+        __m256 wv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(w8)));
+        if constexpr (Grouped) {
+            wv = _mm256_mul_ps(wv, _mm256_broadcast_ss(c + j * kCodeChunk));
+        }
+#pragma GCC unroll 2
+        for (int i = 0; i < MB; ++i) {
+            acc[i][j] = _mm256_fmadd_ps(xv[i], wv, acc[i][j]);
+        }
+    }
+}
+
+template <int MB, int NB, bool Grouped>
+FDL_AVX2 void wo_tile(const WeightOnly &p, int64_t m0, int64_t n0, const float *codes) {
     __m256 acc[MB][NB];
 #pragma GCC unroll 2
     for (int i = 0; i < MB; ++i) {
@@ -364,31 +403,28 @@ template <int MB, int NB> FDL_AVX2 void wo_tile(const WeightOnly &p, int64_t m0,
     const float *x = static_cast<const float *>(p.x) + m0 * p.ldx;
     const int8_t *w = p.w + n0 * p.ldw;
     int64_t k = 0;
-    for (; k + 8 <= p.K; k += 8) {
-        __m256 xv[MB];
-#pragma GCC unroll 2
-        for (int i = 0; i < MB; ++i) {
-            xv[i] = _mm256_loadu_ps(x + i * p.ldx + k);
+    if constexpr (Grouped) {
+        for (; k + 8 <= p.K; k += 8) {
+            wo_step<MB, NB, true>(x, p.ldx, w, p.ldw, k, code_at(codes, k >> 4), acc);
         }
-#pragma GCC unroll 8
-        for (int j = 0; j < NB; ++j) {
-            int64_t w8;
-            std::memcpy(&w8, w + j * p.ldw + k, 8);
-            const __m256 wv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(w8)));
-#pragma GCC unroll 2
-            for (int i = 0; i < MB; ++i) {
-                acc[i][j] = _mm256_fmadd_ps(xv[i], wv, acc[i][j]);
-            }
+    } else {
+        for (; k + 8 <= p.K; k += 8) {
+            wo_step<MB, NB, false>(x, p.ldx, w, p.ldw, k, nullptr, acc);
         }
     }
+    // unrolled: with constant indices acc stays in registers (else it lives in memory too, and with groups every
+    // float load of a code, which might alias it, made GCC store the accumulators first)
     alignas(32) float s[MB][8] = {};
+#pragma GCC unroll 2
     for (int i = 0; i < MB; ++i) {
+#pragma GCC unroll 8
         for (int j = 0; j < NB; ++j) {
             alignas(32) float v[8];
             _mm256_store_ps(v, acc[i][j]);
             float t = ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
             for (int64_t kk = k; kk < p.K; ++kk) { // K tail
-                t += x[i * p.ldx + kk] * static_cast<float>(w[j * p.ldw + kk]);
+                const float wf = static_cast<float>(w[j * p.ldw + kk]);
+                t += x[i * p.ldx + kk] * (Grouped ? wf * code_at(codes, kk / 16)[j * kCodeChunk] : wf);
             }
             s[i][j] = t;
         }
@@ -408,27 +444,62 @@ template <int MB, int NB> FDL_AVX2 void wo_tile(const WeightOnly &p, int64_t m0,
     }
 }
 
-void weight_only_f32(const WeightOnly &p) {
-    constexpr int64_t kXBlockBytes = 256 << 10, kGroup = 24;
+// The codes of w rows [n0, n0 + rows) (rows <= kWoCols) as fp32 in the chunked layout above.
+FDL_AVX2 void wo_codes(const WeightOnly &p, int64_t n0, int64_t rows, float *buf) {
+    const int64_t G = (p.K + kWeightGroup - 1) / kWeightGroup;
+    for (int64_t r = 0; r < rows; ++r) {
+        const uint8_t *src = p.w_group + (n0 + r) * p.ldg;
+        float *dst = buf + r * kCodeChunk;
+        int64_t g = 0;
+        for (; g + 8 <= G; g += 8) { // 8 | kCodeChunk: never two chunks
+            int64_t b8;
+            std::memcpy(&b8, src + g, 8);
+            _mm256_storeu_ps(dst + (g / kCodeChunk) * kCodeChunkStride + g % kCodeChunk,
+                             _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(b8))));
+        }
+        for (; g < G; ++g) {
+            dst[(g / kCodeChunk) * kCodeChunkStride + g % kCodeChunk] = static_cast<float>(src[g]);
+        }
+    }
+}
+
+template <bool Grouped> void weight_only_t(const WeightOnly &p) {
+    constexpr int64_t kXBlockBytes = 256 << 10;
     const int64_t row_bytes = (p.K > 0 ? p.K : 1) * 4;
     int64_t mc = kXBlockBytes / row_bytes;
     mc = mc < 2 ? 2 : mc / 2 * 2;
+    const int64_t chunks = (p.K + 16 * kCodeChunk - 1) / (16 * kCodeChunk);
+    std::unique_ptr<float[]> buf(Grouped ? new float[(chunks > 0 ? chunks : 1) * kCodeChunkStride] : nullptr);
+    float *codes = buf.get();
     for (int64_t mb0 = 0; mb0 < p.rows; mb0 += mc) {
         const int64_t mb1 = imin(p.rows, mb0 + mc);
-        for (int64_t g0 = 0; g0 < p.cols; g0 += kGroup) {
-            const int64_t g1 = imin(p.cols, g0 + kGroup);
+        for (int64_t g0 = 0; g0 < p.cols; g0 += kWoCols) {
+            const int64_t g1 = imin(p.cols, g0 + kWoCols);
+            if (Grouped) { // once per row block and 24 w rows: 1/16 of their weights
+                wo_codes(p, g0, g1 - g0, codes);
+            }
             for (int64_t m0 = mb0; m0 < mb1; m0 += 2) {
                 const bool two = m0 + 2 <= mb1;
                 const int nb = two ? 6 : 8;
                 int64_t n = g0;
                 for (; n + nb <= g1; n += nb) {
-                    two ? wo_tile<2, 6>(p, m0, n) : wo_tile<1, 8>(p, m0, n);
+                    const float *c = Grouped ? codes + (n - g0) * kCodeChunk : nullptr;
+                    two ? wo_tile<2, 6, Grouped>(p, m0, n, c) : wo_tile<1, 8, Grouped>(p, m0, n, c);
                 }
                 for (; n < g1; ++n) {
-                    two ? wo_tile<2, 1>(p, m0, n) : wo_tile<1, 1>(p, m0, n);
+                    const float *c = Grouped ? codes + (n - g0) * kCodeChunk : nullptr;
+                    two ? wo_tile<2, 1, Grouped>(p, m0, n, c) : wo_tile<1, 1, Grouped>(p, m0, n, c);
                 }
             }
         }
+    }
+}
+
+void weight_only_f32(const WeightOnly &p) {
+    if (p.w_group) {
+        weight_only_t<true>(p);
+    } else {
+        weight_only_t<false>(p);
     }
 }
 
@@ -443,6 +514,7 @@ Kernels make() {
     k.pack_b = &pack_b_portable;
     k.weight_only_f32 = &weight_only_f32;
     k.weight_only_bf16 = nullptr;
+    k.weight_only_groups = true;
     return k;
 }
 

@@ -489,10 +489,25 @@ FDL_AVX512 inline void wo_store(const WeightOnly &p, int64_t m0, int64_t n0, con
     }
 }
 
-// One 16-k step of the fp32 tile (Masked: the K tail, with masked loads that read nothing past the end).
-template <int MB, int NB, bool Masked>
+// Group codes for the dot form, as fp32 (exact), in chunks of kCodeChunk groups: the codes of the w rows of a column
+// group (kWoCols rows, see weight_only) for groups [64 c, 64 c + 64) are kWoCols rows of 64 floats, so that in a tile
+// the code of w row j is at a constant offset j * 64 from one pointer (a variable row stride needs a register per
+// row, and the NB = 8 tile then ran out of general registers: 1.6x -> 1.35x the time of the per-channel kernel).
+constexpr int64_t kWoCols = 24;
+constexpr int64_t kCodeChunk = 64;
+constexpr int64_t kCodeChunkStride = kWoCols * kCodeChunk; // floats per chunk
+
+// Address of the code of group g of the tile's first w row (codes: that row's entry in chunk 0).
+inline const float *code_at(const float *codes, int64_t g) {
+    return codes + (g / kCodeChunk) * kCodeChunkStride + g % kCodeChunk;
+}
+
+// One 16-k step of the fp32 tile (Masked: the K tail, with masked loads that read nothing past the end). Grouped: the
+// step is one group (k is a multiple of 16), c[j * kCodeChunk] is its code for w row j, and the converted weights are
+// multiplied by it (exact: |d| <= 127 * 255) before the FMA: one vmulps with a broadcast memory operand.
+template <int MB, int NB, bool Masked, bool Grouped>
 FDL_AVX512 inline void wo_f32_step(const float *x, int64_t ldx, const int8_t *w, int64_t ldw, int64_t k, __mmask16 m,
-                                   __m512 (&acc)[MB][NB]) {
+                                   const float *c, __m512 (&acc)[MB][NB]) {
     __m512 xv[MB];
 #pragma GCC unroll 4
     for (int i = 0; i < MB; ++i) {
@@ -502,7 +517,10 @@ FDL_AVX512 inline void wo_f32_step(const float *x, int64_t ldx, const int8_t *w,
     for (int j = 0; j < NB; ++j) {
         const __m128i w8 = Masked ? _mm_maskz_loadu_epi8(m, w + j * ldw + k)
                                   : _mm_loadu_si128(reinterpret_cast<const __m128i *>(w + j * ldw + k));
-        const __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(w8));
+        __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(w8));
+        if constexpr (Grouped) {
+            wv = _mm512_mul_ps(wv, _mm512_set1_ps(c[j * kCodeChunk]));
+        }
 #pragma GCC unroll 4
         for (int i = 0; i < MB; ++i) {
             acc[i][j] = _mm512_fmadd_ps(xv[i], wv, acc[i][j]);
@@ -510,7 +528,9 @@ FDL_AVX512 inline void wo_f32_step(const float *x, int64_t ldx, const int8_t *w,
     }
 }
 
-template <int MB, int NB> FDL_AVX512 void wo_f32_tile(const WeightOnly &p, int64_t m0, int64_t n0) {
+// codes: see kCodeChunk (unused without groups).
+template <int MB, int NB, bool Grouped>
+FDL_AVX512 void wo_f32_tile(const WeightOnly &p, int64_t m0, int64_t n0, const float *codes) {
     __m512 acc[MB][NB];
 #pragma GCC unroll 4
     for (int i = 0; i < MB; ++i) {
@@ -522,21 +542,37 @@ template <int MB, int NB> FDL_AVX512 void wo_f32_tile(const WeightOnly &p, int64
     const float *x = static_cast<const float *>(p.x) + m0 * p.ldx;
     const int8_t *w = p.w + n0 * p.ldw;
     int64_t k = 0;
-    for (; k + 16 <= p.K; k += 16) {
-        wo_f32_step<MB, NB, false>(x, p.ldx, w, p.ldw, k, 0xffff, acc);
-    }
-    if (k < p.K) {
-        wo_f32_step<MB, NB, true>(x, p.ldx, w, p.ldw, k, mask16(p.K - k), acc);
+    if constexpr (Grouped) {
+        const int64_t kfull = p.K / 16 * 16;
+        for (const float *c = codes; k < kfull; c += kCodeChunkStride) { // a chunk of codes at a time
+            const int64_t ke = imin(kfull, k + 16 * kCodeChunk);
+            for (const float *cc = c; k < ke; k += 16, ++cc) {
+                wo_f32_step<MB, NB, false, true>(x, p.ldx, w, p.ldw, k, 0xffff, cc, acc);
+            }
+        }
+        if (k < p.K) {
+            wo_f32_step<MB, NB, true, true>(x, p.ldx, w, p.ldw, k, mask16(p.K - k), code_at(codes, k / 16), acc);
+        }
+    } else {
+        for (; k + 16 <= p.K; k += 16) {
+            wo_f32_step<MB, NB, false, false>(x, p.ldx, w, p.ldw, k, 0xffff, nullptr, acc);
+        }
+        if (k < p.K) {
+            wo_f32_step<MB, NB, true, false>(x, p.ldx, w, p.ldw, k, mask16(p.K - k), nullptr, acc);
+        }
     }
     wo_store<MB, NB>(p, m0, n0, acc);
 }
 
 // bf16 x: int8 weights are exact in bf16 (8 significant bits), and vdpbf16ps multiplies exactly and accumulates in
 // fp32, so this is the fp32 computation with another summation order. 32 k per step: 5 uops convert 32 weights
-// (2 x vpmovsxbd, 2 x vcvtdq2ps, vcvtne2ps2bf16), then one vdpbf16ps per row.
-template <int MB, int NB, bool Masked>
+// (2 x vpmovsxbd, 2 x vcvtdq2ps, vcvtne2ps2bf16), then one vdpbf16ps per row. Grouped: a step is the groups k / 16
+// (lo) and k / 16 + 1 (hi) with codes c[j * kCodeChunk] and c[j * kCodeChunk + 1] (an even group and the next one:
+// the same chunk): two more vmulps, then d is rounded to bf16 (the contract for bf16 x). In the masked tail the hi
+// group may not exist (hi_valid false, as all its weights are masked): its code is not read.
+template <int MB, int NB, bool Masked, bool Grouped>
 FDL_AVX512BF16 inline void wo_bf16_step(const uint16_t *x, int64_t ldx, const int8_t *w, int64_t ldw, int64_t k,
-                                        __mmask32 m, __m512 (&acc)[MB][NB]) {
+                                        __mmask32 m, const float *c, bool hi_valid, __m512 (&acc)[MB][NB]) {
     __m512bh xv[MB];
 #pragma GCC unroll 4
     for (int i = 0; i < MB; ++i) {
@@ -546,8 +582,14 @@ FDL_AVX512BF16 inline void wo_bf16_step(const uint16_t *x, int64_t ldx, const in
     for (int j = 0; j < NB; ++j) {
         const __m256i w8 = Masked ? _mm256_maskz_loadu_epi8(m, w + j * ldw + k)
                                   : _mm256_loadu_si256(reinterpret_cast<const __m256i *>(w + j * ldw + k));
-        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(w8)));
-        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(w8, 1)));
+        __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(w8)));
+        __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(w8, 1)));
+        if constexpr (Grouped) {
+            lo = _mm512_mul_ps(lo, _mm512_set1_ps(c[j * kCodeChunk]));
+            if (!Masked || hi_valid) {
+                hi = _mm512_mul_ps(hi, _mm512_set1_ps(c[j * kCodeChunk + 1]));
+            }
+        }
         const __m512bh wv = _mm512_cvtne2ps_pbh(hi, lo);
 #pragma GCC unroll 4
         for (int i = 0; i < MB; ++i) {
@@ -556,7 +598,8 @@ FDL_AVX512BF16 inline void wo_bf16_step(const uint16_t *x, int64_t ldx, const in
     }
 }
 
-template <int MB, int NB> FDL_AVX512BF16 void wo_bf16_tile(const WeightOnly &p, int64_t m0, int64_t n0) {
+template <int MB, int NB, bool Grouped>
+FDL_AVX512BF16 void wo_bf16_tile(const WeightOnly &p, int64_t m0, int64_t n0, const float *codes) {
     __m512 acc[MB][NB];
 #pragma GCC unroll 4
     for (int i = 0; i < MB; ++i) {
@@ -568,16 +611,30 @@ template <int MB, int NB> FDL_AVX512BF16 void wo_bf16_tile(const WeightOnly &p, 
     const uint16_t *x = static_cast<const uint16_t *>(p.x) + m0 * p.ldx;
     const int8_t *w = p.w + n0 * p.ldw;
     int64_t k = 0;
-    for (; k + 32 <= p.K; k += 32) {
-        wo_bf16_step<MB, NB, false>(x, p.ldx, w, p.ldw, k, 0xffffffffu, acc);
-    }
-    if (k < p.K) {
-        wo_bf16_step<MB, NB, true>(x, p.ldx, w, p.ldw, k, mask32(p.K - k), acc);
+    if constexpr (Grouped) {
+        const int64_t kfull = p.K / 32 * 32;
+        for (const float *c = codes; k < kfull; c += kCodeChunkStride) { // a chunk of codes: 32 steps
+            const int64_t ke = imin(kfull, k + 16 * kCodeChunk);
+            for (const float *cc = c; k < ke; k += 32, cc += 2) {
+                wo_bf16_step<MB, NB, false, true>(x, p.ldx, w, p.ldw, k, 0xffffffffu, cc, true, acc);
+            }
+        }
+        if (k < p.K) {
+            wo_bf16_step<MB, NB, true, true>(x, p.ldx, w, p.ldw, k, mask32(p.K - k), code_at(codes, k / 16),
+                                             k + 16 < p.K, acc);
+        }
+    } else {
+        for (; k + 32 <= p.K; k += 32) {
+            wo_bf16_step<MB, NB, false, false>(x, p.ldx, w, p.ldw, k, 0xffffffffu, nullptr, false, acc);
+        }
+        if (k < p.K) {
+            wo_bf16_step<MB, NB, true, false>(x, p.ldx, w, p.ldw, k, mask32(p.K - k), nullptr, false, acc);
+        }
     }
     wo_store<MB, NB>(p, m0, n0, acc);
 }
 
-using WoTileFn = void (*)(const WeightOnly &, int64_t, int64_t);
+using WoTileFn = void (*)(const WeightOnly &, int64_t, int64_t, const float *);
 
 // MB rows x NB w rows: MB <= 2 -> NB = 8 (8-16 accumulators), MB 3-4 -> NB = 6 (18-24 accumulators + MB x + 1 w
 // <= 29 zmm). Leftover w rows use NB = 1.
@@ -586,48 +643,75 @@ constexpr int nb_for(int mb) {
     return mb <= 2 ? 8 : 6;
 }
 
-template <bool BF16, int MB, int NB> constexpr WoTileFn wo_fn() {
+template <bool BF16, bool Grouped, int MB, int NB> constexpr WoTileFn wo_fn() {
     if constexpr (BF16) {
-        return &wo_bf16_tile<MB, NB>;
+        return &wo_bf16_tile<MB, NB, Grouped>;
     } else {
-        return &wo_f32_tile<MB, NB>;
+        return &wo_f32_tile<MB, NB, Grouped>;
     }
 }
 
-template <bool BF16> WoTileFn wo_tile(int mb, bool full) {
+template <bool BF16, bool Grouped> WoTileFn wo_tile(int mb, bool full) {
     switch (mb) {
     case 1:
-        return full ? wo_fn<BF16, 1, nb_for(1)>() : wo_fn<BF16, 1, 1>();
+        return full ? wo_fn<BF16, Grouped, 1, nb_for(1)>() : wo_fn<BF16, Grouped, 1, 1>();
     case 2:
-        return full ? wo_fn<BF16, 2, nb_for(2)>() : wo_fn<BF16, 2, 1>();
+        return full ? wo_fn<BF16, Grouped, 2, nb_for(2)>() : wo_fn<BF16, Grouped, 2, 1>();
     case 3:
-        return full ? wo_fn<BF16, 3, nb_for(3)>() : wo_fn<BF16, 3, 1>();
+        return full ? wo_fn<BF16, Grouped, 3, nb_for(3)>() : wo_fn<BF16, Grouped, 3, 1>();
     default:
-        return full ? wo_fn<BF16, 4, nb_for(4)>() : wo_fn<BF16, 4, 1>();
+        return full ? wo_fn<BF16, Grouped, 4, nb_for(4)>() : wo_fn<BF16, Grouped, 4, 1>();
+    }
+}
+
+// The codes of w rows [n0, n0 + rows) (rows <= kWoCols) as fp32 in the chunked layout of kCodeChunk; entries past
+// the last group are left as they are (never read).
+FDL_AVX512 void wo_codes(const WeightOnly &p, int64_t n0, int64_t rows, float *buf) {
+    const int64_t G = (p.K + kWeightGroup - 1) / kWeightGroup;
+    for (int64_t r = 0; r < rows; ++r) {
+        const uint8_t *src = p.w_group + (n0 + r) * p.ldg;
+        float *dst = buf + r * kCodeChunk;
+        int64_t g = 0;
+        for (; g + 16 <= G; g += 16) { // 16 | kCodeChunk: 16 groups never straddle two chunks
+            const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i *>(src + g));
+            _mm512_storeu_ps(dst + (g / kCodeChunk) * kCodeChunkStride + g % kCodeChunk,
+                             _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)));
+        }
+        if (g < G) {
+            const __m128i b = _mm_maskz_loadu_epi8(mask16(G - g), src + g);
+            _mm512_storeu_ps(dst + (g / kCodeChunk) * kCodeChunkStride + g % kCodeChunk,
+                             _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)));
+        }
     }
 }
 
 // Rows in blocks whose x slice stays in L2 (<= 256 KiB), w rows in groups of 24 (a multiple of both NB; 24 x K
-// bytes, L2) inside, row tiles of MB innermost: each w row comes from L3 once per row block.
-template <bool BF16> void weight_only(const WeightOnly &p) {
+// bytes, L2) inside, row tiles of MB innermost: each w row comes from L3 once per row block. Grouped: the codes of
+// the 24 w rows are converted to fp32 once per row block (24 x ceil(K / 16) floats, 1/4 of their weight bytes).
+template <bool BF16, bool Grouped> void weight_only(const WeightOnly &p) {
     constexpr int64_t kXBlockBytes = 256 << 10;
-    constexpr int64_t kGroup = 24;
     const int64_t row_bytes = (p.K > 0 ? p.K : 1) * (BF16 ? 2 : 4);
     int64_t mc = kXBlockBytes / row_bytes;
     mc = mc < kMB ? kMB : mc / kMB * kMB;
+    const int64_t chunks = (p.K + 16 * kCodeChunk - 1) / (16 * kCodeChunk);
+    std::unique_ptr<float[]> buf(Grouped ? new float[(chunks > 0 ? chunks : 1) * kCodeChunkStride] : nullptr);
+    float *codes = buf.get();
     for (int64_t mb0 = 0; mb0 < p.rows; mb0 += mc) {
         const int64_t mb1 = imin(p.rows, mb0 + mc);
-        for (int64_t g0 = 0; g0 < p.cols; g0 += kGroup) {
-            const int64_t g1 = imin(p.cols, g0 + kGroup);
+        for (int64_t g0 = 0; g0 < p.cols; g0 += kWoCols) {
+            const int64_t g1 = imin(p.cols, g0 + kWoCols);
+            if (Grouped) {
+                wo_codes(p, g0, g1 - g0, codes);
+            }
             for (int64_t m0 = mb0; m0 < mb1; m0 += kMB) {
                 const int mb = static_cast<int>(imin(kMB, mb1 - m0));
                 const int nb = nb_for(mb);
                 int64_t n = g0;
                 for (; n + nb <= g1; n += nb) {
-                    wo_tile<BF16>(mb, true)(p, m0, n);
+                    wo_tile<BF16, Grouped>(mb, true)(p, m0, n, Grouped ? codes + (n - g0) * kCodeChunk : nullptr);
                 }
                 for (; n < g1; ++n) {
-                    wo_tile<BF16>(mb, false)(p, m0, n);
+                    wo_tile<BF16, Grouped>(mb, false)(p, m0, n, Grouped ? codes + (n - g0) * kCodeChunk : nullptr);
                 }
             }
         }
@@ -647,18 +731,47 @@ template <bool BF16> void weight_only(const WeightOnly &p) {
 constexpr int64_t kWoKc = 2048;
 constexpr int64_t kWoPanelRows = 16;
 
-// 32 int8 (pairs of k for 16 columns) -> 32 bf16 in the same order (exact).
-FDL_AVX512BF16 inline __m512bh i8x32_to_bf16(__m256i v) {
-    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v)));
-    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1)));
+// 32 int8 (pairs of k for 16 columns) -> 32 bf16 in the same order (exact). Grouped: the fp32 values are first
+// multiplied by cl (lanes of columns 0-7, each twice) and ch (columns 8-15), see wo_convert_panel, and d is rounded
+// to bf16.
+template <bool Grouped> FDL_AVX512BF16 inline __m512bh i8x32_to_bf16(__m256i v, __m512 cl, __m512 ch) {
+    __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v)));
+    __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1)));
+    if constexpr (Grouped) {
+        lo = _mm512_mul_ps(lo, cl);
+        hi = _mm512_mul_ps(hi, ch);
+    }
     return _mm512_cvtne2ps_pbh(hi, lo);
 }
 
 // Panel slice: w rows [n0, n0 + 64) (rows >= cols are 0) x k in [k0, k0 + kc) (k >= K are 0) -> buf, where the 64
 // bytes of (pair pp, 16-column block j) hold columns 16 j .. 16 j + 15, each (w[n][k0 + 2 pp], w[n][k0 + 2 pp + 1]).
+// Grouped: each value is d = w * code of its (column, group), in fp32, rounded to bf16. A 64-k chunk is 4 groups
+// (k0 and kk are multiples of 64) and a k-quad q lies in group q / 4 of it. The codes of 64 groups x 16 columns are
+// loaded and transposed like the weights (rows >= cols and groups >= ceil(K / 16) read as 0), so that codes[c][i]
+// holds the 4 codes of chunk c for column i, one byte per group.
+template <bool Grouped>
 FDL_AVX512BF16 void wo_convert_panel(const WeightOnly &p, int64_t n0, int64_t k0, int64_t kc, uint16_t *buf) {
+    const int64_t G = (p.K + kWeightGroup - 1) / kWeightGroup;
+    // lane L of the lo (hi) fp32 vector of i8x32_to_bf16 holds column L / 2 (8 + L / 2): a k pair per column
+    const __m512i dup_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i dup_hi = _mm512_add_epi32(dup_lo, _mm512_set1_epi32(8));
+    alignas(64) __m512i codes[16];
     for (int j = 0; j < 4; ++j) {
         for (int64_t kk = 0; kk < kc; kk += 64) {
+            if constexpr (Grouped) {
+                if (kk % 1024 == 0) {
+                    const int64_t g0 = (k0 + kk) / kWeightGroup;
+                    const __mmask64 gm = mask64(G - g0);
+#pragma GCC unroll 16
+                    for (int i = 0; i < 16; ++i) {
+                        const int64_t n = n0 + 16 * j + i;
+                        codes[i] = n < p.cols ? _mm512_maskz_loadu_epi8(gm, p.w_group + n * p.ldg + g0)
+                                              : _mm512_setzero_si512();
+                    }
+                    transpose16x16(codes);
+                }
+            }
             const __mmask64 m = mask64(p.K - (k0 + kk));
             __m512i r[16];
 #pragma GCC unroll 16
@@ -671,13 +784,21 @@ FDL_AVX512BF16 void wo_convert_panel(const WeightOnly &p, int64_t n0, int64_t k0
                              _MM_HINT_T0);
             }
             transpose16x16(r); // r[q]: k-quad q of this 64-k chunk, 16 columns x 4 bytes
+            __m512i cw = Grouped ? codes[(kk % 1024) / 64] : _mm512_setzero_si512();
+            __m512 cl = _mm512_setzero_ps(), ch = _mm512_setzero_ps();
 #pragma GCC unroll 16
             for (int q = 0; q < 16; ++q) {
+                if (Grouped && q % 4 == 0) { // codes of group q / 4 of the chunk: byte q / 4 of each column's dword
+                    const __m512 cf = _mm512_cvtepi32_ps(_mm512_and_si512(cw, _mm512_set1_epi32(0xff)));
+                    cw = _mm512_srli_epi32(cw, 8);
+                    cl = _mm512_permutexvar_ps(dup_lo, cf);
+                    ch = _mm512_permutexvar_ps(dup_hi, cf);
+                }
                 const int64_t pp = (kk + 4 * q) / 2; // pair index of k0 + kk + 4q within the slice
                 const __m256i lo = _mm512_cvtepi32_epi16(r[q]);
                 const __m256i hi = _mm512_cvtepi32_epi16(_mm512_srli_epi32(r[q], 16));
-                _mm512_storeu_si512(buf + ((pp * 4) + j) * 32, (__m512i)i8x32_to_bf16(lo));
-                _mm512_storeu_si512(buf + (((pp + 1) * 4) + j) * 32, (__m512i)i8x32_to_bf16(hi));
+                _mm512_storeu_si512(buf + ((pp * 4) + j) * 32, (__m512i)i8x32_to_bf16<Grouped>(lo, cl, ch));
+                _mm512_storeu_si512(buf + (((pp + 1) * 4) + j) * 32, (__m512i)i8x32_to_bf16<Grouped>(hi, cl, ch));
             }
         }
     }
@@ -796,7 +917,11 @@ void weight_only_bf16_panels(const WeightOnly &p) {
         for (int64_t k0 = 0; k0 < p.K || k0 == 0; k0 += kWoKc) {
             const int64_t kc = imin(kWoKc, p.K - k0 > 0 ? p.K - k0 : 0);
             const int64_t kc4 = (kc + 63) / 64 * 64; // converted k (zero beyond K)
-            wo_convert_panel(p, n0, k0, kc4, buf.get());
+            if (p.w_group) {
+                wo_convert_panel<true>(p, n0, k0, kc4, buf.get());
+            } else {
+                wo_convert_panel<false>(p, n0, k0, kc4, buf.get());
+            }
             const bool first = k0 == 0, last = k0 + kWoKc >= p.K;
             int64_t r0 = 0;
             for (int64_t t = 0; t < ntiles; ++t) {
@@ -809,13 +934,19 @@ void weight_only_bf16_panels(const WeightOnly &p) {
 }
 
 void weight_only_f32(const WeightOnly &p) {
-    weight_only<false>(p);
+    if (p.w_group) {
+        weight_only<false, true>(p);
+    } else {
+        weight_only<false, false>(p);
+    }
 }
 void weight_only_bf16(const WeightOnly &p) {
     if (p.rows >= kWoPanelRows) {
         weight_only_bf16_panels(p);
+    } else if (p.w_group) {
+        weight_only<true, true>(p);
     } else {
-        weight_only<true>(p);
+        weight_only<true, false>(p);
     }
 }
 
@@ -830,6 +961,7 @@ Kernels make(bool bf16) {
     k.pack_b = &pack_b;
     k.weight_only_f32 = &weight_only_f32;
     k.weight_only_bf16 = bf16 ? &weight_only_bf16 : nullptr;
+    k.weight_only_groups = true;
     return k;
 }
 

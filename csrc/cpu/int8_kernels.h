@@ -78,8 +78,12 @@ struct GemmBlock {
 };
 
 // ---------------------------------------------------------------------------------------------------------------
-// Weight-only: out[m, n] = cast(w_scale[n] * sum_k x[m, k] * w[n, k] + bias[n]) with x fp32 (or bf16 for the
+// Weight-only: out[m, n] = cast(w_scale[n] * sum_k x[m, k] * d[n, k] + bias[n]) with x fp32 (or bf16 for the
 // AVX512-BF16 kernel) and w int8 [N, K] row-major, dequantised in registers. Rows [0, rows) x columns [0, cols).
+// d[n, k] = w[n, k] without group scales; with them (w_group != nullptr) d[n, k] = w[n, k] * w_group[n * ldg + k / 16]
+// (kWeightGroup = 16 k per group, uint8 scales): an integer |d| <= 127 * 255, exact in fp32. The fp32-x kernels
+// multiply by the exact d; the bf16-x kernels round d to bf16 before vdpbf16ps (like a bf16 GEMM on the dequantised
+// weight).
 struct WeightOnly {
     const void *x = nullptr; // element (m, k) at x + m * ldx + k
     int64_t ldx = 0;
@@ -88,10 +92,13 @@ struct WeightOnly {
     int64_t ldw = 0;
     int64_t cols = 0;
     const float *w_scale = nullptr, *bias = nullptr;
+    const uint8_t *w_group = nullptr; // optional group scales: element (n, g) at w_group + n * ldg + g
+    int64_t ldg = 0;
     void *out = nullptr;
     int64_t ldo = 0;
     DType out_dtype = DType::F32;
 };
+constexpr int64_t kWeightGroup = 16;
 
 // ---------------------------------------------------------------------------------------------------------------
 // int8_pack_weight for the 16-row blocks [jb0, jb1) of w [N, K] (row stride ldw): packed is the whole [Np, Kp] output
@@ -116,6 +123,7 @@ struct Kernels {
     void (*pack_b)(const PackB &) = nullptr;
     void (*weight_only_f32)(const WeightOnly &) = nullptr;  // x fp32
     void (*weight_only_bf16)(const WeightOnly &) = nullptr; // x bf16
+    bool weight_only_groups = false; // the weight_only kernels honour WeightOnly::w_group (else the scalar one runs)
 };
 
 // Each returns nullptr when the TU was compiled for another architecture. The caller checks cpuid.

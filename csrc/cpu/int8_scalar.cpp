@@ -217,10 +217,22 @@ void weight_only_f32(const WeightOnly &p) {
     const float *x = static_cast<const float *>(p.x);
     for (int64_t n = 0; n < p.cols; ++n) { // one w row (L1) against every x row
         const int8_t *w = p.w + n * p.ldw;
+        const uint8_t *g = p.w_group ? p.w_group + n * p.ldg : nullptr;
         for (int64_t m = 0; m < p.rows; ++m) {
             const float *xr = x + m * p.ldx;
             float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
             int64_t k = 0;
+            if (g) { // d = w * group scale, exact in fp32
+                for (; k + 4 <= p.K; k += 4) {
+                    const float c = static_cast<float>(g[k / kWeightGroup]); // 4 | 16: one group per 4 k
+                    for (int t = 0; t < 4; ++t) {
+                        s[t] += xr[k + t] * (static_cast<float>(w[k + t]) * c);
+                    }
+                }
+                for (; k < p.K; ++k) {
+                    s[0] += xr[k] * (static_cast<float>(w[k]) * static_cast<float>(g[k / kWeightGroup]));
+                }
+            }
             for (; k + 4 <= p.K; k += 4) {
                 for (int t = 0; t < 4; ++t) {
                     s[t] += xr[k + t] * static_cast<float>(w[k + t]);
@@ -281,6 +293,7 @@ Kernels make() {
     k.pack_b = &pack_b_portable;
     k.weight_only_f32 = &weight_only_f32;
     k.weight_only_bf16 = nullptr;
+    k.weight_only_groups = true;
     return k;
 }
 

@@ -9,7 +9,9 @@ Providers (inference forward, no grad; activations bf16 unless noted):
                        activation quantization; CPU only)
   fastdl_w8a8          ``fastdl.ops.int8_linear``: dynamic W8A8 including the per-token activation quantization
                        (on the CPU with the weight packed once, as ``Int8Linear`` does)
-  fastdl_weight_only   ``fastdl.ops.int8_weight_only_linear``
+  fastdl_weight_only   ``fastdl.ops.int8_weight_only_linear`` with per-channel scales
+  fastdl_weight_only_g16  the same with group scales (``quantize_per_group``: the default format of
+                       ``Int8Linear(mode="weight_only")``, 8.5 bits per weight)
   fastdl_*[backend]    the same, forced to one backend (``--backends``)
 
 Columns: ms (median), GOP/s (2*M*N*K / t), x bf16 (bf16 time / time: > 1 is faster than bf16), % int8 peak (GOP/s
@@ -33,7 +35,7 @@ from .common import env_columns, print_table, progress, sync, time_fn, write_csv
 DEFAULT_M = (1, 16, 128, 512)
 # LLaMA-7B MLP: gate/up projections 4096 -> 11008, down projection 11008 -> 4096
 LLAMA_SHAPES = ((4096, 11008), (11008, 4096))
-INT8_PROVIDERS = ("int_mm+dequant", "fbgemm_dynamic", "fastdl_w8a8", "fastdl_weight_only")
+INT8_PROVIDERS = ("int_mm+dequant", "fbgemm_dynamic", "fastdl_w8a8", "fastdl_weight_only", "fastdl_weight_only_g16")
 
 _INT8_PEAK: dict = {}
 
@@ -140,10 +142,17 @@ def _providers(args, M, K, N, x, w, b, w_q, w_scale, notes):
         packed, comp = int8_ops.int8_pack_weight(w_q)  # once, like Int8Linear
     provs["fastdl_w8a8"] = (lambda: int8_ops.int8_linear(x, w_q, w_scale, b, packed, comp), "auto")
     provs["fastdl_weight_only"] = (lambda: int8_ops.int8_weight_only_linear(x, w_q, w_scale, b), "auto")
+    g_q, g_s, g_g = int8_ops.quantize_per_group(w.float())
+    provs["fastdl_weight_only_g16"] = (lambda: int8_ops.int8_weight_only_linear(x, g_q, g_s, b, g_g), "auto")
     dtype = "cuda" if cuda else "cpu"
     wanted = args.backends or [be for be in backends.BACKENDS if be != "torch"]
+    named = (
+        ("int8_linear", "fastdl_w8a8"),
+        ("int8_weight_only_linear", "fastdl_weight_only"),
+        ("int8_weight_only_linear", "fastdl_weight_only_g16"),
+    )
     for be in wanted:
-        for op, name in (("int8_linear", "fastdl_w8a8"), ("int8_weight_only_linear", "fastdl_weight_only")):
+        for op, name in named:
             if be in backends.preference(op, dtype) and backends.available(be, op, dtype)[0]:
                 provs[f"{name}[{be}]"] = (provs[name][0], be)
     return provs
@@ -185,7 +194,8 @@ def run(args) -> list[dict]:
             rows.append({
                 "op": "int8", "device": device, "M": M, "K": K, "N": N, "provider": name, "ms": t * 1e3,
                 "gops": ops / t / 1e9, "x_vs_bf16": ratio, "pct_int8_peak": 100 * ops / t / peak,
-                "weight_gbps": N * K * (1 if int8_weights else 2 if name != "fp32" else 4) / t / 1e9,
+                "weight_gbps": N * K * (1 if int8_weights else 2 if name != "fp32" else 4)
+                * (17 / 16 if "_g16" in name else 1) / t / 1e9,
                 **env,
             })  # fmt: skip
             if name.startswith("fastdl") and ratio is not None and ratio < 1.0:

@@ -13,6 +13,7 @@ from .int8 import (
     int8_pack_weight,
     int8_weight_only_linear,
     quantize_per_channel,
+    quantize_per_group,
     quantize_per_token,
 )
 from .sparse24 import compress_2_4, decompress_2_4, mask_2_4, pack_mask, sparse24_linear, unpack_meta
@@ -31,6 +32,7 @@ __all__ = [
     "mask_2_4",
     "pack_mask",
     "quantize_per_channel",
+    "quantize_per_group",
     "quantize_per_token",
     "sparse24_linear",
     "unpack_meta",
