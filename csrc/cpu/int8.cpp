@@ -234,14 +234,17 @@ std::tuple<at::Tensor, at::Tensor> pack_weight(const at::Tensor &w_q) {
 // Blocking (per thread, on the rectangle of rows x columns it owns):
 //   K slices of <= 4096 values: the A block (rows x kc bytes) and one 64-column panel of B (64 x kc bytes, 256 KiB)
 //   both stay in the 1 MiB L2; longer K (11008 in LLaMA-7B) is cut into near-equal slices with int32 partial sums.
-//   Row blocks of <= 256 KiB of packed A (64 rows at K = 4096), cut into equal multiples of the register tile: each
-//   weight byte is read from L3 (or DRAM) once per row block. Measured stand-alone, the VNNI tile loop then runs at
-//   125 of the 128 MAC/cycle peak even when B streams from L3.
+//   Row blocks of <= 512 KiB of packed A (128 rows at K = 4096: 768 KiB of L2 with the B panel), cut into equal
+//   multiples of the register tile: each weight byte is read from L3 (or DRAM) once per row block. Measured
+//   stand-alone, the VNNI tile loop then runs at 125 of the 128 MAC/cycle peak even when B streams from L3.
+//   512 rather than 256 KiB lets M = 128 split the columns over 2 threads (B read once, not once per thread).
+//   `fastdl bench int8`, 2 threads, ms, 256 -> 512 KiB: 4096 x 4096 at M = 128 2.23-2.27 -> 2.17-2.18; LLaMA
+//   4096 -> 11008 at M = 128 6.08-6.14 -> 5.93-5.94, 11008 -> 4096 5.98-6.02 -> 5.89-5.97; M = 16, 512 unchanged.
 //   Threads: rows are split only in parts of at least one full row block (a thread's weights then stream the same
 //   number of times as with a column split, and each thread quantises only its own rows); below that the columns
 //   are split and each thread quantises the (few) rows itself rather than waiting for another thread.
 constexpr int64_t kMaxKc = 4096;
-constexpr int64_t kABlockBytes = 256 << 10;
+constexpr int64_t kABlockBytes = 512 << 10;
 constexpr int64_t kSerialMacs = int64_t(1) << 20; // below ~1 M MACs (< 10 us) threads cost more than they save
 
 struct W8A8 {
