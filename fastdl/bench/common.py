@@ -18,10 +18,26 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+_FLUSH: dict = {}
+
+
+def flush_caches(device: str) -> None:
+    """Evict the last-level cache by writing a buffer larger than it (64 MiB on the CPU: the development machine has
+    32 MiB of L3; 256 MiB on a GPU, as ``triton.testing.do_bench`` does), so the next call reads its operands from
+    DRAM - as a layer of a model whose weights exceed the cache does."""
+    buf = _FLUSH.get(device)
+    if buf is None:
+        n = (256 if device.startswith("cuda") else 64) << 20
+        buf = _FLUSH[device] = torch.empty(n, dtype=torch.uint8, device=device)
+    buf.zero_()
+    sync(device)
+
+
 def time_fn(fn: Callable[[], object], device: str = "cpu", warmup: int = 3, min_reps: int = 10,
-            max_reps: int = 200, budget_s: float = 1.0) -> float:
+            max_reps: int = 200, budget_s: float = 1.0, cold: bool = False) -> float:
     """Median seconds per call. Runs ``warmup`` calls, then at least ``min_reps`` timed calls and more while the
-    time budget lasts (up to ``max_reps``). GPU calls are timed with CUDA events."""
+    time budget lasts (up to ``max_reps``). GPU calls are timed with CUDA events. ``cold``: flush the caches before
+    every timed call (``flush_caches``; the flush itself is not timed)."""
     for _ in range(warmup):
         fn()
     sync(device)
@@ -29,6 +45,8 @@ def time_fn(fn: Callable[[], object], device: str = "cpu", warmup: int = 3, min_
     t_start = time.perf_counter()
     if device.startswith("cuda"):
         while len(times) < max_reps and (len(times) < min_reps or time.perf_counter() - t_start < budget_s):
+            if cold:
+                flush_caches(device)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             fn()
@@ -37,6 +55,8 @@ def time_fn(fn: Callable[[], object], device: str = "cpu", warmup: int = 3, min_
             times.append(start.elapsed_time(end) / 1e3)
     else:
         while len(times) < max_reps and (len(times) < min_reps or time.perf_counter() - t_start < budget_s):
+            if cold:
+                flush_caches(device)
             t0 = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t0)

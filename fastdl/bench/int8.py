@@ -14,6 +14,9 @@ Providers (inference forward, no grad; activations bf16 unless noted):
                        ``Int8Linear(mode="weight_only")``, 8.5 bits per weight)
   fastdl_*[backend]    the same, forced to one backend (``--backends``)
 
+``--cold`` flushes the caches before every timed call (weights from DRAM, as in a model larger than the cache);
+by default each provider is timed in its own loop, so weights that fit the last-level cache stay there.
+
 Columns: ms (median), GOP/s (2*M*N*K / t), x bf16 (bf16 time / time: > 1 is faster than bf16), % int8 peak (GOP/s
 over the measured int8 peak: ``torch._int_mm`` on a large square problem), W GB/s (weight bytes read per second).
 After the table every shape where an int8 provider is slower than bf16 is listed plainly.
@@ -53,6 +56,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-baselines", action="store_true", help="time only bf16 and fastdl")
     p.add_argument("--budget", type=float, default=None,
                    help="seconds of timed runs per measurement (default 1.0 on CPU, 0.2 on CUDA)")
+    p.add_argument("--cold", action="store_true",
+                   help="flush the caches before every timed call: weights come from DRAM, as in a model whose "
+                        "weights exceed the last-level cache (default: warm, each provider's weights stay cached "
+                        "between its calls when they fit)")  # fmt: skip
     p.add_argument("--csv", default=None, help="write rows to this CSV file")
 
 
@@ -165,7 +172,8 @@ def run(args) -> list[dict]:
     torch.manual_seed(0)
     env = env_columns(device)
     peak = measured_int8_peak(device)
-    print(f"int8 on {env['device_name']}; measured int8 peak (torch._int_mm, large square) {peak / 1e9:.0f} GOP/s")
+    print(f"int8 on {env['device_name']}; measured int8 peak (torch._int_mm, large square) {peak / 1e9:.0f} GOP/s; "
+          f"caches {'flushed before every call (--cold)' if args.cold else 'warm'}")  # fmt: skip
     for op in ("int8_linear", "int8_weight_only_linear"):
         be = backends.select(op, "cuda" if cuda else "cpu")
         print(f"  fastdl {op}: backend {be!r} in auto mode")
@@ -183,7 +191,7 @@ def run(args) -> list[dict]:
             ctx = backends.use_backend(be) if be else contextlib.nullcontext()
             try:
                 with ctx, torch.no_grad():
-                    t = time_fn(fn, device, budget_s=budget)
+                    t = time_fn(fn, device, budget_s=budget, cold=args.cold)
             except Exception as exc:  # a provider that cannot run here is reported, not fatal
                 print(f"  {name} failed at M={M} K={K} N={N}: {type(exc).__name__}: {exc}")
                 continue
@@ -192,7 +200,8 @@ def run(args) -> list[dict]:
             int8_weights = name.startswith(("fastdl", "int_mm", "fbgemm"))
             ratio = base / t if base else None
             rows.append({
-                "op": "int8", "device": device, "M": M, "K": K, "N": N, "provider": name, "ms": t * 1e3,
+                "op": "int8", "device": device, "cold": args.cold, "M": M, "K": K, "N": N, "provider": name,
+                "ms": t * 1e3,
                 "gops": ops / t / 1e9, "x_vs_bf16": ratio, "pct_int8_peak": 100 * ops / t / peak,
                 "weight_gbps": N * K * (1 if int8_weights else 2 if name != "fp32" else 4)
                 * (17 / 16 if "_g16" in name else 1) / t / 1e9,
