@@ -141,6 +141,38 @@ def test_backward_matches_reference(backend, dtype, act):
         assert rel_err(got.grad, want.grad) <= tol, (name, rel_err(got.grad, want.grad))
 
 
+@pytest.mark.skipif(not HAS_CPP, reason="needs the compiled extension")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(
+    "M,K,N", [(359, 512, 72), (359, 64, 130), (100, 128, 10), (513, 40, 50), (65, 300, 77), (17, 96, 50), (2, 33, 9)]
+)
+def test_cpp_dispatch_regions_forward_backward(dtype, threads, M, K, N):
+    """The C++ kernels pick a path per shape (weight streaming, packed weight panels, packed x^T, small-M kernels,
+    at::mm for some fp32 gradients) and split rows or columns over threads by cost: shapes on every side of those
+    rules, with gelu, bias, residual and (bf16) an fp32 master weight, forward and backward against float64."""
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        x, w, b, r = make(M, K, N, dtype, res=True, w_dtype=torch.float32)
+        g = torch.randn(M, N).to(dtype)
+        leaves = [t.detach().clone().requires_grad_() for t in (x, w, b, r)]
+        with fastdl.use_backend("cpp"):
+            out = fused_linear(*leaves[:3], "gelu", leaves[3])
+        check_close(out.detach(), x, w, b, "gelu", r)
+        out.backward(g)
+        ref_leaves = [t.detach().double().requires_grad_() for t in (x, w.to(dtype), b, r)]
+        ref64(ref_leaves[0], ref_leaves[1], ref_leaves[2], "gelu", ref_leaves[3]).backward(g.double())
+        tol = 2e-5 if dtype == torch.float32 else 2e-2
+        for name, got, want in zip("xwbr", leaves, ref_leaves):
+            assert rel_err(got.grad, want.grad) <= tol, (name, rel_err(got.grad, want.grad))
+        with fastdl.use_backend("cpp"):
+            plain = fused_linear(x, w.to(dtype), None, "none")
+        check_close(plain, x, w.to(dtype), None, "none", None)
+    finally:
+        torch.set_num_threads(old_threads)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_backward_mixed_fp32_master_weight(backend):
     low = torch.float16 if backend == "triton" else torch.bfloat16  # the interpreter has no bf16

@@ -39,14 +39,18 @@ struct Epilogue {
     int64_t ld_pre = 0;
     Act act = Act::None;
     bool stream = false; // fp32 out: non-temporal stores for aligned full vectors (large outputs not read back soon)
+    bool fence = true;   // stream: sfence when done (false: the caller fences once after many calls)
 };
 void apply_epilogue(const Epilogue &e, const float *acc, int64_t ld_acc, int64_t row0, int64_t rows, int64_t col0,
                     int64_t cols);
 
 // ---------------------------------------------------------------------------------------------------------------
-// Backward elementwise pass for the columns [col0, col1) of all M rows, in one pass over grad_out / preact:
-//   dpre = g * act'(p) (fp32);  grad_bias[col] = sum_rows dpre (fp32);  dpre_out = round(dpre)
-// dpre_out (nullptr = not written) and grad_bias (nullptr = not computed) are optional.
+// Backward elementwise pass over the rows [row0, row1) (row0 % kDpreRows == 0) and columns [col0, col1):
+//   dpre = g * act'(p) (fp32);  dpre_out = round(dpre) (a.dpre; nullptr = not written)
+// and, if partial is set, the fp32 column sums of every kDpreRows-row block: partial[(r / kDpreRows) * ld_partial + c].
+// dpre_sum_blocks adds the blocks in order into grad_bias: a two-level sum (error ~ (64 + M / 64) ulp instead of M
+// ulp) whose result does not depend on how the pass was split between threads.
+constexpr int64_t kDpreRows = 64;
 struct DpreArgs {
     const void *g = nullptr;
     int64_t ld_g = 0;
@@ -58,9 +62,11 @@ struct DpreArgs {
     void *dpre = nullptr;
     int64_t ld_dpre = 0;
     DType dpre_dtype = DType::F32;
-    float *grad_bias = nullptr; // indexed by the global column
 };
-void dpre_pass(const DpreArgs &a, int64_t M, int64_t col0, int64_t col1);
+void dpre_pass(const DpreArgs &a, int64_t row0, int64_t row1, int64_t col0, int64_t col1, float *partial,
+               int64_t ld_partial);
+void dpre_sum_blocks(const float *partial, int64_t ld_partial, int64_t blocks, int64_t col0, int64_t col1,
+                     float *grad_bias);
 
 // ---------------------------------------------------------------------------------------------------------------
 // bf16 GEMM with fp32 accumulation (AVX512_BF16 only, used by the backward): C[M, N] = A[M, K] * B[K, N], then the
@@ -89,12 +95,37 @@ void gemm_tile(const uint16_t *ap, const GemmOperand &b, int64_t M, int64_t N, i
                const Epilogue &epi, void *workspace);
 
 // ---------------------------------------------------------------------------------------------------------------
+// Packed-B GEMM for a B operand small enough to pack per call (a narrow layer's weight, or x): C[M, N] = A[M, K] *
+// B[K, N], accumulated over the whole K in registers (8 x 48 tiles; K is blocked only beyond 256 steps, k pairs in
+// BF16), the epilogue per 64 rows x 48 columns. compute BF16 (AVX512_BF16, vdpbf16ps on k pairs, fp32 accumulation) or
+// F32 (AVX-512 FMA, everything fp32). A (compute's dtype) is read in place, PbA::Rows: A[i][k] = a[i * lda + k]
+// (elements / k pairs broadcast straight from A's rows, no packing) or PbA::Cols (BF16 only): A[i][k] = a[k * lda + i]
+// (pairs interleaved on the fly), or pre-packed in panels of 8 rows, PbA::Packed (lda unused): BF16 by gemm_pack_a, F32
+// by pb_pack_a_f32. B is packed in 48-column panels of pb_kpt(K, compute) x 48 dwords, panel p of [panel0, panel1) at
+// bp + (p - panel0) * pb_kpt(K, compute) * 48: by pb_pack_wt (B[k][n] = w[n][k]; BF16: w bf16 or fp32 rounded to bf16,
+// RNE; F32: w fp32) or pb_pack_rows (B[k][n] = b[k * ld + n], same dtypes). pb_block computes C rows [m0, m1) x the
+// panel at `panel`, columns [j0, j0 + 48) (m0 % 8 == 0 when packed).
+enum class PbA : int { Rows = 0, Packed, Cols };
+inline int64_t pb_kpt(int64_t K, DType compute = DType::BF16) { // k (pairs) per panel, whole 16 x 16 transposes
+    return ((compute == DType::BF16 ? (K + 1) / 2 : K) + 15) / 16 * 16;
+}
+void pb_pack_wt(DType compute, const void *w, DType w_dtype, int64_t ldw, int64_t N, int64_t K, int64_t panel0,
+                int64_t panel1, uint32_t *bp);
+void pb_pack_rows(DType compute, const GemmOperand &b, int64_t N, int64_t K, int64_t panel0, int64_t panel1,
+                  uint32_t *bp);
+// A[i][k] = src[k * ld + i] for i < rows (zero beyond), panels [panel0, panel1) of 8 rows: ap[(panel * K + k) * 8 + r].
+void pb_pack_a_f32(const float *src, int64_t ld, int64_t rows, int64_t K, int64_t panel0, int64_t panel1, float *ap);
+void pb_block(DType compute, const void *a, int64_t lda, PbA mode, int64_t K, const uint32_t *panel, int64_t N,
+              int64_t m0, int64_t m1, int64_t j0, const Epilogue &epi);
+
+// ---------------------------------------------------------------------------------------------------------------
 // Forward: acc[m][n] = sum_k x[m][k] * w[n][k] for the x rows [m0, m1) and weight rows [n0, n1), reading the weight
 // rows in place (no packing), then the epilogue. Kernels by M:
 //   compute BF16 (x bf16, w bf16 or fp32 rounded to bf16 like autocast; needs avx512bf16): M <= 4 inner products
 //     streaming the weight rows; M > 4 (any M) a broadcast kernel over x^T, packed per row block of kFwdRowBlock.
 //   compute F32 (x fp32, w fp32, FMA; needs avx512): small M only, M <= kFwdF32MaxM.
-// m0 is a multiple of kFwdRowBlock (bf16 with M <= 4 and fp32: the whole [0, M)); workspace: fwd_workspace_bytes.
+// [m0, m1) is a block of at most kFwdRowBlock rows (bf16 with M <= 4 and fp32: the whole [0, M)); workspace:
+// fwd_workspace_bytes.
 constexpr int64_t kFwdRowBlock = 256;
 size_t fwd_workspace_bytes(int64_t M, int64_t K);
 void fwd_compute(DType compute, const void *x, int64_t ldx, int64_t M, const void *w, DType w_dtype, int64_t ldw,
