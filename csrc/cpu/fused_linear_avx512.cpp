@@ -682,58 +682,72 @@ FL_AVX512BF16 void gemm_tile_avx512bf16(const uint16_t *ap16, const GemmOperand 
 // in place from A's rows when the reduction dim is contiguous there: no packing of x / dpre), 24 vdpbf16ps. The C tile
 // goes through an L1 buffer to the epilogue; nothing else is written.
 // ------------------------------------------------------------------------------------------------------------
-template <int NV, bool PACKED_A>
-FL_AVX512BF16 void pb_micro(const char *a, int64_t lda_bytes, int64_t rows, int64_t kpn, bool odd, const uint32_t *bp,
-                            float *c, bool accumulate) {
-    __m512 acc[kGemmMR][NV];
+// The 8 x (16 NV) fp32 C tile of the pb / pbf micro kernels: loaded from (or zeroed for) the L1 buffer c, stored back.
+template <int NV> FL_AVX512 inline void c_tile_load(__m512 (&acc)[kGemmMR][NV], const float *c, bool accumulate) {
 #pragma GCC unroll 8
     for (int i = 0; i < kGemmMR; ++i)
 #pragma GCC unroll 3
         for (int j = 0; j < NV; ++j)
             acc[i][j] = accumulate ? _mm512_load_ps(c + i * kGemmNR + 16 * j) : _mm512_setzero_ps();
-    // A rows in place: rows past `rows` repeat the last valid row (their results are not stored).
-    const char *ar[kGemmMR];
-#pragma GCC unroll 8
-    for (int i = 0; i < kGemmMR; ++i)
-        ar[i] = a + std::min<int64_t>(i, rows - 1) * lda_bytes;
-    for (int64_t kp = 0; kp < kpn; ++kp) {
-        __m512bh b[NV];
-#pragma GCC unroll 3
-        for (int j = 0; j < NV; ++j)
-            b[j] = (__m512bh)_mm512_loadu_si512(bp + kp * kGemmNR + 16 * j);
-#pragma GCC unroll 8
-        for (int i = 0; i < kGemmMR; ++i) {
-            int32_t pair;
-            if constexpr (PACKED_A)
-                pair = reinterpret_cast<const int32_t *>(a)[kp * kGemmMR + i];
-            else
-                std::memcpy(&pair, ar[i] + 4 * kp, 4);
-            const __m512bh av = (__m512bh)_mm512_set1_epi32(pair);
-#pragma GCC unroll 3
-            for (int j = 0; j < NV; ++j)
-                acc[i][j] = _mm512_dpbf16_ps(acc[i][j], av, b[j]);
-        }
-    }
-    if (!PACKED_A && odd) { // odd reduction length: the last element of each A row pairs with zero
-        __m512bh b[NV];
-#pragma GCC unroll 3
-        for (int j = 0; j < NV; ++j)
-            b[j] = (__m512bh)_mm512_loadu_si512(bp + kpn * kGemmNR + 16 * j);
-#pragma GCC unroll 8
-        for (int i = 0; i < kGemmMR; ++i) {
-            uint16_t last;
-            std::memcpy(&last, ar[i] + 4 * kpn, 2);
-            const __m512bh av = (__m512bh)_mm512_set1_epi32(last);
-#pragma GCC unroll 3
-            for (int j = 0; j < NV; ++j)
-                acc[i][j] = _mm512_dpbf16_ps(acc[i][j], av, b[j]);
-        }
-    }
+}
+
+template <int NV> FL_AVX512 inline void c_tile_store(const __m512 (&acc)[kGemmMR][NV], float *c) {
 #pragma GCC unroll 8
     for (int i = 0; i < kGemmMR; ++i)
 #pragma GCC unroll 3
         for (int j = 0; j < NV; ++j)
             _mm512_store_ps(c + i * kGemmNR + 16 * j, acc[i][j]);
+}
+
+// A rows read in place: rows past `rows` repeat the last valid row (their results are not stored).
+inline void a_row_ptrs(const char *(&ar)[kGemmMR], const char *a, int64_t rows, int64_t lda_bytes) {
+#pragma GCC unroll 8
+    for (int i = 0; i < kGemmMR; ++i)
+        ar[i] = a + std::min<int64_t>(i, rows - 1) * lda_bytes;
+}
+
+// One k pair of the bf16 pb tile: NV panel loads at bpk, then per row i the A pair pair_of(i) (two bf16 in a dword)
+// broadcast against them.
+template <int NV, typename PairOf>
+FL_AVX512BF16 inline void pb_kpair(__m512 (&acc)[kGemmMR][NV], const uint32_t *bpk, PairOf pair_of) {
+    __m512bh b[NV];
+#pragma GCC unroll 3
+    for (int j = 0; j < NV; ++j)
+        b[j] = (__m512bh)_mm512_loadu_si512(bpk + 16 * j);
+#pragma GCC unroll 8
+    for (int i = 0; i < kGemmMR; ++i) {
+        const __m512bh av = (__m512bh)_mm512_set1_epi32(pair_of(i));
+#pragma GCC unroll 3
+        for (int j = 0; j < NV; ++j)
+            acc[i][j] = _mm512_dpbf16_ps(acc[i][j], av, b[j]);
+    }
+}
+
+template <int NV, bool PACKED_A>
+FL_AVX512BF16 void pb_micro(const char *a, int64_t lda_bytes, int64_t rows, int64_t kpn, bool odd, const uint32_t *bp,
+                            float *c, bool accumulate) {
+    __m512 acc[kGemmMR][NV];
+    c_tile_load<NV>(acc, c, accumulate);
+    const char *ar[kGemmMR];
+    a_row_ptrs(ar, a, rows, lda_bytes);
+    for (int64_t kp = 0; kp < kpn; ++kp) {
+        pb_kpair<NV>(acc, bp + kp * kGemmNR, [&](int i) {
+            int32_t pair;
+            if constexpr (PACKED_A)
+                pair = reinterpret_cast<const int32_t *>(a)[kp * kGemmMR + i];
+            else
+                std::memcpy(&pair, ar[i] + 4 * kp, 4);
+            return pair;
+        });
+    }
+    if (!PACKED_A && odd) { // odd reduction length: the last element of each A row pairs with zero
+        pb_kpair<NV>(acc, bp + kpn * kGemmNR, [&](int i) {
+            uint16_t last;
+            std::memcpy(&last, ar[i] + 4 * kpn, 2);
+            return static_cast<int32_t>(last);
+        });
+    }
+    c_tile_store<NV>(acc, c);
 }
 
 // A = src^T (A[i][k] = a[k * lda + i], e.g. grad_weight's dpre^T), read without packing: per k pair the 8 values of
@@ -743,11 +757,7 @@ template <int NV>
 FL_AVX512BF16 void pb_micro_cols(const uint16_t *a, int64_t lda, int64_t rows, int64_t kpn, bool odd,
                                  const uint32_t *bp, float *c, bool accumulate) {
     __m512 acc[kGemmMR][NV];
-#pragma GCC unroll 8
-    for (int i = 0; i < kGemmMR; ++i)
-#pragma GCC unroll 3
-        for (int j = 0; j < NV; ++j)
-            acc[i][j] = accumulate ? _mm512_load_ps(c + i * kGemmNR + 16 * j) : _mm512_setzero_ps();
+    c_tile_load<NV>(acc, c, accumulate);
     const __mmask8 rm = static_cast<__mmask8>(rows >= 8 ? 0xFF : (1u << rows) - 1u);
     alignas(32) uint32_t pr[kGemmMR];
     for (int64_t kp = 0; kp < kpn + (odd ? 1 : 0); ++kp) {
@@ -756,23 +766,9 @@ FL_AVX512BF16 void pb_micro_cols(const uint16_t *a, int64_t lda, int64_t rows, i
         const __m128i x1 = kp < kpn ? _mm_maskz_loadu_epi16(rm, r0 + lda) : _mm_setzero_si128();
         _mm_store_si128(reinterpret_cast<__m128i *>(pr), _mm_unpacklo_epi16(x0, x1));
         _mm_store_si128(reinterpret_cast<__m128i *>(pr + 4), _mm_unpackhi_epi16(x0, x1));
-        __m512bh b[NV];
-#pragma GCC unroll 3
-        for (int j = 0; j < NV; ++j)
-            b[j] = (__m512bh)_mm512_loadu_si512(bp + kp * kGemmNR + 16 * j);
-#pragma GCC unroll 8
-        for (int i = 0; i < kGemmMR; ++i) {
-            const __m512bh av = (__m512bh)_mm512_set1_epi32(static_cast<int>(pr[i]));
-#pragma GCC unroll 3
-            for (int j = 0; j < NV; ++j)
-                acc[i][j] = _mm512_dpbf16_ps(acc[i][j], av, b[j]);
-        }
+        pb_kpair<NV>(acc, bp + kp * kGemmNR, [&](int i) { return static_cast<int32_t>(pr[i]); });
     }
-#pragma GCC unroll 8
-    for (int i = 0; i < kGemmMR; ++i)
-#pragma GCC unroll 3
-        for (int j = 0; j < NV; ++j)
-            _mm512_store_ps(c + i * kGemmNR + 16 * j, acc[i][j]);
+    c_tile_store<NV>(acc, c);
 }
 
 template <PbA AM>
@@ -879,15 +875,9 @@ template <int NV, bool PACKED_A>
 FL_AVX512 void pbf_micro(const char *a, int64_t lda_bytes, int64_t rows, int64_t kn, const float *bp, float *c,
                          bool accumulate) {
     __m512 acc[kGemmMR][NV];
-#pragma GCC unroll 8
-    for (int i = 0; i < kGemmMR; ++i)
-#pragma GCC unroll 3
-        for (int j = 0; j < NV; ++j)
-            acc[i][j] = accumulate ? _mm512_load_ps(c + i * kGemmNR + 16 * j) : _mm512_setzero_ps();
+    c_tile_load<NV>(acc, c, accumulate);
     const char *ar[kGemmMR];
-#pragma GCC unroll 8
-    for (int i = 0; i < kGemmMR; ++i)
-        ar[i] = a + std::min<int64_t>(i, rows - 1) * lda_bytes;
+    a_row_ptrs(ar, a, rows, lda_bytes);
     for (int64_t k = 0; k < kn; ++k) {
         __m512 b[NV];
 #pragma GCC unroll 3
@@ -906,11 +896,7 @@ FL_AVX512 void pbf_micro(const char *a, int64_t lda_bytes, int64_t rows, int64_t
                 acc[i][j] = _mm512_fmadd_ps(av, b[j], acc[i][j]);
         }
     }
-#pragma GCC unroll 8
-    for (int i = 0; i < kGemmMR; ++i)
-#pragma GCC unroll 3
-        for (int j = 0; j < NV; ++j)
-            _mm512_store_ps(c + i * kGemmNR + 16 * j, acc[i][j]);
+    c_tile_store<NV>(acc, c);
 }
 
 template <bool PACKED_A>
