@@ -354,17 +354,7 @@ void gemm_block(const GemmBlock &g) {
 // ------------------------------------------------------------------------------------------------- weight-only
 // fp32 FMA on dot products: MB = 1 row x NB = 8 w rows, or MB = 2 x NB = 6 (8-12 accumulators, within 16 ymm).
 // Grouped: the weights of group k / 16 are multiplied by its code (fp32, exact: |d| <= 127 * 255) before the FMA.
-// The codes are converted to fp32 once per 24 w rows (wo_codes) in chunks of kCodeChunk groups, where the code of
-// w row j is at a constant offset j * kCodeChunk from one pointer (a variable row stride takes a register per row,
-// and the tile then kept its accumulators on the stack).
-constexpr int64_t kWoCols = 24;
-constexpr int64_t kCodeChunk = 64;
-constexpr int64_t kCodeChunkStride = kWoCols * kCodeChunk; // floats per chunk
-
-// Address of the code of group g of the tile's first w row (codes: that row's entry in chunk 0).
-inline const float *code_at(const float *codes, int64_t g) {
-    return codes + (g / kCodeChunk) * kCodeChunkStride + g % kCodeChunk;
-}
+// The codes are converted to fp32 once per kWoCols w rows (wo_codes) in the layout of int8_kernels.h (code_at).
 
 // 8 k (k + 8 <= K); Grouped: c[j * kCodeChunk] is the code of their group for w row j.
 template <int MB, int NB, bool Grouped>
@@ -454,11 +444,10 @@ FDL_AVX2 void wo_codes(const WeightOnly &p, int64_t n0, int64_t rows, float *buf
         for (; g + 8 <= G; g += 8) { // 8 | kCodeChunk: never two chunks
             int64_t b8;
             std::memcpy(&b8, src + g, 8);
-            _mm256_storeu_ps(dst + (g / kCodeChunk) * kCodeChunkStride + g % kCodeChunk,
-                             _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(b8))));
+            _mm256_storeu_ps(dst + code_offset(g), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(b8))));
         }
         for (; g < G; ++g) {
-            dst[(g / kCodeChunk) * kCodeChunkStride + g % kCodeChunk] = static_cast<float>(src[g]);
+            dst[code_offset(g)] = static_cast<float>(src[g]);
         }
     }
 }
@@ -468,8 +457,7 @@ template <bool Grouped> void weight_only_t(const WeightOnly &p) {
     const int64_t row_bytes = (p.K > 0 ? p.K : 1) * 4;
     int64_t mc = kXBlockBytes / row_bytes;
     mc = mc < 2 ? 2 : mc / 2 * 2;
-    const int64_t chunks = (p.K + 16 * kCodeChunk - 1) / (16 * kCodeChunk);
-    std::unique_ptr<float[]> buf(Grouped ? new float[(chunks > 0 ? chunks : 1) * kCodeChunkStride] : nullptr);
+    std::unique_ptr<float[]> buf(Grouped ? new float[code_buffer_floats(p.K)] : nullptr);
     float *codes = buf.get();
     for (int64_t mb0 = 0; mb0 < p.rows; mb0 += mc) {
         const int64_t mb1 = imin(p.rows, mb0 + mc);

@@ -489,18 +489,7 @@ FDL_AVX512 inline void wo_store(const WeightOnly &p, int64_t m0, int64_t n0, con
     }
 }
 
-// Group codes for the dot form, as fp32 (exact), in chunks of kCodeChunk groups: the codes of the w rows of a column
-// group (kWoCols rows, see weight_only) for groups [64 c, 64 c + 64) are kWoCols rows of 64 floats, so that in a tile
-// the code of w row j is at a constant offset j * 64 from one pointer (a variable row stride needs a register per
-// row, and the NB = 8 tile then ran out of general registers: 1.6x -> 1.35x the time of the per-channel kernel).
-constexpr int64_t kWoCols = 24;
-constexpr int64_t kCodeChunk = 64;
-constexpr int64_t kCodeChunkStride = kWoCols * kCodeChunk; // floats per chunk
-
-// Address of the code of group g of the tile's first w row (codes: that row's entry in chunk 0).
-inline const float *code_at(const float *codes, int64_t g) {
-    return codes + (g / kCodeChunk) * kCodeChunkStride + g % kCodeChunk;
-}
+// Group codes for the dot form: the layout of int8_kernels.h (code_at), one column group of kWoCols w rows.
 
 // One 16-k step of the fp32 tile (Masked: the K tail, with masked loads that read nothing past the end). Grouped: the
 // step is one group (k is a multiple of 16), c[j * kCodeChunk] is its code for w row j, and the converted weights are
@@ -674,13 +663,11 @@ FDL_AVX512 void wo_codes(const WeightOnly &p, int64_t n0, int64_t rows, float *b
         int64_t g = 0;
         for (; g + 16 <= G; g += 16) { // 16 | kCodeChunk: 16 groups never straddle two chunks
             const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i *>(src + g));
-            _mm512_storeu_ps(dst + (g / kCodeChunk) * kCodeChunkStride + g % kCodeChunk,
-                             _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)));
+            _mm512_storeu_ps(dst + code_offset(g), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)));
         }
         if (g < G) {
             const __m128i b = _mm_maskz_loadu_epi8(mask16(G - g), src + g);
-            _mm512_storeu_ps(dst + (g / kCodeChunk) * kCodeChunkStride + g % kCodeChunk,
-                             _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)));
+            _mm512_storeu_ps(dst + code_offset(g), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)));
         }
     }
 }
@@ -693,8 +680,7 @@ template <bool BF16, bool Grouped> void weight_only(const WeightOnly &p) {
     const int64_t row_bytes = (p.K > 0 ? p.K : 1) * (BF16 ? 2 : 4);
     int64_t mc = kXBlockBytes / row_bytes;
     mc = mc < kMB ? kMB : mc / kMB * kMB;
-    const int64_t chunks = (p.K + 16 * kCodeChunk - 1) / (16 * kCodeChunk);
-    std::unique_ptr<float[]> buf(Grouped ? new float[(chunks > 0 ? chunks : 1) * kCodeChunkStride] : nullptr);
+    std::unique_ptr<float[]> buf(Grouped ? new float[code_buffer_floats(p.K)] : nullptr);
     float *codes = buf.get();
     for (int64_t mb0 = 0; mb0 < p.rows; mb0 += mc) {
         const int64_t mb1 = imin(p.rows, mb0 + mc);
