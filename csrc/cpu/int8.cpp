@@ -527,8 +527,7 @@ at::Tensor int8_weight_only_linear(const at::Tensor &x, const at::Tensor &w_q, c
     if (out.numel() == 0) {
         return out;
     }
-    // A kernel table without group-scale support hands grouped weights to the portable kernel.
-    const Kernels &kr = !wg.defined() || kernels().weight_only_groups ? kernels() : *kernels_scalar();
+    const Kernels &kr = kernels();
     // bf16 x goes to the vdpbf16ps kernel as it is, from 4 rows up; otherwise the kernel reads fp32 (a bf16 / fp16 x
     // is converted once: M x K values, small next to the N x K weights). At 1-2 rows the fp32 kernel is faster (1 row
     // x 2048 x 4096, one core: 0.120 ms fp32 vs 0.175 ms bf16): vcvtne2ps2bf16 (~1.25 per cycle) is then not

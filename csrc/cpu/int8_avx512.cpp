@@ -947,7 +947,6 @@ Kernels make(bool bf16) {
     k.pack_b = &pack_b;
     k.weight_only_f32 = &weight_only_f32;
     k.weight_only_bf16 = bf16 ? &weight_only_bf16 : nullptr;
-    k.weight_only_groups = true;
     return k;
 }
 

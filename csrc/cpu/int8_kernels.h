@@ -145,7 +145,6 @@ struct Kernels {
     void (*pack_b)(const PackB &) = nullptr;
     void (*weight_only_f32)(const WeightOnly &) = nullptr;  // x fp32
     void (*weight_only_bf16)(const WeightOnly &) = nullptr; // x bf16
-    bool weight_only_groups = false; // the weight_only kernels honour WeightOnly::w_group (else the scalar one runs)
 };
 
 // Each returns nullptr when the TU was compiled for another architecture. The caller checks cpuid.

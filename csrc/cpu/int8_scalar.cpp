@@ -293,7 +293,6 @@ Kernels make() {
     k.pack_b = &pack_b_portable;
     k.weight_only_f32 = &weight_only_f32;
     k.weight_only_bf16 = nullptr;
-    k.weight_only_groups = true;
     return k;
 }
 
