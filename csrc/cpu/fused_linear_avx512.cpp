@@ -821,25 +821,18 @@ FL_AVX512BF16 void pb_block_avx512bf16(const void *a, int64_t lda, int64_t K, co
         else
             return static_cast<const char *>(a) + m * lda * 2 + 4 * kp;
     };
-    if (kpn <= kPbKC) { // one pass over K per 8 rows, the epilogue per kPbMB rows
-        for (int64_t ms = m0; ms < m1; ms += kPbMB) {
-            const int64_t me = std::min(m1, ms + kPbMB);
+    // One pass over K per 8 rows when K fits (kPbKC pairs), else kPbKB-pair blocks accumulated in cbuf; the epilogue
+    // per kPbMB rows. (K == 0: one pass of zero length, which zeroes the C tile.)
+    const int64_t kblk = kpn <= kPbKC ? std::max<int64_t>(kpn, 1) : kPbKB;
+    for (int64_t ms = m0; ms < m1; ms += kPbMB) {
+        const int64_t me = std::min(m1, ms + kPbMB);
+        for (int64_t kb = 0; kb == 0 || kb < kpn; kb += kblk) {
+            const int64_t kn = std::min(kblk, kpn - kb);
             for (int64_t m = ms; m < me; m += kGemmMR)
-                pb_micro_nv<AM>(nv, a_at(m, 0), lda, std::min<int64_t>(kGemmMR, me - m), kpn, odd, bpp,
-                                cbuf + (m - ms) * kGemmNR, false);
-            epilogue_avx512_dispatch(e, cbuf, kGemmNR, ms, me - ms, j0, cols);
+                pb_micro_nv<AM>(nv, a_at(m, kb), lda, std::min<int64_t>(kGemmMR, me - m), kn, odd && kb + kn == kpn,
+                                bpp + kb * kGemmNR, cbuf + (m - ms) * kGemmNR, kb > 0);
         }
-    } else {
-        for (int64_t ms = m0; ms < m1; ms += kPbMB) {
-            const int64_t me = std::min(m1, ms + kPbMB);
-            for (int64_t kb = 0; kb < kpn; kb += kPbKB) {
-                const int64_t kn = std::min(kPbKB, kpn - kb);
-                for (int64_t m = ms; m < me; m += kGemmMR)
-                    pb_micro_nv<AM>(nv, a_at(m, kb), lda, std::min<int64_t>(kGemmMR, me - m), kn, odd && kb + kn == kpn,
-                                    bpp + kb * kGemmNR, cbuf + (m - ms) * kGemmNR, kb > 0);
-            }
-            epilogue_avx512_dispatch(e, cbuf, kGemmNR, ms, me - ms, j0, cols);
-        }
+        epilogue_avx512_dispatch(e, cbuf, kGemmNR, ms, me - ms, j0, cols);
     }
     if (epi.stream && epi.fence)
         _mm_sfence();
@@ -924,25 +917,16 @@ FL_AVX512 void pbf_block_avx512(const void *a, int64_t lda, int64_t K, const flo
                    ? reinterpret_cast<const char *>(static_cast<const float *>(a) + ((m / kGemmMR) * K + k) * kGemmMR)
                    : static_cast<const char *>(a) + (m * lda + k) * 4;
     };
-    if (K <= kPbKC) {
-        for (int64_t ms = m0; ms < m1; ms += kPbMB) {
-            const int64_t me = std::min(m1, ms + kPbMB);
+    const int64_t kblk = K <= kPbKC ? std::max<int64_t>(K, 1) : kPbKB; // as in pb_block_avx512bf16
+    for (int64_t ms = m0; ms < m1; ms += kPbMB) {
+        const int64_t me = std::min(m1, ms + kPbMB);
+        for (int64_t kb = 0; kb == 0 || kb < K; kb += kblk) {
+            const int64_t kn = std::min(kblk, K - kb);
             for (int64_t m = ms; m < me; m += kGemmMR)
-                pbf_micro_nv<PACKED_A>(nv, a_rows(m, 0), lda * 4, std::min<int64_t>(kGemmMR, me - m), K, bpp,
-                                       cbuf + (m - ms) * kGemmNR, false);
-            epilogue_avx512_dispatch(e, cbuf, kGemmNR, ms, me - ms, j0, cols);
+                pbf_micro_nv<PACKED_A>(nv, a_rows(m, kb), lda * 4, std::min<int64_t>(kGemmMR, me - m), kn,
+                                       bpp + kb * kGemmNR, cbuf + (m - ms) * kGemmNR, kb > 0);
         }
-    } else {
-        for (int64_t ms = m0; ms < m1; ms += kPbMB) {
-            const int64_t me = std::min(m1, ms + kPbMB);
-            for (int64_t kb = 0; kb < K; kb += kPbKB) {
-                const int64_t kn = std::min(kPbKB, K - kb);
-                for (int64_t m = ms; m < me; m += kGemmMR)
-                    pbf_micro_nv<PACKED_A>(nv, a_rows(m, kb), lda * 4, std::min<int64_t>(kGemmMR, me - m), kn,
-                                           bpp + kb * kGemmNR, cbuf + (m - ms) * kGemmNR, kb > 0);
-            }
-            epilogue_avx512_dispatch(e, cbuf, kGemmNR, ms, me - ms, j0, cols);
-        }
+        epilogue_avx512_dispatch(e, cbuf, kGemmNR, ms, me - ms, j0, cols);
     }
     if (epi.stream && epi.fence)
         _mm_sfence();
