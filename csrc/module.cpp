@@ -2,7 +2,12 @@
 // from static initialisers when this library is loaded; the module itself only reports build facts.
 #include <torch/extension.h>
 
-const char *fastdl_int8_isa(); // csrc/cpu/int8.cpp: the int8 CPU kernels chosen in this process
+#include "cpu/cpu_isa.h"
+
+// The kernel family each CPU capability runs in this process (chosen once from cpu_isa.h's level).
+const char *fastdl_int8_isa();                 // csrc/cpu/int8.cpp
+const char *fastdl_fused_linear_cpu_kernels(); // csrc/cpu/fused_linear_avx512.cpp
+const char *fastdl_sparse24_cpu_kernels();     // csrc/cpu/sparse24_avx512.cpp
 
 namespace {
 
@@ -22,6 +27,35 @@ pybind11::dict cpu_features() {
     return d;
 }
 
+// The CPU as fastdl sees it (cpu_isa.h): model, detected and active level, and the kernels of each capability.
+pybind11::dict cpu_info() {
+    namespace cpu = fastdl::cpu;
+    pybind11::dict d;
+    d["model"] = std::string(cpu::model_name());
+    d["detected_level"] = std::string(cpu::level_name(cpu::detected_level()));
+    d["level"] = std::string(cpu::level_name(cpu::level()));
+    d["capped"] = cpu::capped();
+    const cpu::Features &f = cpu::features();
+    pybind11::dict feats;
+    feats["avx2"] = f.avx2;
+    feats["fma"] = f.fma;
+    feats["f16c"] = f.f16c;
+    feats["avx512f"] = f.avx512f;
+    feats["avx512bw"] = f.avx512bw;
+    feats["avx512dq"] = f.avx512dq;
+    feats["avx512vl"] = f.avx512vl;
+    feats["avx512_vnni"] = f.avx512_vnni;
+    feats["avx512_bf16"] = f.avx512_bf16;
+    feats["avx512_vbmi2"] = f.avx512_vbmi2;
+    d["features"] = feats;
+    pybind11::dict kernels;
+    kernels["fused_linear"] = std::string(fastdl_fused_linear_cpu_kernels());
+    kernels["int8"] = std::string(fastdl_int8_isa());
+    kernels["sparse24"] = std::string(fastdl_sparse24_cpu_kernels());
+    d["kernels"] = kernels;
+    return d;
+}
+
 } // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -32,6 +66,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.attr("with_cuda") = false;
 #endif
     m.def("cpu_features", &cpu_features, "CPU ISA extensions detected at run time");
+    m.def("cpu_info", &cpu_info,
+          "the CPU model, its ISA level (capped by FASTDL_CPU_ISA) and each capability's kernels");
     m.def(
         "int8_cpu_kernels", [] { return std::string(fastdl_int8_isa()); },
         "the int8 CPU kernels this process runs (cpuid, capped by FASTDL_CPU_ISA)");

@@ -141,22 +141,63 @@ def extension_info() -> dict:
     }
 
 
-def cpu_features() -> dict:
-    """ISA extensions of this CPU: from the extension (cpuid) when loaded, else from /proc/cpuinfo."""
-    mod = _state["module"]
-    if mod is not None and hasattr(mod, "cpu_features"):
-        return dict(mod.cpu_features())
-    flags: set[str] = set()
+_LEVELS = ("scalar", "avx2", "avx512", "avx512_bf16")
+
+
+def _proc_cpuinfo() -> tuple[str, set[str]]:
+    model, flags = "unknown", set()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
+                if line.startswith("model name") and model == "unknown":
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags"):
                     flags = set(line.split(":", 1)[1].split())
                     break
     except OSError:
         pass
-    names = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16")
-    return {n: n in flags for n in names}
+    return model, flags
+
+
+def _env_cap() -> str:
+    want = os.environ.get("FASTDL_CPU_ISA", "").strip().lower()
+    return {"none": "scalar", "avx512_vnni": "avx512", "avx512bf16": "avx512_bf16"}.get(want, want)
+
+
+def cpu_info() -> dict:
+    """The CPU as fastdl's kernels see it: ``model``, ``detected_level`` and ``level`` (one of scalar, avx2, avx512,
+    avx512_bf16; ``level`` is capped by FASTDL_CPU_ISA, ``capped`` says whether the cap lowered it), ``features``
+    and, per capability, the CPU ``kernels`` this process runs. From the extension (cpuid + XGETBV, csrc/cpu/cpu_isa.h)
+    when it is loaded, else read from /proc/cpuinfo with the kernels given as the PyTorch reference."""
+    mod = _state["module"]
+    if mod is not None and hasattr(mod, "cpu_info"):
+        return dict(mod.cpu_info())
+    model, flags = _proc_cpuinfo()
+    feats = {n: n in flags for n in ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl",
+                                      "avx512_vnni", "avx512_bf16", "avx512_vbmi2")}  # fmt: skip
+    detected = "scalar"
+    if feats["avx2"] and feats["fma"] and feats["f16c"]:
+        detected = "avx2"
+        if all(feats[n] for n in ("avx512f", "avx512bw", "avx512dq", "avx512vl")):
+            detected = "avx512_bf16" if feats["avx512_bf16"] else "avx512"
+    cap = _env_cap()
+    level = detected
+    if cap in _LEVELS and _LEVELS.index(cap) < _LEVELS.index(detected):
+        level = cap
+    ref = "PyTorch reference (no extension)"
+    return {
+        "model": model,
+        "detected_level": detected,
+        "level": level,
+        "capped": level != detected,
+        "features": feats,
+        "kernels": {"fused_linear": ref, "int8": ref, "sparse24": ref},
+    }
+
+
+def cpu_features() -> dict:
+    """ISA extensions of this CPU as the kernels use them (capped by FASTDL_CPU_ISA)."""
+    return dict(cpu_info()["features"])
 
 
 def int8_cpu_kernels() -> str | None:
@@ -169,9 +210,6 @@ def int8_cpu_kernels() -> str | None:
 
 
 def cpu_isa() -> str:
-    """The best ISA level fastdl's CPU kernels use here: avx512_bf16 > avx512_vnni > avx2 > none."""
-    f = cpu_features()
-    for name in ("avx512_bf16", "avx512_vnni", "avx2"):
-        if f.get(name):
-            return name
-    return "none"
+    """The ISA level fastdl's CPU kernels run at here: scalar, avx2, avx512 or avx512_bf16 (capped by
+    FASTDL_CPU_ISA)."""
+    return str(cpu_info()["level"])

@@ -61,6 +61,7 @@ def collect() -> dict:
         "triton": _triton_version(),
         "cuda_runtime": torch.version.cuda,
         "cpu_isa": _extension.cpu_isa(),
+        "cpu": _extension.cpu_info(),
         "cpu_features": _extension.cpu_features(),
         "int8_cpu_kernels": _extension.int8_cpu_kernels(),
         "threads": torch.get_num_threads(),
@@ -72,13 +73,22 @@ def collect() -> dict:
     }
 
 
+def format_cpu_level(cpu: dict) -> str:
+    """'avx2 (capped by FASTDL_CPU_ISA; the CPU has avx512_bf16)' or just the level."""
+    if cpu["capped"]:
+        return f"{cpu['level']} (capped by FASTDL_CPU_ISA; the CPU has {cpu['detected_level']})"
+    return cpu["level"]
+
+
 def format_info(d: dict) -> str:
     ext = d["extension"]
     lines = [
         f"fastdl {d['fastdl']}  torch {d['torch']}  triton {d['triton'] or 'not installed'}  "
         f"CUDA {d['cuda_runtime'] or 'none (CPU build of torch)'}",
-        f"CPU ISA: {d['cpu_isa']}  ({', '.join(k for k, v in d['cpu_features'].items() if v) or 'none'}), "
-        f"{d['threads']} threads; int8 CPU kernels: {d['int8_cpu_kernels'] or 'none (no extension)'}",
+        f"CPU: {d['cpu']['model']}, {d['threads']} threads",
+        f"CPU ISA level: {format_cpu_level(d['cpu'])}  "
+        f"({', '.join(k for k, v in d['cpu_features'].items() if v) or 'none'})",
+        "CPU kernels: " + ", ".join(f"{cap} {fam}" for cap, fam in d["cpu"]["kernels"].items()),
     ]
     if d["gpu"]:
         g = d["gpu"]

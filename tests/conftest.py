@@ -47,6 +47,27 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return diff / denom if denom > 0 else diff
 
 
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def run_at_isa(isa: str, script: str, timeout: float = 300) -> str:
+    """Run `script` in a fresh Python process whose fastdl CPU kernels are capped at `isa` (scalar, avx2, avx512,
+    avx512_bf16 or native: FASTDL_CPU_ISA is read once per process). The tests directory is on its path, so it can
+    import helpers from a test module. Returns stdout; fails with the process's output on a non-zero exit."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ)
+    env.pop("FASTDL_CPU_ISA", None)
+    if isa != "native":
+        env["FASTDL_CPU_ISA"] = isa
+    env["PYTHONPATH"] = TESTS_DIR + os.pathsep + env.get("PYTHONPATH", "")
+    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout)
+    if res.returncode != 0:
+        pytest.fail(f"FASTDL_CPU_ISA={isa}: the subprocess failed\n{res.stdout}\n{res.stderr}")
+    return res.stdout
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(1234)

@@ -345,7 +345,9 @@ def test_module_autocast_bf16_cpu_trains_fp32_master_weights():
 def test_info_lists_backend_per_op():
     d = fastdl.info(print_result=False)
     assert "fused_linear" in d["ops"] and d["ops"]["fused_linear"]["cpu"]["backend"] in ("cpp", "torch")
-    assert d["cpu_isa"] in ("avx512_bf16", "avx512_vnni", "avx2", "none")
+    assert d["cpu_isa"] in ("avx512_bf16", "avx512", "avx2", "scalar")
+    assert d["cpu"]["level"] == d["cpu_isa"] and d["cpu"]["model"]
+    assert set(d["cpu"]["kernels"]) == {"fused_linear", "int8", "sparse24"}
     assert d["extension"]["source"] in ("aot", "jit", "missing")
 
 

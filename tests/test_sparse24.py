@@ -11,7 +11,7 @@ import tempfile
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import cpu_backends, rel_err, requires_cuda
+from conftest import cpu_backends, rel_err, requires_cuda, run_at_isa
 from torch import nn
 
 import fastdl
@@ -196,11 +196,9 @@ def test_sparse_linear_leading_dims_noncontiguous_mixed_dtypes(backend):
         assert rel_err(out, ref) <= 2 * eager_err(xb, values, meta, bias.bfloat16(), ref) + 1e-4
 
 
-@pytest.mark.skipif(not HAS_CPP, reason="needs the compiled extension fastdl._C (C++ kernels)")
-@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512"])
-def test_cpp_fallback_isa_levels_match(isa, monkeypatch):
-    """FASTDL_CPU_ISA caps the kernels' instruction set (read per call): every level gives the same results."""
-    monkeypatch.setenv("FASTDL_CPU_ISA", isa)
+def check_cpp_levels_match() -> str:
+    """Run in a process capped by FASTDL_CPU_ISA (test below): the C++ kernels at that level against the contract."""
+    torch.manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
         for M, K, N in [(1, 68, 9), (3, 100, 25), (9, 132, 17), (33, 260, 10)]:
             w = random_weight(N, K, dtype)
@@ -209,7 +207,6 @@ def test_cpp_fallback_isa_levels_match(isa, monkeypatch):
                 values, meta = sp.compress_2_4(w)
                 dense = sp.decompress_2_4(values, meta)
                 x = torch.randn(M, K).to(dtype)
-                out = sp.sparse24_linear(x, values, meta, None)
             assert torch.equal(m, sp._mask_reference(w))
             assert bits_equal(dense, torch.where(m, w, torch.zeros_like(w)))
             values_r, meta_r = sp._compress_reference(torch.randn(N, K).to(dtype))
@@ -217,7 +214,21 @@ def test_cpp_fallback_isa_levels_match(isa, monkeypatch):
                 out = sp.sparse24_linear(x, values_r, meta_r, None)
             ref = dense_ref(x, values_r, meta_r, None)
             bound = 2e-5 if dtype == torch.float32 else 2 * eager_err(x, values_r, meta_r, None, ref) + 1e-4
-            assert rel_err(out, ref) <= bound, (isa, dtype, M, K, N)
+            assert rel_err(out, ref) <= bound, (dtype, M, K, N)
+    return fastdl.info(print_result=False)["cpu"]["kernels"]["sparse24"]
+
+
+@pytest.mark.skipif(not HAS_CPP, reason="needs the compiled extension fastdl._C (C++ kernels)")
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512", "native"])
+def test_cpp_isa_levels_match(isa):
+    """FASTDL_CPU_ISA caps the kernels' instruction set (once per process): every level gives the contract's
+    results, and the process runs the kernels of the level it was capped at."""
+    out = run_at_isa(isa, "import test_sparse24 as t; print('kernels', t.check_cpp_levels_match())")
+    family = out.split()[-1]
+    native = fastdl.info(print_result=False)["cpu"]["kernels"]["sparse24"]
+    levels = ["scalar", "avx2", "avx512", "avx512_bf16"]
+    expect = native if isa == "native" else levels[min(levels.index(isa), levels.index(native))]
+    assert family == expect, (isa, out)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

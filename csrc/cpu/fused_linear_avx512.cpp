@@ -3,6 +3,8 @@
 // code is enabled per function with target attributes and only called after the run-time check in cpu_caps().
 #include "fused_linear_kernels.h"
 
+#include "cpu_isa.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -15,7 +17,6 @@
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
-#include <cpuid.h>
 #include <immintrin.h>
 #else
 #define FL_X86 0
@@ -28,25 +29,11 @@ namespace fused_linear {
 // CPU feature detection
 // ============================================================================================================
 namespace {
+// The level comes from the one CPU-capability module (cpu_isa.h: cpuid + XGETBV, capped by FASTDL_CPU_ISA).
 CpuCaps detect_caps() {
     CpuCaps caps;
-#if FL_X86
-    __builtin_cpu_init();
-    // __builtin_cpu_supports also checks that the OS saves the zmm / opmask state (XCR0).
-    caps.avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                  __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
-                  __builtin_cpu_supports("fma");
-    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-    // AVX512_BF16 is CPUID.(EAX=7, ECX=1):EAX bit 5 (queried directly: older compilers lack the feature name).
-    if (caps.avx512 && __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx))
-        caps.avx512bf16 = (eax >> 5) & 1u;
-#endif
-    if (const char *isa = std::getenv("FASTDL_CPU_ISA")) {
-        if (std::strcmp(isa, "scalar") == 0 || std::strcmp(isa, "avx2") == 0) // no AVX2 kernels here: ATen path
-            caps.avx512 = caps.avx512bf16 = false;
-        else if (std::strcmp(isa, "avx512") == 0)
-            caps.avx512bf16 = false;
-    }
+    caps.avx512 = cpu::level() >= cpu::kAvx512 && cpu::features().fma;
+    caps.avx512bf16 = caps.avx512 && cpu::level() >= cpu::kAvx512Bf16;
     return caps;
 }
 
@@ -1695,3 +1682,10 @@ void fwd_compute(DType compute, const void *x, int64_t ldx, int64_t M, const voi
 
 } // namespace fused_linear
 } // namespace fastdl
+
+const char *fastdl_fused_linear_cpu_kernels() {
+    const auto &caps = fastdl::fused_linear::cpu_caps();
+    return caps.avx512bf16 ? "avx512_bf16"
+           : caps.avx512   ? "avx512 (bf16: ATen fp32 GEMM)"
+                           : "ATen fp32 GEMM + scalar epilogue";
+}

@@ -18,8 +18,7 @@ struct CpuCaps {
     bool avx512 = false;     // AVX512 F/BW/DQ/VL (+ OS support): vectorised epilogue / backward pass / fp32 kernels
     bool avx512bf16 = false; // AVX512_BF16 (vdpbf16ps): every bf16 matrix kernel
 };
-// Detected once; FASTDL_CPU_ISA=scalar|avx2 (no AVX-512 at all) or =avx512 (no AVX512_BF16 kernels) forces a lower
-// level for tests, like the other fastdl CPU kernels.
+// From the level of cpu_isa.h (cpuid, capped by FASTDL_CPU_ISA), decided once.
 const CpuCaps &cpu_caps();
 
 // ---------------------------------------------------------------------------------------------------------------

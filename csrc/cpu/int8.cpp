@@ -12,7 +12,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cctype>
 #include <cstdlib>
 #include <memory>
 #include <string>
@@ -20,6 +19,7 @@
 #include <utility>
 #include <vector>
 
+#include "cpu_isa.h"
 #include "int8_kernels.h"
 
 namespace fastdl {
@@ -28,56 +28,18 @@ namespace int8 {
 // ------------------------------------------------------------------------------------------------ ISA choice
 namespace {
 
-enum Level : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
-
-Level detected_level() {
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-    __builtin_cpu_init();
-    // __builtin_cpu_supports also checks that the OS saves the ymm / zmm state (XGETBV).
-    const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-                        __builtin_cpu_supports("avx512vnni");
-    if (avx512 && __builtin_cpu_supports("avx512bf16")) {
-        return kAvx512Bf16;
-    }
-    if (avx512) {
-        return kAvx512;
-    }
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
-        return kAvx2;
-    }
-#endif
-    return kScalar;
-}
-
-// FASTDL_CPU_ISA=scalar | avx2 | avx512 caps the level (avx512 without the AVX512-BF16 weight-only kernel, as for
-// fused_linear); unset, empty or "native" keeps what cpuid reports. A level above the CPU's is ignored.
-Level chosen_level() {
-    Level level = detected_level();
-    const char *env = std::getenv("FASTDL_CPU_ISA");
-    std::string want = env ? env : "";
-    std::transform(want.begin(), want.end(), want.begin(), [](unsigned char c) { return std::tolower(c); });
-    Level cap = kAvx512Bf16;
-    if (want == "scalar") {
-        cap = kScalar;
-    } else if (want == "avx2") {
-        cap = kAvx2;
-    } else if (want == "avx512") {
-        cap = kAvx512;
-    } else if (!want.empty() && want != "native" && want != "avx512bf16") {
-        TORCH_WARN("FASTDL_CPU_ISA=", env, " is not one of scalar, avx2, avx512, avx512bf16, native; ignored");
-    }
-    return std::min(level, cap);
-}
-
+// The level comes from the one CPU-capability module (cpu_isa.h: cpuid + XGETBV, capped by FASTDL_CPU_ISA). The
+// AVX-512 int8 kernels also need VNNI (vpdpbusd); an AVX-512 CPU without it (Skylake-SP) runs the AVX2 kernels.
 const Kernels &choose() {
-    const Level level = chosen_level();
+    const cpu::Level level = cpu::level();
+    const bool vnni = cpu::features().avx512_vnni;
     const Kernels *k = nullptr;
-    if (level == kAvx512Bf16) {
+    if (level >= cpu::kAvx512Bf16 && vnni) {
         k = kernels_avx512_bf16();
-    } else if (level == kAvx512) {
+    } else if (level >= cpu::kAvx512 && vnni) {
         k = kernels_avx512();
-    } else if (level == kAvx2) {
+    }
+    if (!k && level >= cpu::kAvx2) {
         k = kernels_avx2();
     }
     return k ? *k : *kernels_scalar();

@@ -7,8 +7,7 @@
 #include <cstdint>
 
 // Which int8 CPU kernels run in this process: "avx512_vnni+bf16", "avx512_vnni", "avx2" or "scalar". Decided once,
-// from cpuid and the environment variable FASTDL_CPU_ISA (=avx512 | avx2 | scalar forces a lower path for tests;
-// =avx512 also drops the AVX512-BF16 weight-only kernel, as for fused_linear). For `fastdl info`.
+// from the level of cpu_isa.h (cpuid, capped by FASTDL_CPU_ISA). For `fastdl info`.
 const char *fastdl_int8_isa();
 
 namespace fastdl {

@@ -24,6 +24,8 @@
 //    each meta byte with vpermps from a 256-entry table; the scalar path is the reference loop.
 #include "sparse24_kernels.h"
 
+#include "cpu_isa.h"
+
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -1176,42 +1178,21 @@ template <class F, typename T> void linear_family(const LinearArgs &a, int64_t n
 
 #endif // FASTDL_SP24_X86
 
-int parse_isa_env() {
-    const char *s = std::getenv("FASTDL_CPU_ISA");
-    if (!s || !*s)
-        return Avx512Bf16;
-    if (!std::strcmp(s, "scalar") || !std::strcmp(s, "none"))
-        return Scalar;
-    if (!std::strcmp(s, "avx2"))
-        return Avx2;
-    if (!std::strcmp(s, "avx512") || !std::strcmp(s, "avx512_vnni"))
-        return Avx512;
-    return Avx512Bf16;
-}
-
 } // namespace
 
 // ================================================================================================== dispatch
-int detected_level() {
+// The level comes from the one CPU-capability module (cpu_isa.h: cpuid + XGETBV, capped by FASTDL_CPU_ISA). The
+// bf16 kernel also needs AVX512_VBMI2 (vpexpandw).
+int active_level() {
     static const int level = [] {
-#ifdef FASTDL_SP24_X86
-        __builtin_cpu_init();
-        const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-        if (avx512 && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vbmi2"))
+        const cpu::Level l = cpu::level();
+        if (l >= cpu::kAvx512Bf16 && cpu::features().avx512_vbmi2)
             return static_cast<int>(Avx512Bf16);
-        if (avx512)
+        if (l >= cpu::kAvx512)
             return static_cast<int>(Avx512);
-        if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
-            return static_cast<int>(Avx2);
-#endif
-        return static_cast<int>(Scalar);
+        return l >= cpu::kAvx2 ? static_cast<int>(Avx2) : static_cast<int>(Scalar);
     }();
     return level;
-}
-
-int active_level() {
-    return std::min(detected_level(), parse_isa_env());
 }
 
 const char *level_name(int level) {
@@ -1308,3 +1289,7 @@ void linear_rows(int level, const LinearArgs &a, int64_t n0, int64_t n1) {
 
 } // namespace sparse24
 } // namespace fastdl
+
+const char *fastdl_sparse24_cpu_kernels() {
+    return fastdl::sparse24::level_name(fastdl::sparse24::active_level());
+}

@@ -22,10 +22,7 @@ enum class DType : int { F32 = 0, BF16 = 1, F16 = 2 };
 // Instruction-set levels, lowest first. Avx512Bf16 also needs AVX512_VBMI2 (vpexpandw).
 enum Level : int { Scalar = 0, Avx2 = 1, Avx512 = 2, Avx512Bf16 = 3 };
 
-// The best level this CPU supports (cpuid, once).
-int detected_level();
-// min(detected, FASTDL_CPU_ISA) where FASTDL_CPU_ISA is scalar|avx2|avx512|avx512_bf16 (read on every call so tests
-// can switch levels in one process; unset or unknown = no limit).
+// The level of the 2:4 kernels in this process, from cpu_isa.h (cpuid, capped by FASTDL_CPU_ISA; decided once).
 int active_level();
 const char *level_name(int level);
 
