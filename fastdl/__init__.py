@@ -26,25 +26,31 @@ from ._extension import load_extension  # noqa: E402
 from ._info import info  # noqa: E402
 from .backends import BackendUnavailableError, use_backend  # noqa: E402
 from .convert import convert, report  # noqa: E402
+from .nn import CheckpointError  # noqa: E402
+from .serialization import load, load_pretrained, save  # noqa: E402
 
 _extension.warn_if_missing()
 
 __all__ = [
     "BackendUnavailableError",
+    "CheckpointError",
     "backends",
     "convert",
     "info",
+    "load",
     "load_extension",
+    "load_pretrained",
     "nn",
     "ops",
     "report",
+    "save",
     "use_backend",
     "__version__",
 ]
 
 
 def __getattr__(name):  # lazy sub-modules (they import nothing heavy, but keep `import fastdl` minimal)
-    if name in ("data", "bench", "cli", "quant", "sparsity", "demo"):
+    if name in ("data", "bench", "cli", "quant", "sparsity", "demo", "serialization"):
         import importlib
 
         return importlib.import_module(f"{__name__}.{name}")
