@@ -80,12 +80,17 @@ def recipe(model: nn.Module) -> dict:
             "root": type(model).__name__, "layers": layers}
 
 
+def _error(where: str, problem: str) -> CheckpointError:
+    """The wording of every fastdl checkpoint error (as fastdl.nn._base.VersionedModule._error)."""
+    return CheckpointError(f"{RECIPE_FORMAT} checkpoint {where!r}: {problem}")
+
+
 def _check_recipe(rec: Any, where: str) -> dict:
     if not isinstance(rec, dict) or rec.get("format") != RECIPE_FORMAT or not isinstance(rec.get("layers"), dict):
-        raise CheckpointError(f"{RECIPE_FORMAT} {where!r}: not a fastdl conversion recipe: {rec!r:.300}")
+        raise _error(where, f"not a fastdl conversion recipe: {rec!r:.300}")
     if not isinstance(rec.get("version"), int) or rec["version"] > RECIPE_VERSION:
-        raise CheckpointError(f"{RECIPE_FORMAT} {where!r}: recipe version {rec.get('version')!r} is newer than this "
-                              f"fastdl's ({RECIPE_VERSION}); upgrade fastdl to load it")  # fmt: skip
+        raise _error(where, f"format version {rec.get('version')!r} is newer than this fastdl's ({RECIPE_VERSION}); "
+                            "upgrade fastdl to load it")  # fmt: skip
     return rec
 
 
@@ -108,8 +113,8 @@ def _plain_linear(m: nn.Module, name: str) -> nn.Linear:
     if to_linear is not None:
         lin = to_linear()
         return lin[0] if isinstance(lin, nn.Sequential) else lin
-    raise CheckpointError(f"{RECIPE_FORMAT}: layer {name!r} is a {type(m).__name__} in this model; the checkpoint "
-                          "needs an nn.Linear (or a fastdl layer) there")  # fmt: skip
+    raise _error(name, f"this model has a {type(m).__name__} there; the checkpoint needs an nn.Linear (or a fastdl "
+                       "layer)")  # fmt: skip
 
 
 def _build(current: nn.Module, entry: dict, name: str) -> nn.Module:
@@ -130,7 +135,7 @@ def _build(current: nn.Module, entry: dict, name: str) -> nn.Module:
     if kind == "Sparse24Linear":
         dtype = getattr(torch, args.pop("dtype"))
         return types[kind].from_linear(lin, dtype=dtype, **args)
-    raise CheckpointError(f"{RECIPE_FORMAT}: layer {name!r} has an unknown type {kind!r} (a newer fastdl?)")
+    raise _error(name, f"unknown layer type {kind!r} (written by a newer fastdl?)")
 
 
 def apply_recipe(model: nn.Module, rec: dict) -> nn.Module:
@@ -145,8 +150,8 @@ def apply_recipe(model: nn.Module, rec: dict) -> nn.Module:
         try:
             current = model.get_submodule(name) if name else model
         except AttributeError:
-            raise CheckpointError(f"{RECIPE_FORMAT}: the checkpoint has a layer {name!r} ({entry.get('type')}) that "
-                                  f"this {type(model).__name__} does not have") from None  # fmt: skip
+            raise _error(name, f"the checkpoint has a layer {name!r} ({entry.get('type')}) that this "
+                               f"{type(model).__name__} does not have") from None  # fmt: skip
         new = _build(current, entry, name)
         if new is not current:
             if name:
@@ -312,8 +317,8 @@ def _load_weights(model: nn.Module, sd: dict[str, torch.Tensor], strict: bool, w
     loaded = {id(live[k]) for k in sd if k in live}
     missing = [k for k in result.missing_keys if id(live.get(k)) not in loaded]
     if missing or result.unexpected_keys:
-        raise CheckpointError(f"fastdl checkpoint {where!r}: it does not fit this {type(model).__name__}: missing "
-                              f"keys {missing[:8]}, unexpected keys {result.unexpected_keys[:8]}")  # fmt: skip
+        raise _error(where, f"it does not fit this {type(model).__name__}: missing keys {missing[:8]}, unexpected "
+                            f"keys {result.unexpected_keys[:8]}")  # fmt: skip
 
 
 def load(model: nn.Module, path: str | os.PathLike, *, strict: bool = True, map_location="cpu") -> nn.Module:

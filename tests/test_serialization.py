@@ -43,24 +43,26 @@ def _convert(model, policy, x):
     return fastdl.convert(model, policy, **kwargs)
 
 
-def _modules_of_every_kind():
-    lin = nn.Linear(40, 24)
-    pruned = nn.Sequential(nn.Linear(40, 24))
-    sparsity.prune(pruned, permute=True)
-    return {
-        "fused": FusedLinear.from_linear(nn.Linear(40, 24), "relu"),
-        "int8": Int8Linear.from_linear(lin),
-        "int8_weight_only": Int8Linear.from_linear(lin, mode="weight_only"),
-        "int8_qat": Int8Linear.from_linear(lin, trainable=True),
-        "sparse24": Sparse24Linear.from_linear(lin, dtype=torch.bfloat16),
-        "pruned": pruned,
-    }
+def _pruned():
+    m = nn.Sequential(nn.Linear(40, 24))
+    sparsity.prune(m, permute=True)
+    return m
+
+
+KINDS = {
+    "fused": lambda: FusedLinear.from_linear(nn.Linear(40, 24), "relu"),
+    "int8": lambda: Int8Linear.from_linear(nn.Linear(40, 24)),
+    "int8_weight_only": lambda: Int8Linear.from_linear(nn.Linear(40, 24), mode="weight_only"),
+    "int8_qat": lambda: Int8Linear.from_linear(nn.Linear(40, 24), trainable=True),
+    "sparse24": lambda: Sparse24Linear.from_linear(nn.Linear(40, 24), dtype=torch.bfloat16),
+    "pruned": _pruned,
+}
 
 
 # ------------------------------------------------------------------------------------------ state dicts of tensors
-@pytest.mark.parametrize("kind", list(_modules_of_every_kind()))
+@pytest.mark.parametrize("kind", list(KINDS))
 def test_state_dict_holds_only_tensors_and_loads_weights_only(kind, tmp_path):
-    m = _modules_of_every_kind()[kind]
+    m = KINDS[kind]()
     sd = m.state_dict()
     assert all(isinstance(v, torch.Tensor) for v in sd.values()), {k: type(v) for k, v in sd.items()}
     buf = io.BytesIO()
@@ -72,7 +74,7 @@ def test_state_dict_holds_only_tensors_and_loads_weights_only(kind, tmp_path):
 
         save_file({k: v.contiguous() for k, v in sd.items()}, tmp_path / "m.safetensors")
         loaded = load_file(tmp_path / "m.safetensors")
-    fresh = _modules_of_every_kind()[kind]
+    fresh = KINDS[kind]()
     fresh.load_state_dict(loaded)
     x = torch.randn(3, 40)
     if kind == "sparse24":
