@@ -50,7 +50,7 @@ __all__ = [
 
 
 def __getattr__(name):  # lazy sub-modules (they import nothing heavy, but keep `import fastdl` minimal)
-    if name in ("data", "bench", "cli", "quant", "sparsity", "demo", "serialization"):
+    if name in ("data", "bench", "cli", "quant", "sparsity", "demo"):
         import importlib
 
         return importlib.import_module(f"{__name__}.{name}")
