@@ -26,18 +26,24 @@ from ._extension import load_extension  # noqa: E402
 from ._info import info  # noqa: E402
 from .backends import BackendUnavailableError, use_backend  # noqa: E402
 from .convert import convert, report  # noqa: E402
+from .nn import CheckpointError  # noqa: E402
+from .serialization import load, load_pretrained, save  # noqa: E402
 
 _extension.warn_if_missing()
 
 __all__ = [
     "BackendUnavailableError",
+    "CheckpointError",
     "backends",
     "convert",
     "info",
+    "load",
     "load_extension",
+    "load_pretrained",
     "nn",
     "ops",
     "report",
+    "save",
     "use_backend",
     "__version__",
 ]

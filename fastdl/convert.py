@@ -2,8 +2,8 @@
 
 Policies:
   "fused"             nn.Linear followed by ReLU/GELU/SiLU inside an nn.Sequential becomes one FusedLinear with that
-                      activation (the activation module becomes nn.Identity, so state_dict keys do not move); every
-                      other Linear becomes FusedLinear(activation="none")
+                      activation (the activation module becomes fastdl.nn.FusedActivation, an nn.Identity, so
+                      state_dict keys do not move); every other Linear becomes FusedLinear(activation="none")
   "int8"              Int8Linear(mode="dynamic")   (W8A8, per-token activations, per-channel weights)
   "int8_weight_only"  Int8Linear(mode="weight_only")
   "sparse24"          Sparse24Linear (weights pruned to 2:4 now if they are not already)
@@ -11,8 +11,10 @@ Policies:
                       ``example_inputs``) on the model's device, measures its error against the original, and keeps
                       the fastest candidate within ``max_error``, never one slower than the original (do no harm)
 
-Decisions of "auto" are cached per (device, dtype, layer shape, input shape), so converting the same kind of model a
-second time does not re-measure.
+Layers are matched by exact type (``nn.Linear``; subclasses are left alone): the rule of ``fastdl._layers``, shared
+with ``fastdl.quant`` and ``fastdl.sparsity``. Decisions of "auto" are cached per (device, dtype, layer shape, input
+shape), so converting the same kind of model a second time does not re-measure. ``fastdl.save`` / ``fastdl.load``
+and, for Hugging Face models, ``save_pretrained`` / ``fastdl.load_pretrained`` keep the converted layers.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .nn.fused_linear import FusedLinear
+from ._layers import LayerSite, find_layers, replace_layer
+from .nn.fused_linear import FusedActivation, FusedLinear
+from .serialization import note_conversion
 
 POLICIES = ("fused", "int8", "int8_weight_only", "sparse24", "auto")
 _ACTS: dict[type, Callable[[nn.Module], str | None]] = {
@@ -40,12 +44,21 @@ _DECISIONS: dict[tuple, str] = {}
 class _Site:
     """One Linear layer to convert, with the activation module that follows it (if fusable)."""
 
-    name: str
-    parent: nn.Module
-    attr: str
-    linear: nn.Linear
+    layer: LayerSite
     act_attr: str | None = None
     activation: str = "none"
+
+    @property
+    def name(self) -> str:
+        return self.layer.name
+
+    @property
+    def parent(self) -> nn.Module | None:
+        return self.layer.parent
+
+    @property
+    def linear(self) -> nn.Linear:
+        return self.layer.module
 
 
 def _activation_of(mod: nn.Module) -> str | None:
@@ -54,23 +67,15 @@ def _activation_of(mod: nn.Module) -> str | None:
 
 
 def _find_sites(model: nn.Module, filter_fn, fuse_activations: bool) -> tuple[list[_Site], list[str]]:
-    sites, skipped = [], []
-    for pname, parent in model.named_modules():
-        children = list(parent.named_children())
-        for i, (attr, child) in enumerate(children):
-            if type(child) is not nn.Linear:  # exact nn.Linear: subclasses and fastdl modules are left alone
-                continue
-            name = f"{pname}.{attr}" if pname else attr
-            if filter_fn is not None and not filter_fn(name, child):
-                skipped.append(f"{name}: excluded by filter_fn")
-                continue
-            site = _Site(name, parent, attr, child)
-            if fuse_activations and isinstance(parent, nn.Sequential) and i + 1 < len(children):
-                act = _activation_of(children[i + 1][1])
-                if act is not None:
-                    site.act_attr, site.activation = children[i + 1][0], act
-            sites.append(site)
-    return sites, skipped
+    skipped: dict[str, str] = {}
+    sites = []
+    for layer in find_layers(model, filter_fn=filter_fn, skipped=skipped, where="fastdl.convert"):
+        site = _Site(layer)
+        following = layer.next_sibling() if fuse_activations and isinstance(layer.parent, nn.Sequential) else None
+        if following is not None and _activation_of(following[1]) is not None:
+            site.act_attr, site.activation = following[0], _activation_of(following[1])
+        sites.append(site)
+    return sites, [f"{name}: {why}" for name, why in skipped.items()]
 
 
 def _nbytes(mod: nn.Module) -> int:
@@ -102,16 +107,16 @@ def _candidate(kind: str, site: _Site) -> nn.Module | None:
 
 
 def _is_2_4(weight: torch.Tensor) -> bool:
-    if weight.shape[-1] % 4 != 0:
-        return False
-    nz = (weight.detach().reshape(weight.shape[0], -1, 4) != 0).sum(-1)
-    return bool((nz <= 2).all())
+    from .sparsity import is_2_4
+
+    return is_2_4(weight)
 
 
-def _replace(site: _Site, new: nn.Module, fused_act: bool) -> None:
-    setattr(site.parent, site.attr, new)
+def _replace(model: nn.Module, site: _Site, new: nn.Module, fused_act: bool) -> nn.Module:
+    model = replace_layer(model, site.layer, new)
     if fused_act and site.act_attr is not None:
-        setattr(site.parent, site.act_attr, nn.Identity())
+        setattr(site.parent, site.act_attr, FusedActivation(site.activation))
+    return model
 
 
 def _time(fn, x, device: str, reps: int = 15) -> float:
@@ -172,38 +177,45 @@ def convert(
 
     filter_fn(name, linear) -> bool chooses layers (default: all). ``example_inputs`` (a tensor, a tuple of positional
     arguments or a dict of keyword arguments) is required by "auto". ``max_error`` bounds the relative error of a
-    candidate's output vs the original layer's on the captured inputs ("auto" only).
+    candidate's output vs the original layer's on the captured inputs ("auto" only). When ``model`` itself is an
+    ``nn.Linear``, the converted layer is returned (use the return value).
     """
-    if policy not in POLICIES:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"fastdl.convert: model must be a torch.nn.Module, got {type(model).__name__}: {model!r:.80}")
+    if not isinstance(policy, str) or policy not in POLICIES:
         raise ValueError(f"fastdl.convert: unknown policy {policy!r}; expected one of {', '.join(POLICIES)}")
     if policy == "auto" and example_inputs is None:
         raise ValueError("fastdl.convert(policy='auto') needs example_inputs to time the layers on real shapes")
     sites, skipped = _find_sites(model, filter_fn, fuse_activations=policy in ("fused", "auto"))
     rows = [{"layer": s, "kernel": "original", "note": "skipped"} for s in skipped]
     if policy == "auto":
-        rows += _convert_auto(model, sites, example_inputs, max_error, candidates, verbose)
+        model, auto_rows = _convert_auto(model, sites, example_inputs, max_error, candidates, verbose)
+        rows += auto_rows
     else:
+        built: dict[int, nn.Module | None] = {}  # a layer registered under several names is converted once
         for site in sites:
             before = _nbytes(site.linear)
             if policy == "sparse24" and not _is_2_4(site.linear.weight):
                 note = "pruned to 2:4 now (fine-tune with fastdl.sparsity.MaskedTraining to recover accuracy)"
             else:
                 note = ""
-            new = _candidate(policy, site)
+            if id(site.linear) not in built:
+                built[id(site.linear)] = _candidate(policy, site)
+            new = built[id(site.linear)]
             if new is None:
                 rows.append({"layer": site.name, "kernel": "original", "note": f"{policy} does not apply"})
                 continue
-            _replace(site, new, fused_act=policy == "fused")
+            model = _replace(model, site, new, fused_act=policy == "fused")
             rows.append({
                 "layer": site.name, "kernel": policy if policy != "fused" else f"fused[{site.activation}]",
                 "in": site.linear.in_features, "out": site.linear.out_features,
                 "bytes_before": before, "bytes_after": _nbytes(new), "note": note,
             })
     model._fastdl_report = rows  # noqa: SLF001 (read by report())
-    return model
+    return note_conversion(model)
 
 
-def _convert_auto(model, sites, example_inputs, max_error, kinds, verbose) -> list[dict]:
+def _convert_auto(model, sites, example_inputs, max_error, kinds, verbose) -> tuple[nn.Module, list[dict]]:
     captured = _capture_inputs(model, sites, example_inputs)
     rows = []
     for site in sites:
@@ -225,7 +237,7 @@ def _convert_auto(model, sites, example_inputs, max_error, kinds, verbose) -> li
         best = cached["kernel"]
         new = _candidate(best, site) if best != "original" else site.linear
         if best != "original":
-            _replace(site, new, fused_act=best == "fused")
+            model = _replace(model, site, new, fused_act=best == "fused")
         rows.append({
             "layer": site.name, "kernel": best if best != "fused" else f"fused[{site.activation}]",
             "in": site.linear.in_features, "out": site.linear.out_features, "input_shape": tuple(x.shape),
@@ -236,7 +248,7 @@ def _convert_auto(model, sites, example_inputs, max_error, kinds, verbose) -> li
         })
         if verbose:
             print(f"fastdl.convert: {site.name}: {rows[-1]['kernel']} ({rows[-1]['speedup']:.2f}x vs original)")
-    return rows
+    return model, rows
 
 
 def _measure_site(site, x, act_mod, device, max_error, kinds, is24, verbose) -> dict:

@@ -34,13 +34,15 @@ from __future__ import annotations
 
 import atexit
 import collections
+import copy
+import dataclasses
 import os
 import queue
 import threading
 import time
 import warnings
 import weakref
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 
 import torch
 
@@ -157,45 +159,108 @@ def loader_info() -> dict:
 # nested batches: flatten to a list of tensors and rebuild
 
 
-def _flatten(obj, out: list):
+def _flatten(obj, out: list, path: str = "batch"):
     """Append the tensors of ``obj`` to ``out``; return a spec to rebuild it. Containers without tensors and
     non-tensor leaves are kept by identity; containers with tensors are not referenced (the spec must not keep the
-    source batch alive while the staged copy waits in the queue)."""
+    source batch alive while the staged copy waits in the queue): a Mapping or list subclass is rebuilt from an
+    emptied shallow copy (so a defaultdict keeps its factory, a transformers BatchEncoding its other attributes).
+    A leaf that is none of these but holds tensors (a dataclass, a set, an object with tensor attributes) raises
+    TypeError naming it: the loader could not move those tensors and would hand out the object unchanged."""
     if isinstance(obj, torch.Tensor):
         out.append(obj)
         return None
     n = len(out)
     if isinstance(obj, Mapping):
         keys = list(obj.keys())
-        specs = [_flatten(obj[k], out) for k in keys]
-        return ("o", obj) if len(out) == n else ("d", type(obj), keys, specs)
-    if isinstance(obj, (list, tuple)):
-        specs = [_flatten(x, out) for x in obj]
+        specs = [_flatten(obj[k], out, f"{path}[{k!r}]") for k in keys]
         if len(out) == n:
             return ("o", obj)
-        return ("n" if isinstance(obj, tuple) and hasattr(obj, "_fields") else "s", type(obj), specs)
+        if type(obj) in (dict, collections.OrderedDict) or not isinstance(obj, MutableMapping):
+            return ("d", type(obj), keys, specs, path)
+        return ("m", _emptied_copy(obj, path), keys, specs, path)
+    if isinstance(obj, (list, tuple)):
+        specs = [_flatten(x, out, f"{path}[{i}]") for i, x in enumerate(obj)]
+        if len(out) == n:
+            return ("o", obj)
+        if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+            return ("n", type(obj), specs, path)
+        if isinstance(obj, list) and type(obj) is not list:
+            return ("l", _emptied_copy(obj, path), specs, path)
+        return ("s", type(obj), specs, path)
+    where = _tensor_inside(obj)
+    if where is not None:
+        raise TypeError(
+            f"fastdl PrefetchLoader: {path} is a {type(obj).__module__}.{type(obj).__qualname__} that holds tensors "
+            f"({where}); the loader moves tensors that are batch leaves or inside Mappings, lists and tuples only, and "
+            "would hand this object out unchanged. Return its tensors in a dict or tuple (e.g. "
+            "dataclasses.asdict), or move them yourself."
+        )
     return ("o", obj)
+
+
+def _emptied_copy(obj, path: str):
+    try:
+        c = copy.copy(obj)
+        c.clear()
+        return c
+    except Exception as exc:
+        raise TypeError(
+            f"fastdl PrefetchLoader: cannot rebuild {path}, a {type(obj).__qualname__} holding tensors "
+            f"(copy.copy + clear() failed: {exc}); return a dict or list instead"
+        ) from exc
+
+
+def _tensor_inside(obj) -> str | None:
+    """Where a non-container leaf holds a tensor (one level deep: its fields, attributes or set elements)."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        values = {f.name: getattr(obj, f.name, None) for f in dataclasses.fields(obj)}
+    elif isinstance(obj, (set, frozenset)):
+        values = {"element": next((x for x in obj if isinstance(x, torch.Tensor)), None)}
+    elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+        values = vars(obj)
+    else:
+        return None
+    for name, v in values.items():
+        if isinstance(v, torch.Tensor):
+            return f"{name}: Tensor"
+        if isinstance(v, (list, tuple, Mapping)):
+            inner = v.values() if isinstance(v, Mapping) else v
+            if any(isinstance(x, torch.Tensor) for x in inner):
+                return f"{name}: {type(v).__name__} of tensors"
+    return None
 
 
 def _unflatten(spec, it: Iterator):
     if spec is None:
         return next(it)
-    kind, typ = spec[0], spec[1]
+    kind = spec[0]
     if kind == "o":
-        return typ
-    if kind == "d":
+        return spec[1]
+    if kind in ("d", "m"):
         items = [(k, _unflatten(s, it)) for k, s in zip(spec[2], spec[3])]
-        try:
-            return typ(items)
-        except Exception:  # a mapping type whose constructor takes other arguments (e.g. defaultdict)
-            return dict(items)
+        if kind == "m":
+            rebuilt = spec[1]
+            for k, v in items:
+                rebuilt[k] = v
+            return rebuilt
+        return _construct(spec[1], items, spec[4])
     items = [_unflatten(s, it) for s in spec[2]]
     if kind == "n":  # namedtuple
-        return typ(*items)
+        return spec[1](*items)
+    if kind == "l":
+        spec[1].extend(items)
+        return spec[1]
+    return _construct(spec[1], items, spec[3])
+
+
+def _construct(typ, items, path: str):
     try:
         return typ(items)
-    except Exception:
-        return list(items) if issubclass(typ, list) else tuple(items)
+    except Exception as exc:
+        raise TypeError(
+            f"fastdl PrefetchLoader: cannot rebuild {path}, a {typ.__qualname__} holding tensors ({typ.__qualname__}"
+            f"(items) failed: {exc}); return a dict, list or tuple instead"
+        ) from exc
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -674,8 +739,8 @@ def _make_bar(loader: PrefetchLoader, skip: int):
 
 class PrefetchLoader:
     """Wrap ``loader`` (any iterable of tensors or nested tuples/lists/dicts of tensors; other leaves pass
-    through) and prefetch ``depth`` batches ahead on a background thread, staged through a reused host ring and,
-    on a GPU, copied to ``device`` on a side stream.
+    through untouched, see below) and prefetch ``depth`` batches ahead on a background thread, staged through a
+    reused host ring and, on a GPU, copied to ``device`` on a side stream.
 
     Args:
         loader: the wrapped iterable, e.g. a ``torch.utils.data.DataLoader``. ``len()``, ``sampler``,
@@ -696,6 +761,15 @@ class PrefetchLoader:
     The batches of a CPU target are views into the ring: they stay valid as long as you hold them (a slot still
     referenced is never reused). Tensors are detached; tensors that share memory in the source batch are copied
     separately (aliasing is not preserved).
+
+    What a batch may hold: tensors (any shapes: a list of ragged tensors is moved tensor by tensor; sparse, nested
+    and quantized tensors are moved with ``.to(device)`` without the ring), nested in Mappings, lists and tuples
+    (rebuilt as the same type: dict subclasses such as ``defaultdict`` or a transformers ``BatchEncoding`` keep
+    their type and attributes, namedtuples their fields). Any other leaf that holds no tensor (numbers, strings,
+    None, numpy arrays, arbitrary objects) is passed through untouched: the consumer gets the same object. A leaf
+    that holds tensors the loader cannot reach (a dataclass, a set, an object with tensor attributes) raises
+    ``TypeError`` naming the element (e.g. ``batch['meta']``) and its type, as does a container type that cannot be
+    rebuilt; the error is raised by the iteration step that would have returned the batch.
     """
 
     def __init__(

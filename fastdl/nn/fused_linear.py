@@ -22,6 +22,21 @@ def activation_module(activation: str) -> nn.Module | None:
     return _ACT_MODULES[activation]()
 
 
+class FusedActivation(nn.Identity):
+    """What ``fastdl.convert`` leaves where an activation module was fused into the preceding ``FusedLinear``: an
+    identity (no parameters: the state dict keys do not move) that records which activation it stands for."""
+
+    def __init__(self, activation: str = "none") -> None:
+        super().__init__()
+        self.activation = activation
+
+    def recipe(self) -> dict:
+        return {"activation": self.activation}
+
+    def extra_repr(self) -> str:
+        return f"{self.activation!r}, fused into the preceding FusedLinear"
+
+
 class FusedLinear(nn.Module):
     """Drop-in for ``nn.Linear(in_features, out_features, bias)`` followed by ``activation``.
 
@@ -73,6 +88,10 @@ class FusedLinear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
             f"activation={self.activation!r}"
         )
+
+    def recipe(self) -> dict:
+        """How to rebuild this layer from an ``nn.Linear`` of its shape (``fastdl.save``/``load`` use it)."""
+        return {"activation": self.activation}
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, activation: str = "none") -> FusedLinear:

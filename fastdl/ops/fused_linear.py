@@ -293,4 +293,10 @@ def fused_linear(
         x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     )
     out, _ = fused_linear_op(x, weight, bias, activation, residual, bool(need_grad and activation != "none"))
+    # The kernels compute [M, N] and return it reshaped to [..., N]: a view of a tensor nothing else holds. When it
+    # takes part in autograd, hand out the same storage as a tensor that is not a view (no copy; ~2 us, so not for
+    # inference calls), so that an in-place op on it is an ordinary one (FSDP2 warns about module outputs that are
+    # views: an in-place op on one drops its pre-backward hook). Safe: the op does not save its output for backward.
+    if out.requires_grad and not torch.compiler.is_compiling() and out._base is not None:
+        out = torch.ops.aten._unsafe_view.default(out, out.shape)
     return out
