@@ -290,6 +290,9 @@ FASTDL_LABELS = {
 }
 
 
+ACC_MARGIN = 1.0  # accuracy points under PyTorch fp32 beyond which a PyTorch option is not one a user would pick
+
+
 def stages(r: dict) -> list[dict]:
     """Per stage: fastdl's accuracy and time, each PyTorch option's, the best PyTorch option and the ratio."""
     out = []
@@ -307,11 +310,15 @@ def stages(r: dict) -> list[dict]:
             prov = {k: v for k, v in r[key].items() if isinstance(v, dict)}
         else:
             continue
-        base = {k: v for k, v in prov.items() if k != "fastdl"}
+        # A PyTorch option counts only if a user would keep it: accuracy within ACC_MARGIN points of PyTorch fp32 on
+        # the same stage (PyTorch's int8 quantizes activations per tensor; one outlier row can wreck the others).
+        ref = (prov.get("pytorch_fp32") or prov["fastdl"])["acc"]
+        unusable = [k for k, v in prov.items() if k != "fastdl" and v["acc"] < ref - ACC_MARGIN]
+        base = {k: v for k, v in prov.items() if k != "fastdl" and k not in unusable}
         best = min(base, key=lambda k: base[k]["ms"]) if base else None
         ratio = base[best]["ms"] / prov["fastdl"]["ms"] if best else None
         out.append({"stage": title, "key": key, "unit": unit, "providers": prov, "best": best, "ratio": ratio,
-                    "slower": ratio is not None and ratio < 1.0})  # fmt: skip
+                    "slower": ratio is not None and ratio < 1.0, "unusable": unusable})  # fmt: skip
     return out
 
 
@@ -344,6 +351,10 @@ def verdict(r: dict, cpu: dict) -> list[str]:
             continue
         fd = st["providers"]["fastdl"]
         best = PROVIDER_LABELS[st["best"]]
+        for k in st["unusable"]:
+            ref = st["providers"].get("pytorch_fp32", fd)["acc"]
+            lines.append(f"  {st['stage']}: {PROVIDER_LABELS.get(k, k)} not counted: accuracy "
+                         f"{st['providers'][k]['acc']:.2f}% vs PyTorch fp32 {ref:.2f}%")
         if st["slower"]:
             why = slow_reasons(st["key"], cpu, fd["ms"])
             lines.append(f"  {st['stage']}: SLOWER than {best}: {st['ratio']:.2f}x ({fd['ms']:.3f} vs "
@@ -372,7 +383,9 @@ def format_table(r: dict) -> str:
         for k, v in st["providers"].items():
             label = FASTDL_LABELS[st["key"]] if k == "fastdl" else PROVIDER_LABELS.get(k, k)
             ratio = "" if k == "fastdl" else f"{v['ms'] / fd['ms']:.2f}x"
-            if k != "fastdl" and v["ms"] / fd["ms"] < 1.0:
+            if k in st["unusable"]:
+                ratio += f"  (accuracy > {ACC_MARGIN:g} point under PyTorch fp32: not counted)"
+            elif k != "fastdl" and v["ms"] / fd["ms"] < 1.0:
                 ratio += "  <<< fastdl SLOWER"
             elif k == st["best"]:
                 ratio += "  (fastest PyTorch)"

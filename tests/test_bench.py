@@ -180,6 +180,15 @@ def test_demo_verdict_never_calls_a_slower_stage_met():
     assert "at least as fast" in ok[-1] and "SLOWER" not in "".join(ok)
 
 
+def test_demo_does_not_count_a_pytorch_option_with_broken_accuracy():
+    r = _fake_demo_results(int8_ms=0.18)  # slower than PyTorch int8 (0.15), faster than fp32 (0.2)
+    r["infer_int8"]["pytorch_int8"]["acc"] = 13.4  # per-tensor activation scale wrecked by an outlier
+    st = {s["key"]: s for s in demo.stages(r)}["infer_int8"]
+    assert st["unusable"] == ["pytorch_int8"] and st["best"] == "pytorch_fp32" and not st["slower"]
+    assert "not counted" in demo.format_table(r)
+    assert any("not counted" in line for line in demo.verdict(r, {"level": "avx2"}))
+
+
 def test_main_job_summary_last_line_says_slower():
     r = _fake_demo_results(int8_ms=0.3)
     r["stages"] = demo.stages(r)

@@ -17,7 +17,7 @@ from . import BENCHMARKS
 from .common import context, print_table, say, set_deadline, write_csv
 
 # Share of the time box per benchmark (the model benchmark converts and runs whole models; overhead is cheap).
-WEIGHTS = {"fused_linear": 0.26, "int8": 0.2, "sparse24": 0.12, "overhead": 0.04, "model": 0.28, "loader": 0.1}
+WEIGHTS = {"fused_linear": 0.22, "int8": 0.18, "sparse24": 0.1, "overhead": 0.06, "model": 0.36, "loader": 0.08}
 DEFAULT_TIME_BOX = {False: 570.0, True: 200.0}
 # Per benchmark: the row key holding the ratio against the PyTorch path fastdl replaces (> 1: fastdl faster), and
 # what that path is.

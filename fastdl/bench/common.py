@@ -367,7 +367,7 @@ class LiveTable:
 
 
 def describe_row(r: dict) -> str:
-    parts = [str(r[k]) for k in ("op", "bench", "mode", "policy", "provider") if r.get(k)]
+    parts = [str(r[k]) for k in ("op", "bench", "model", "mode", "module", "grad", "policy", "provider") if r.get(k)]
     shape = " ".join(f"{k}={r[k]}" for k in ("M", "K", "N", "batch", "seq") if r.get(k) is not None)
     return " ".join(parts + ([shape] if shape else []))
 

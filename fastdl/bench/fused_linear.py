@@ -53,7 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--activation", default="gelu", help="none|relu|gelu|gelu_tanh|silu")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     p.add_argument("--backends", nargs="+", default=None,
-                   help="fastdl backends to time besides auto (default: every available one)")
+                   help="fastdl backends to time besides auto (default: every available one other than auto's choice)")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     p.add_argument("--budget", type=float, default=1.0, help="seconds of timed runs per shape")
     p.add_argument("--csv", default=None, help="write rows to this CSV file")
@@ -97,7 +97,8 @@ def _providers(args, act: str, mode: str) -> dict:
         provs["compile"] = (_COMPILED[key], None, "same")
     provs["fastdl"] = (lambda x, w, b: fused_linear(x, w, b, act), "auto", None)
     dev = "cuda" if args.device.startswith("cuda") else "cpu"
-    names = args.backends or [b for b in backends.BACKENDS if b != "torch"]
+    auto = backends.select("fused_linear", dev)
+    names = args.backends or [b for b in backends.BACKENDS if b not in ("torch", auto)]  # auto's already is "fastdl"
     for be in names:
         if be in backends.preference("fused_linear", dev) and backends.available(be, "fused_linear", dev)[0]:
             provs[f"fastdl[{be}]"] = (lambda x, w, b: fused_linear(x, w, b, act), be, None)

@@ -19,7 +19,8 @@ by default each provider is timed in its own loop, so weights that fit the last-
 
 Columns: ms (median; ``*``: a slow call timed 1-2 times), GOP/s (2*M*N*K / t), x bf16 (bf16 time / time: > 1 is
 faster than bf16), x repl (vs the PyTorch path the fastdl provider replaces: fbgemm dynamic quant for W8A8, the faster
-of bf16 and fp32 ``F.linear`` for weight-only), x best (vs the fastest of bf16, fp32 and fbgemm here), % int8 peak
+of bf16 and fp32 ``F.linear`` for weight-only), x best (vs the fastest PyTorch option of the same class here: bf16,
+fp32 and fbgemm for W8A8; bf16 and fp32 for weight-only, whose activations stay float), % int8 peak
 (GOP/s over the measured int8 peak: ``torch._int_mm`` on a large square problem), W GB/s (weight bytes read per
 second). Every fastdl row slower than a PyTorch path is marked ``<<< SLOWER`` and listed again at the end.
 """
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import time
 import warnings
 
 import torch
@@ -68,7 +70,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="M for the LLaMA-7B MLP shapes (default: 16 128 on CPU, 16 2048 4096 on CUDA; "
                         "give no value to skip them)")  # fmt: skip
     p.add_argument("--backends", nargs="+", default=None,
-                   help="fastdl backends to time besides auto (default: every available one except torch)")
+                   help="fastdl backends to time besides auto (default: every available one but torch and the one "
+                        "auto picks)")  # fmt: skip
     p.add_argument("--no-baselines", action="store_true", help="time only bf16 and fastdl")
     p.add_argument("--budget", type=float, default=None,
                    help="seconds of timed runs per measurement (default 1.0 on CPU, 0.2 on CUDA)")
@@ -97,6 +100,11 @@ def measured_int8_peak(device: str) -> float:
         n = 8192 if device.startswith("cuda") else 2048
         a = torch.randint(-127, 128, (n, n), dtype=torch.int8, device=device)
         b = torch.randint(-127, 128, (n, n), dtype=torch.int8, device=device)
+        if not device.startswith("cuda"):
+            t0 = time.perf_counter()
+            torch._int_mm(a[:512, :512], b[:512, :512].t())
+            if time.perf_counter() - t0 > 0.005:  # < 54 GOP/s at 512^3: a slow path (no VNNI); keep it short
+                a, b, n = a[:512, :512].contiguous(), b[:512, :512].contiguous(), 512
         best = min(time_fn(lambda: torch._int_mm(a, b.t()), device, warmup=1, min_reps=1, max_reps=1)
                    for _ in range(10))  # fmt: skip
         _INT8_PEAK[device] = 2 * n**3 / best
@@ -176,6 +184,8 @@ def _providers(args, M, K, N, x, w, b, w_q, w_scale, notes):
     )
     for be in wanted:
         for op, name in named:
+            if not args.backends and be == backends.select(op, dtype):
+                continue  # auto's choice: already timed as the provider without a suffix
             if be in backends.preference(op, dtype) and backends.available(be, op, dtype)[0]:
                 provs[f"{name}[{be}]"] = (provs[name][0], be)
     return provs
@@ -191,7 +201,10 @@ def _judge(row: dict, times: dict, name: str, fbgemm_ok: bool) -> None:
     t = times[name]
     floats = {k: times[k] for k in ("bf16", "fp32") if k in times}
     best_float = min(floats, key=floats.get)
-    torch_t = {k: times[k] for k in TORCH_PROVIDERS if k in times}
+    # Weight-only int8 keeps float activations: its peers are the float paths (fbgemm's W8A8 quantizes activations
+    # to 7 bits, a less accurate class). W8A8's peers are all three.
+    peers = TORCH_PROVIDERS if "w8a8" in name else ("bf16", "fp32")
+    torch_t = {k: times[k] for k in peers if k in times}
     best = min(torch_t, key=torch_t.get)
     if "w8a8" in name and fbgemm_ok:
         replaced, label = "fbgemm_dynamic", "PyTorch int8 (fbgemm dynamic quant)"

@@ -31,11 +31,11 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from ..data import PrefetchLoader
-from .common import activity, env_columns, print_header, print_table, say, write_csv
+from .common import activity, env_columns, over_time, print_header, print_table, say, write_csv
 
 LOADERS = ("dl0", "dl2", "fastdl", "fastdl+dl2")
 KINDS = ("torch", "python", "sleep")
-QUICK_ARGS = ["--quick"]
+QUICK_ARGS = ["--quick", "--kinds", "torch"]
 _MM = 192  # matmul size of the calibrated work units (fp32, one core: ~0.1-0.2 ms each)
 
 
@@ -354,6 +354,8 @@ def run(args) -> list[dict]:
               f"timed epochs interleaved across loaders, {args.repeats} each (median)")
         rows: list[dict] = []
         for kind in args.kinds:
+            if over_time(f"the producer kinds from {kind} on"):
+                break
             rows += [{**r, **env} for r in _run_overlap(args, device, work, kind)]
         cols = [
             ("kind", "producer"), ("loader", "loader"), ("epoch_s", "epoch s"), ("speedup_vs_dl0", "x dl0"),

@@ -15,7 +15,8 @@ built-in transformer of the same shapes (``--builtin`` forces it).
 Policies:
   fp32               the original model (the reference of every ratio and error)
   bf16_autocast      the original under ``torch.autocast("cpu", torch.bfloat16)``
-  compile            ``torch.compile`` of the original (fp32)
+  compile            ``torch.compile`` of the original (fp32); encoder only unless ``--compile-decoder``, and not in
+                     ``--quick``
   fused              ``fastdl.convert(model, "fused")``
   int8               ``fastdl.convert(model, "int8")`` (W8A8 dynamic)
   int8_weight_only   ``fastdl.convert(model, "int8_weight_only")``
@@ -61,6 +62,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", type=int, default=16, help="decoder: prompt length (default 16)")
     p.add_argument("--builtin", action="store_true", help="use the built-in transformer even with transformers")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile policy")
+    p.add_argument("--compile-decoder", action="store_true",
+                   help="also torch.compile the decoder (off by default: generate() grows the KV cache every token, "
+                        "and compiling its shapes took ~2 minutes here)")  # fmt: skip
     p.add_argument("--budget", type=float, default=None, help="seconds of timed pairs per measurement")
     p.add_argument("--quick", action="store_true",
                    help="main-job size: encoder at sequence 32, a 2-layer hidden-1024 decoder, no torch.compile")
@@ -254,8 +258,9 @@ def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
     return F.cosine_similarity(a.double().flatten(1), b.double().flatten(1), dim=1).mean().item()
 
 
-def _policy_list(args) -> list[str]:
-    out = [p for p in args.policies if not (p == "compile" and (args.no_compile or args.quick))]
+def _policy_list(args, decoder: bool = False) -> list[str]:
+    skip_compile = args.no_compile or args.quick or (decoder and not args.compile_decoder)
+    out = [p for p in args.policies if not (p == "compile" and skip_compile)]
     if "fp32" not in out:
         out.insert(0, "fp32")
     return out
@@ -274,9 +279,10 @@ def _judge(row: dict, best_torch: tuple[str, float] | None) -> None:
     if row["policy"] in TORCH_POLICIES:
         return
     checks = {"fp32 original": row["x_fp32"]}
-    if best_torch is not None and best_torch[0] != "fp32":
+    if best_torch is not None:
         row["x_best"] = row["x_fp32"] / best_torch[1]
-        checks[f"best PyTorch ({best_torch[0]})"] = row["x_best"]
+        if best_torch[0] != "fp32":
+            checks[f"best PyTorch ({best_torch[0]})"] = row["x_best"]
     mark_slower(row, checks)
 
 
@@ -292,22 +298,7 @@ def run_encoder(args, hf: bool, env: dict, budget: float) -> list[dict]:
     ex_ids = torch.randint(1000, 30000, (8, seqs[0]), generator=g)
     ex_mask = torch.ones_like(ex_ids)
     example = {"input_ids": ex_ids, "attention_mask": ex_mask} if hf else (ex_ids, ex_mask)
-    models = {}
-    for policy in _policy_list(args):
-        if over_time(f"encoder policy {policy} and later"):
-            break
-        activity(f"encoder: building policy {policy}")
-        t0 = time.perf_counter()
-        try:
-            with torch.no_grad():
-                models[policy] = apply_policy(policy, original, example)
-        except Exception as exc:  # reported, the other policies still run
-            say(f"   {policy}: conversion FAILED: {type(exc).__name__}: {exc}")
-            continue
-        dt = time.perf_counter() - t0
-        if dt > 1.0:
-            say(f"   {policy}: built in {dt:.1f} s")
-    table = LiveTable(ENC_COLUMNS, title="   encoder latency per batch")
+    shapes = []
     for b in batches:
         for s in seqs:
             ids = torch.randint(1000, 30000, (b, s), generator=g)
@@ -315,43 +306,60 @@ def run_encoder(args, hf: bool, env: dict, budget: float) -> list[dict]:
             mask[b // 2:, s - s // 4:] = 0  # some padding in half of the batch, as in real batches
             with torch.no_grad():
                 ref = encoder_forward(original, hf, ids, mask).float()
+            shapes.append((b, s, ids, mask, ref))
 
-            def call(m, ac, ids=ids, mask=mask):
-                def f():
-                    with torch.no_grad(), _ctx(ac):
-                        return encoder_forward(m, hf, ids, mask)
+    def call(m, ac, ids, mask):
+        def f():
+            with torch.no_grad(), _ctx(ac):
+                return encoder_forward(m, hf, ids, mask)
 
-                return f
+        return f
 
-            fp32_call = call(original, False)
-            fp32_times, best_torch = [], None
-            for policy, (m, ac) in models.items():
-                if over_time(f"encoder batch {b} seq {s} policy {policy} and later"):
-                    break
-                activity(f"encoder {policy} batch {b} seq {s}")
-                try:
-                    with torch.no_grad(), _ctx(ac):
-                        out = encoder_forward(m, hf, ids, mask).float()
-                    fns = {"fp32": fp32_call} if policy == "fp32" else {"fp32": fp32_call, policy: call(m, ac)}
-                    t = interleaved(fns, budget_s=budget, min_reps=3)
-                except Exception as exc:
-                    say(f"   {policy} batch {b} seq {s}: FAILED: {type(exc).__name__}: {exc}")
-                    continue
-                tp = t[policy]
-                fp32_times.append(t["fp32"])
-                x = t["fp32"] / tp
-                valid = mask.bool()
-                row = {"op": "model", "model": "encoder", "impl": "transformers" if hf else "builtin",
-                       "policy": policy, "batch": b, "seq": s, "ms": tp * 1e3, "reps": tp.reps, "reduced": tp.reduced,
-                       "per_s": b / tp, "x_fp32": x, "x_best": None, "cosine": _cos(out * valid[..., None],
-                                                                                      ref * valid[..., None]),
-                       "max_err": (out - ref)[valid].abs().max().item(), **env}  # fmt: skip
-                if policy in TORCH_POLICIES and (best_torch is None or x > best_torch[1]):
-                    best_torch = (policy, x)
-                if policy in TORCH_POLICIES:
-                    row["x_best"] = x / best_torch[1]
-                _judge(row, best_torch)
-                table.add(row)
+    table = LiveTable(ENC_COLUMNS, title="   encoder latency per batch (policy by policy; each timed against fp32)")
+    best_torch: dict[tuple, tuple[str, float]] = {}
+    for policy in _policy_list(args):
+        if over_time(f"encoder policy {policy} and later"):
+            break
+        activity(f"encoder: building policy {policy}")
+        t0 = time.perf_counter()
+        try:
+            with torch.no_grad():
+                m, ac = apply_policy(policy, original, example)
+        except Exception as exc:  # reported, the other policies still run
+            say(f"   {policy}: conversion FAILED: {type(exc).__name__}: {exc}")
+            continue
+        if time.perf_counter() - t0 > 1.0:
+            say(f"   {policy}: built in {time.perf_counter() - t0:.1f} s")
+        for b, s, ids, mask, ref in shapes:
+            if over_time(f"encoder policy {policy} from batch {b} seq {s} on, and later policies"):
+                break
+            activity(f"encoder {policy} batch {b} seq {s}")
+            try:
+                with torch.no_grad(), _ctx(ac):
+                    out = encoder_forward(m, hf, ids, mask).float()
+                fp32_call = call(original, False, ids, mask)
+                fns = {"fp32": fp32_call} if policy == "fp32" else {"fp32": fp32_call, policy: call(m, ac, ids, mask)}
+                t = interleaved(fns, budget_s=budget, min_reps=3)
+            except Exception as exc:
+                say(f"   {policy} batch {b} seq {s}: FAILED: {type(exc).__name__}: {exc}")
+                continue
+            tp = t[policy]
+            x = t["fp32"] / tp
+            valid = mask.bool()
+            row = {"op": "model", "model": "encoder", "impl": "transformers" if hf else "builtin", "policy": policy,
+                   "batch": b, "seq": s, "ms": tp * 1e3, "reps": tp.reps, "reduced": tp.reduced, "per_s": b / tp,
+                   "x_fp32": x, "x_best": None,
+                   "cosine": _cos(out * valid[..., None], ref * valid[..., None]),
+                   "max_err": (out - ref)[valid].abs().max().item(), **env}  # fmt: skip
+            bt = best_torch.get((b, s))
+            if policy in TORCH_POLICIES:
+                if bt is None or x > bt[1]:
+                    bt = best_torch[(b, s)] = (policy, x)
+                row["x_best"] = x / bt[1]
+            _judge(row, bt)
+            table.add(row)
+        if m is not original:
+            del m
     table.close("fastdl policies (encoder)", "the PyTorch policies")
     return table.rows
 
@@ -384,7 +392,10 @@ def run_decoder(args, hf: bool, env: dict, budget: float) -> list[dict]:
     fp32_call = call(original, False)
     table = LiveTable(DEC_COLUMNS, title="   decoder: greedy decoding, batch 1")
     best_torch = None
-    for policy in _policy_list(args):
+    if "compile" in args.policies and "compile" not in _policy_list(args, decoder=True):
+        say("   compile: not measured for the decoder" + (" (--quick / --no-compile)" if args.quick or args.no_compile
+            else " (--compile-decoder to include it: recompiling for each KV-cache length takes minutes)"))
+    for policy in _policy_list(args, decoder=True):
         if over_time(f"decoder policy {policy} and later"):
             break
         activity(f"decoder: building policy {policy}")
