@@ -444,7 +444,9 @@ def run(args) -> dict:
         world = min(world, torch.cuda.device_count())  # NCCL needs one GPU per rank
     ctx = run_context()
     print(f"fastdl demo: {describe(ctx)}", flush=True)
-    for w in ctx["warnings"]:
+    from .bench.common import busy_warning
+
+    for w in ctx["warnings"] + ([busy_warning()] if busy_warning() else []):
         print(f"  WARNING: {w}", flush=True)
     print(f"  training 3 models ({', '.join(LABELS.values())}) for {args.epochs} epochs with DDP x{world}, 2:4 "
           f"fine-tuning for {args.finetune_epochs} epochs, then timing inference; each stage prints when done",

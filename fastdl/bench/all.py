@@ -3,7 +3,9 @@ measurement where fastdl is slower listed loudly), one CSV, a JSON summary and a
 
 The time box (``--time-box``, default 570 s; 200 s with ``--quick``) is shared among the benchmarks by weight; a
 benchmark that finishes early leaves its time to the next ones, and one that runs out skips its remaining shapes
-(and says so) after the shape it is measuring."""
+(and says so) after the shape it is measuring. Each benchmark runs with its ``ALL_ARGS`` (``QUICK_ARGS`` with
+``--quick``): fused_linear without the torch.compile baseline (compiling every shape would take the whole box; run
+``fastdl bench fused_linear`` for it)."""
 
 from __future__ import annotations
 
@@ -49,8 +51,7 @@ def _sub_args(module, name: str, device: str, quick: bool, out: str) -> argparse
     argv = []
     if "device" in dests:
         argv += ["--device", device]
-    if quick:
-        argv += list(getattr(module, "QUICK_ARGS", []))
+    argv += list(getattr(module, "QUICK_ARGS" if quick else "ALL_ARGS", []))
     if "csv" in dests:
         argv += ["--csv", os.path.join(out, f"{name}.csv")]
     return p.parse_args(argv)

@@ -264,8 +264,27 @@ def env_columns(device: str) -> dict:
     d["cpu_detected_level"] = ctx["detected_level"]
     d["pytorch_aten_isa"] = ctx["pytorch"]["aten"]
     d["pytorch_onednn_bf16"] = ctx["pytorch"]["onednn_bf16"]
+    d["load_average"] = load_average()
     d["timestamp"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     return d
+
+
+def load_average() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return None
+
+
+def busy_warning() -> str:
+    """A warning when the machine is busy: on a shared machine with few cores, a multi-threaded call waits for its
+    OpenMP barrier until the scheduler runs the other thread (seen here: a 64-element F.gelu took 20 ms at load 7 on
+    2 cores with 2 threads, 11 us with 1), so ratios measured then say more about the load than about kernels."""
+    la, n = load_average(), os.cpu_count() or 1
+    if la is not None and la > 1.5 * n:
+        return (f"the machine is busy (load average {la:.1f} on {n} CPUs): multi-threaded calls wait for the "
+                "scheduler, timings are unreliable; re-run when it is idle")
+    return ""
 
 
 def print_header(name: str, device: str = "cpu", extra: str = "") -> dict:
@@ -282,6 +301,9 @@ def print_header(name: str, device: str = "cpu", extra: str = "") -> dict:
         say("   (capped run: instructions are removed, not the bigger CPU's caches, bandwidth or clock)")
     for w in ctx["warnings"]:
         say(f"   WARNING: {w}")
+    busy = busy_warning()
+    if busy:
+        say(f"   WARNING: {busy}")
     if extra:
         say(f"   {extra}")
     return ctx

@@ -41,6 +41,7 @@ DEFAULT_M = (1, 16, 128, 512)
 LLAMA_SHAPES = ((4096, 11008), (11008, 4096))
 MODES = ("fwd", "fwd_fp32", "train")
 QUICK_ARGS = ["--m", "1", "16", "128", "--llama-m", "--no-compile", "--budget", "0.3"]
+ALL_ARGS = ["--no-compile", "--budget", "0.6"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

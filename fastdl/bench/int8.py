@@ -55,6 +55,7 @@ DEFAULT_M = (1, 16, 128, 512)
 LLAMA_SHAPES = ((4096, 11008), (11008, 4096))
 INT8_PROVIDERS = ("int_mm+dequant", "fbgemm_dynamic", "fastdl_w8a8", "fastdl_weight_only", "fastdl_weight_only_g16")
 QUICK_ARGS = ["--m", "1", "16", "128", "--llama-m", "--budget", "0.3"]
+ALL_ARGS = ["--budget", "0.5"]
 # The PyTorch providers a user could run instead (x best); int_mm+dequant leaves out the activation quantization.
 TORCH_PROVIDERS = ("bf16", "fp32", "fbgemm_dynamic")
 

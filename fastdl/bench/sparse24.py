@@ -45,6 +45,7 @@ DEFAULT_M = (1, 16, 128, 512)
 DEFAULT_N = (4096, 11008)
 CUDA_EXTRA_M = (2048, 8192)
 QUICK_ARGS = ["--m", "1", "16", "128", "--n", "4096", "--budget", "0.3"]
+ALL_ARGS = ["--budget", "0.6"]
 TORCH_PROVIDERS = ("dense", "dense_fp32", "semi")
 
 
