@@ -323,7 +323,8 @@ def stages(r: dict) -> list[dict]:
 
 
 def slow_reasons(key: str, cpu: dict, fastdl_ms: float) -> list[str]:
-    """Likely causes of a slower stage, from the CPU level and the size of the work."""
+    """Likely causes of a slower stage, from the CPU level, the stage and the size of the work (facts about this
+    demo's model, not measurements of the cause)."""
     level = cpu.get("level", "")
     capped = " (capped)" if cpu.get("capped") else ""
     why = []
@@ -333,12 +334,23 @@ def slow_reasons(key: str, cpu: dict, fastdl_ms: float) -> list[str]:
     if key == "infer_int8" and level in ("scalar", "avx2"):
         why.append(f"{level}{capped}: no AVX512-VNNI, int8 dot products take 3 instructions (vpmaddubsw, vpmaddwd, "
                    "vpaddd) instead of 1")  # fmt: skip
+    if key == "finetune":
+        why.append("the 2:4 fine-tune step also re-applies the masks to every weight after the optimizer step "
+                   "(MaskedTraining), work the dense PyTorch step it is compared with does not do")  # fmt: skip
+    if key == "infer_sparse24":
+        why.append("CPUs have no 2:4 sparse arithmetic: the sparse kernel saves weight traffic, which pays at a few "
+                   "rows; the demo infers 359 rows through layers of at most 512 x 512 (weights in cache), where "
+                   "the work is arithmetic")  # fmt: skip
     if key in ("train", "finetune"):
         why.append("a 0.6 M-parameter MLP in 2-process DDP: per-layer Python, autograd and all-reduce overhead "
                    "weigh more than the GEMMs")  # fmt: skip
     elif fastdl_ms < 2.0:
         why.append(f"layers 64-512 wide on {fastdl_ms:.2f} ms calls: per-call overhead (Python, dispatcher, thread "
                    "start) is a large share")  # fmt: skip
+    from .bench.common import busy_warning
+
+    if busy_warning():
+        why.append("the machine was busy: " + busy_warning())
     return why
 
 

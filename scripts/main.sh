@@ -4,21 +4,24 @@
 # could pick here), `fastdl bench all --quick` (every benchmark, time-boxed), and a closing summary that names the CPU
 # and says on its last line whether fastdl was slower than PyTorch anywhere.
 #
-# Usage: bash scripts/main.sh [--isa avx2|avx512|avx512_bf16|native] [--out DIR]
+# Usage: bash scripts/main.sh [--isa avx2|avx512|avx512_bf16|native] [--out DIR] [--no-setup]
 #   --isa (or FASTDL_CPU_ISA=...): run everything as on a CPU of that level, fastdl AND PyTorch capped together
-#   (see fastdl/bench/isa.py). Results go to DIR (default bench-out/).
+#   (see fastdl/bench/isa.py). Results go to DIR (default bench-out/). --no-setup: skip step 1 and use the python
+#   and fastdl already on PATH.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 ISA="${FASTDL_CPU_ISA:-}"
 OUT=bench-out
+SETUP=1
 while [ $# -gt 0 ]; do
     case "$1" in
         --isa) ISA="$2"; shift 2 ;;
         --isa=*) ISA="${1#--isa=}"; shift ;;
         --out) OUT="$2"; shift 2 ;;
-        -h|--help) sed -n '2,9p' "$0"; exit 0 ;;
-        *) echo "scripts/main.sh: unknown argument $1 (expected --isa LEVEL or --out DIR)" >&2; exit 2 ;;
+        --no-setup) SETUP=0; shift ;;
+        -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
+        *) echo "scripts/main.sh: unknown argument $1 (expected --isa LEVEL, --out DIR or --no-setup)" >&2; exit 2 ;;
     esac
 done
 
@@ -34,7 +37,9 @@ cat <<EOF
   After setup: about 5 minutes (at most 6). Results: $OUT/
 EOF
 
-source scripts/setup_env.sh
+if [ "$SETUP" = 1 ]; then
+    source scripts/setup_env.sh
+fi
 if [ -n "$ISA" ]; then
     caps="$(python -m fastdl.bench.isa --env "$ISA")"
     eval "$caps"
