@@ -24,6 +24,7 @@ from .. import backends
 from ..ops import fused_linear
 from ..ops.fused_linear import activation_fn
 from .common import (
+    CallPredictor,
     LiveTable,
     activity,
     env_columns,
@@ -40,7 +41,7 @@ DEFAULT_M = (1, 16, 128, 512)
 # LLaMA-7B MLP: gate/up projections 4096 -> 11008, down projection 11008 -> 4096
 LLAMA_SHAPES = ((4096, 11008), (11008, 4096))
 MODES = ("fwd", "fwd_fp32", "train")
-QUICK_ARGS = ["--m", "1", "16", "128", "--llama-m", "--no-compile", "--budget", "0.3"]
+QUICK_ARGS = ["--m", "1", "16", "128", "--llama-m", "--no-compile", "--budget", "0.3", "--max-call", "2"]
 ALL_ARGS = ["--no-compile", "--budget", "0.6"]
 
 
@@ -57,6 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="fastdl backends to time besides auto (default: every available one other than auto's choice)")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     p.add_argument("--budget", type=float, default=1.0, help="seconds of timed runs per shape")
+    p.add_argument("--max-call", type=float, default=10.0,
+                   help="skip a PyTorch baseline predicted (from a smaller M) to take longer than this many seconds a "
+                        "call (default 10)")  # fmt: skip
     p.add_argument("--csv", default=None, help="write rows to this CSV file")
 
 
@@ -163,6 +167,7 @@ def run(args) -> list[dict]:
     say(f"   activation {act}; peak = faster of bf16/fp32 torch.mm: {peak / 1e9:.0f} GFLOP/s; "
         f"fastdl backend (auto): {backends.select('fused_linear', 'cuda' if device.startswith('cuda') else 'cpu')}")
     table = LiveTable(COLUMNS)
+    predictor = CallPredictor(args.max_call)
     work = [(mode, shape) for mode in args.modes for shape in _shapes(args)]
     try:
         for i, (mode, (M, K, N)) in enumerate(work):
@@ -173,7 +178,15 @@ def run(args) -> list[dict]:
             calls, meta = {}, {}
             shared = _tensors(mode, M, K, N, device, fp32=False)
             fp32_set = None
+            flops = M * N * K
+            skipped = []
             for name, (fn, be, base) in provs.items():
+                ok, pred = predictor.allowed((mode, name, K, N), flops)
+                if base is not None and not ok:
+                    say(f"  {name} not timed at {mode} M={M} K={K} N={N}: predicted {pred:.0f} s a call from a "
+                        f"smaller M (> --max-call {args.max_call:g} s; a slow path)")  # fmt: skip
+                    skipped.append(name)
+                    continue
                 if base == "fp32":
                     fp32_set = fp32_set or _tensors(mode, M, K, N, device, fp32=True)
                     x, w, b, g = fp32_set
@@ -189,7 +202,9 @@ def run(args) -> list[dict]:
                     "compile")  # fmt: skip
                 calls.pop("compile", None)
                 times = interleaved(calls, device, budget_s=args.budget)
-            _rows(table, times, meta, mode, M, K, N, act, device, peak, env)
+            for name, t in times.items():
+                predictor.record((mode, name, K, N), flops, t)
+            _rows(table, times, meta, mode, M, K, N, act, device, peak, env, skipped)
     except KeyboardInterrupt:
         say("  interrupted: the rows above are complete")
     slower = table.close("fastdl fused_linear", "PyTorch")
@@ -200,11 +215,11 @@ def run(args) -> list[dict]:
     return rows
 
 
-def _rows(table, times, meta, mode, M, K, N, act, device, peak, env) -> None:
+def _rows(table, times, meta, mode, M, K, N, act, device, peak, env, skipped=()) -> None:
     flops = (2 if mode != "train" else 6) * M * N * K
     same = times.get("eager") if mode != "fwd_fp32" else times.get("eager_fp32")
     fp32 = times.get("eager_fp32") if mode != "fwd_fp32" else None
-    torch_names = [n for n, base in meta.items() if base is not None]
+    torch_names = [n for n, base in meta.items() if base is not None and n in times]
     best_name = min(torch_names, key=lambda n: times[n])
     best = times[best_name]
     same_label = {"fwd": "eager bf16", "fwd_fp32": "eager fp32", "train": "eager autocast-bf16 step"}[mode]
@@ -219,6 +234,7 @@ def _rows(table, times, meta, mode, M, K, N, act, device, peak, env) -> None:
             "weight_gbps": wbytes / t / 1e9, **env,
         }  # fmt: skip
         if meta[name] is None:  # a fastdl row: judged against every PyTorch path
+            row["not_timed"] = ",".join(skipped)
             checks = {same_label: row["x_eager"]}
             if fp32 is not None:
                 checks["eager fp32" + (" step" if mode == "train" else "")] = row["x_fp32"]

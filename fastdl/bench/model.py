@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .common import (
+    CallPredictor,
     LiveTable,
     activity,
     env_columns,
@@ -80,6 +81,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also torch.compile the decoder (off by default: generate() grows the KV cache every token, "
                         "and compiling its shapes took ~2 minutes here)")  # fmt: skip
     p.add_argument("--budget", type=float, default=None, help="seconds of timed pairs per measurement")
+    p.add_argument("--max-call", type=float, default=None,
+                   help="encoder: skip a policy at a batch predicted (from a smaller batch) to take longer than this "
+                        "many seconds a call (default 10; --quick: 2)")  # fmt: skip
     p.add_argument("--quick", action="store_true",
                    help="main-job size: encoder at sequence 32, a 2-layer hidden-1024 decoder, no torch.compile")
     p.add_argument("--out", default=None, help="folder for model.csv and model.png (default: none; --csv also works)")
@@ -331,6 +335,7 @@ def run_encoder(args, hf: bool, env: dict, budget: float) -> list[dict]:
 
     table = LiveTable(ENC_COLUMNS, title="   encoder latency per batch (policy by policy; each timed against fp32)")
     best_torch: dict[tuple, tuple[str, float]] = {}
+    predictor = CallPredictor(args.max_call or (2.0 if args.quick else 10.0))
     for policy in _policy_list(args):
         if over_time(f"encoder policy {policy} and later"):
             break
@@ -348,6 +353,11 @@ def run_encoder(args, hf: bool, env: dict, budget: float) -> list[dict]:
             if over_time(f"encoder policy {policy} from batch {b} seq {s} on, and later policies"):
                 break
             activity(f"encoder {policy} batch {b} seq {s}")
+            ok, pred = predictor.allowed(policy, b * s)
+            if not ok:
+                say(f"   {policy} not timed at batch {b} seq {s}: predicted {pred:.1f} s a call from a smaller batch "
+                    f"(> {predictor.max_call_s:g} s; a slow path)")  # fmt: skip
+                continue
             try:
                 with torch.no_grad(), _ctx(ac):
                     out = encoder_forward(m, hf, ids, mask).float()
@@ -358,6 +368,7 @@ def run_encoder(args, hf: bool, env: dict, budget: float) -> list[dict]:
                 say(f"   {policy} batch {b} seq {s}: FAILED: {type(exc).__name__}: {exc}")
                 continue
             tp = t[policy]
+            predictor.record(policy, b * s, tp)
             x = t["fp32"] / tp
             valid = mask.bool()
             row = {"op": "model", "model": "encoder", "impl": "transformers" if hf else "builtin", "policy": policy,
