@@ -63,6 +63,7 @@ from .common import (
 POLICIES = ("fp32", "bf16_autocast", "compile", "auto", "fused", "int8", "int8_weight_only", "sparse24")
 TORCH_POLICIES = ("fp32", "bf16_autocast", "compile")
 QUICK_ARGS = ["--quick"]
+ALL_ARGS = ["--layers", "2"]  # hidden 2048, 2 layers (~0.9 GB fp32): fits the time box of bench all
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
