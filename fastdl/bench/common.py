@@ -178,18 +178,22 @@ def time_fn(fn: Callable[[], object], device: str = "cpu", warmup: int = 3, min_
 
 
 def interleaved(fns: dict[str, Callable[[], object]], device: str = "cpu", budget_s: float = 1.0, min_reps: int = 5,
-                max_reps: int = 200, slow_call_s: float | None = None, before_round=None) -> dict[str, Seconds]:
+                max_reps: int = 200, slow_call_s: float | None = None, before_round=None, block: int = 1,
+                cold: bool = False) -> dict[str, Seconds]:
     """Median seconds per call of each function. The first call of each is timed as a probe; a function slower than
     ``slow_call_s`` (default ``SLOW_CALL_S``) is a slow baseline, timed on its own with 1-2 more calls (``reduced``);
     the others are called round robin (every function sees the same machine load), after one more warm-up call,
-    for at least ``min_reps`` rounds and more while ``budget_s`` lasts."""
+    for at least ``min_reps`` rounds and more while ``budget_s`` lasts. ``block`` > 1: each turn of a function is one
+    untimed call (its operands back in the cache) and then ``block`` timed calls, so a function whose weights fit the
+    last-level cache is timed warm although the others ran in between. ``cold``: flush the caches before every timed
+    call instead (no untimed call)."""
     slow = SLOW_CALL_S if slow_call_s is None else slow_call_s
-    first = {name: _timed_call(fn, device, False) for name, fn in fns.items()}
+    first = {name: _timed_call(fn, device, cold) for name, fn in fns.items()}
     out: dict[str, Seconds] = {}
     for name, fn in fns.items():
         if first[name] > slow:
             n = 1 if first[name] > 4 * slow else 2
-            out[name] = Seconds(statistics.median([_timed_call(fn, device, False) for _ in range(n)]), n, True)
+            out[name] = Seconds(statistics.median([_timed_call(fn, device, cold) for _ in range(n)]), n, True)
     fast = {k: v for k, v in fns.items() if k not in out}
     for fn in fast.values():
         fn()
@@ -201,7 +205,10 @@ def interleaved(fns: dict[str, Callable[[], object]], device: str = "cpu", budge
         if before_round is not None:
             before_round(reps)
         for name, fn in fast.items():
-            times[name].append(_timed_call(fn, device, False))
+            if block > 1 and not cold:
+                fn()
+            for _ in range(block):
+                times[name].append(_timed_call(fn, device, cold))
         reps += 1
     for k, v in times.items():
         out[k] = Seconds(statistics.median(v), reps=len(v))

@@ -15,7 +15,8 @@ Providers (inference forward, no grad; activations bf16 unless noted):
   fastdl_*[backend]    the same, forced to one backend (``--backends``)
 
 ``--cold`` flushes the caches before every timed call (weights from DRAM, as in a model larger than the cache);
-by default each provider is timed in its own loop, so weights that fit the last-level cache stay there.
+by default the providers are timed in alternating blocks (one untimed call, then 3 timed ones), so every provider sees
+the same machine load and weights that fit the last-level cache are read from it, as in a loop over one layer.
 
 Columns: ms (median; ``*``: a slow call timed 1-2 times), GOP/s (2*M*N*K / t), x bf16 (bf16 time / time: > 1 is
 faster than bf16), x repl (vs the PyTorch path the fastdl provider replaces: fbgemm dynamic quant for W8A8, the faster
@@ -41,6 +42,7 @@ from .common import (
     LiveTable,
     activity,
     env_columns,
+    interleaved,
     mark_slower,
     over_time,
     print_header,
@@ -250,17 +252,24 @@ def run(args) -> list[dict]:
             b = torch.randn(N, device=device, dtype=torch.bfloat16) * 0.1
             w_q, w_scale = int8_ops.quantize_per_channel(w.float())
             ops = 2 * M * N * K
-            times, rows = {}, []
+            activity(f"int8 M={M} K={K} N={N}")
+            calls = {}
             for name, (fn, be) in _providers(args, M, K, N, x, w, b, w_q, w_scale, notes).items():
-                activity(f"int8 M={M} K={K} N={N} {name}")
-                ctx = backends.use_backend(be) if be else contextlib.nullcontext()
+
+                def call(fn=fn, be=be):
+                    with backends.use_backend(be) if be else contextlib.nullcontext(), torch.no_grad():
+                        return fn()
+
                 try:
-                    with ctx, torch.no_grad():
-                        t = time_fn(fn, device, budget_s=budget, cold=args.cold)
-                except Exception as exc:  # a provider that cannot run here is reported, not fatal
+                    call()  # a provider that cannot run here is reported, not fatal
+                except Exception as exc:
                     say(f"  {name} failed at M={M} K={K} N={N}: {type(exc).__name__}: {exc}")
                     continue
-                times[name] = t
+                calls[name] = call
+            # alternating blocks of 3 calls per provider (one untimed call first: its weights back in the cache)
+            times = interleaved(calls, device, budget_s=budget * len(calls), min_reps=4, block=3, cold=args.cold)
+            rows = []
+            for name, t in times.items():
                 int8_weights = name.startswith(("fastdl", "int_mm", "fbgemm"))
                 rows.append({
                     "op": "int8", "device": device, "cold": args.cold, "M": M, "K": K, "N": N, "provider": name,
