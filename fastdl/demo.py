@@ -356,7 +356,7 @@ def slow_reasons(key: str, cpu: dict, fastdl_ms: float) -> list[str]:
     from .bench.common import busy_warning
 
     if busy_warning():
-        why.append("the machine was busy: " + busy_warning())
+        why.append(busy_warning())
     return why
 
 
@@ -375,7 +375,8 @@ def verdict(r: dict, cpu: dict) -> list[str]:
                          f"{st['providers'][k]['acc']:.2f}% vs PyTorch fp32 {ref:.2f}%")
         if st["slower"]:
             why = slow_reasons(st["key"], cpu, fd["ms"])
-            lines.append(f"  {st['stage']}: SLOWER than {best}: {st['ratio']:.2f}x ({fd['ms']:.3f} vs "
+            noise = " (within 5%: may be noise)" if st["ratio"] >= 0.95 else ""
+            lines.append(f"  {st['stage']}: SLOWER than {best}: {st['ratio']:.2f}x{noise} ({fd['ms']:.3f} vs "
                          f"{st['providers'][st['best']]['ms']:.3f} ms/{st['unit']}); likely cause: "
                          + ("; ".join(why) or "unknown"))  # fmt: skip
             slower.append(f"{st['stage']} ({st['ratio']:.2f}x {best})")

@@ -3,10 +3,11 @@ original fp32 model, in one process, calls of the policy and of the fp32 origina
 
   encoder   BERT-style (hidden 384, 6 layers, MLP 1536, 12 heads; the shape of all-MiniLM-L6-v2): latency of one batch
             at batch 1, 8, 32 and sequence 16-128; error: cosine and max |error| of the last hidden state vs fp32
-  decoder   LLaMA-style (hidden 1024-2048, a few layers, vocabulary 32000): greedy decode of 32 tokens at batch 1
-            (KV cache), tokens/s; error: max |logit error| and cosine of the logits on the same token sequence
-            (teacher forced), and the fraction of greedy tokens equal to fp32's (random weights give near-uniform
-            logits, so greedy tokens flip at tiny errors: the logit error is the meaningful number)
+  decoder   LLaMA-style (hidden 2048, 4 layers, vocabulary 32000; ``--quick``: hidden 1024, 2 layers): greedy decode
+            of 32 tokens (``--quick``: 16) at batch 1 (KV cache), tokens/s; error: max |logit error| and cosine of the
+            logits on the same token sequence (teacher forced), and the fraction of greedy tokens equal to fp32's
+            (random weights give near-uniform logits, so greedy tokens flip at tiny errors: the logit error is the
+            meaningful number)
 
 The models are ``transformers``' ``BertModel`` and ``LlamaForCausalLM`` when ``transformers`` is installed (their
 Linear layers are plain ``nn.Linear``, activations are functions, so "fused" fuses no activation there), else a small
@@ -74,7 +75,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="encoder sequence lengths (default 16 128; --quick: 32)")
     p.add_argument("--hidden", type=int, default=None, help="decoder hidden size (default 2048; --quick: 1024)")
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default 4; --quick: 2)")
-    p.add_argument("--tokens", type=int, default=32, help="decoder: greedy tokens to generate (default 32)")
+    p.add_argument("--tokens", type=int, default=None, help="decoder: greedy tokens (default 32; --quick: 16)")
     p.add_argument("--prompt", type=int, default=16, help="decoder: prompt length (default 16)")
     p.add_argument("--builtin", action="store_true", help="use the built-in transformer even with transformers")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile policy")
@@ -86,7 +87,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="encoder: skip a PyTorch alternative (bf16 autocast, compile) at a batch predicted (from a "
                         "smaller batch) to take longer than this many seconds a call (default 10; --quick: 2)")
     p.add_argument("--quick", action="store_true",
-                   help="main-job size: encoder at sequence 32, a 2-layer hidden-1024 decoder, no torch.compile")
+                   help="main-job size: encoder at sequence 32, a 2-layer hidden-1024 decoder generating 16 tokens, no "
+                        "torch.compile")
     p.add_argument("--out", default=None, help="folder for model.csv and model.png (default: none; --csv also works)")
     p.add_argument("--csv", default=None, help="write rows to this CSV file")
 
@@ -396,7 +398,7 @@ def run_decoder(args, hf: bool, env: dict, budget: float) -> list[dict]:
     activity("building the decoder")
     original = build_decoder(hf, hidden, layers)
     n_params = sum(p.numel() for p in original.parameters())
-    T, P = args.tokens, args.prompt
+    T, P = args.tokens or (16 if args.quick else 32), args.prompt
     say(f"-- decoder: {'transformers LlamaForCausalLM' if hf else 'built-in decoder'}, hidden {hidden}, {layers} "
         f"layers, vocabulary 32000, {n_params / 1e6:.0f} M parameters ({n_params * 4 / 2**20:.0f} MiB fp32); "
         f"greedy decode of {T} tokens after a {P}-token prompt, batch 1")
