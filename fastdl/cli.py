@@ -18,6 +18,24 @@ def _add_isa(p: argparse.ArgumentParser) -> None:
                         "ISA level (native: no caps); see fastdl.bench.isa")  # fmt: skip
 
 
+def _sigterm_as_interrupt() -> None:
+    """A benchmark stopped by SIGTERM (``timeout``, a CI limit) or Ctrl-C prints and writes the rows measured so far;
+    ``bench all`` then stops and writes its summary of what ran."""
+    import signal
+
+    from .bench.common import request_stop
+
+    def handler(signum, frame):
+        request_stop()
+        raise KeyboardInterrupt
+
+    try:
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
+    except ValueError:  # not the main thread
+        pass
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import demo
     from .bench import BENCHMARKS
@@ -86,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     from .bench.common import start_heartbeat
 
     start_heartbeat()
+    _sigterm_as_interrupt()
     if args.command == "demo":
         from . import demo
 

@@ -16,7 +16,7 @@ import os
 import time
 
 from . import BENCHMARKS
-from .common import context, print_table, say, set_deadline, write_csv
+from .common import context, print_table, say, set_deadline, stop_requested, write_csv
 
 # Share of the time box per benchmark (the model benchmark converts and runs whole models; overhead is cheap).
 WEIGHTS = {"fused_linear": 0.22, "int8": 0.18, "sparse24": 0.1, "overhead": 0.06, "model": 0.36, "loader": 0.08}
@@ -165,6 +165,9 @@ def run(args) -> list[dict]:
         say(f"({name}: {timing[name]:.0f} s)")
         rows_by_bench[name] = rows
         all_rows += [{"bench": name, **r} for r in rows]
+        if stop_requested():
+            say(f"   stopped: the benchmarks after {name} do not run")
+            break
     summary = summarize(rows_by_bench)
     say(f"\n== summary: fastdl vs PyTorch on {ctx['cpu_model']}, ISA {ctx['isa_level']}"
         f"{' (capped; the CPU has ' + ctx['detected_level'] + ')' if ctx['isa_capped'] else ' (native)'}")

@@ -84,6 +84,18 @@ def say(msg: str = "") -> None:
 _DEADLINE: dict = {"t": None}
 
 
+_STOP = {"stop": False}
+
+
+def request_stop() -> None:
+    """Called on SIGTERM / Ctrl-C: the running benchmark ends after printing its rows, ``bench all`` after it."""
+    _STOP["stop"] = True
+
+
+def stop_requested() -> bool:
+    return _STOP["stop"]
+
+
 def set_deadline(seconds_from_now: float | None) -> None:
     """Time box for the benchmark(s) that run next: ``over_time()`` turns True after it (None: no box)."""
     _DEADLINE["t"] = None if seconds_from_now is None else time.monotonic() + seconds_from_now
