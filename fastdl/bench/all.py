@@ -1,7 +1,7 @@
 """``fastdl bench all``: every benchmark in one run, time-boxed, then a summary of fastdl vs PyTorch (every
 measurement where fastdl is slower listed loudly), one CSV, a JSON summary and a PNG plot of speedup vs M per op.
 
-The time box (``--time-box``, default 540 s; 190 s with ``--quick``) is shared among the benchmarks by weight; a
+The time box (``--time-box``, default 540 s; 170 s with ``--quick``) is shared among the benchmarks by weight; a
 benchmark that finishes early leaves its time to the next ones, and one that runs out skips its remaining shapes
 (and says so) after the shape it is measuring. Each benchmark runs with its ``ALL_ARGS`` (``QUICK_ARGS`` with
 ``--quick``): fused_linear without the torch.compile baseline (compiling every shape would take the whole box; run
@@ -21,8 +21,8 @@ from .common import context, print_table, say, set_deadline, stop_requested, wri
 # Share of the time box per benchmark (the model benchmark converts and runs whole models; overhead is cheap).
 WEIGHTS = {"fused_linear": 0.22, "int8": 0.18, "sparse24": 0.1, "overhead": 0.06, "model": 0.36, "loader": 0.08}
 # The box bounds when a benchmark starts its next shape; the shape it is measuring then finishes (the slowest: one
-# model policy, ~30 s), so the whole run stays under 10 minutes (quick: under 4).
-DEFAULT_TIME_BOX = {False: 540.0, True: 190.0}
+# model policy, ~30 s on a busy machine), so the whole run stays under 10 minutes (quick: about 3.5).
+DEFAULT_TIME_BOX = {False: 540.0, True: 170.0}
 # Per benchmark: the row key holding the ratio against the PyTorch path fastdl replaces (> 1: fastdl faster), and
 # what that path is.
 REPLACED = {
@@ -43,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true",
                    help="fewer shapes, shorter timing, small models, no torch.compile (the main job's size)")
     p.add_argument("--time-box", type=float, default=None,
-                   help="seconds for all benchmarks together (default 540; 190 with --quick)")
+                   help="seconds for all benchmarks together (default 540; 170 with --quick)")
 
 
 def _sub_args(module, name: str, device: str, quick: bool, out: str) -> argparse.Namespace:

@@ -366,7 +366,7 @@ def run_encoder(args, hf: bool, env: dict, budget: float) -> list[dict]:
                     out = encoder_forward(m, hf, ids, mask).float()
                 fp32_call = call(original, False, ids, mask)
                 fns = {"fp32": fp32_call} if policy == "fp32" else {"fp32": fp32_call, policy: call(m, ac, ids, mask)}
-                t = interleaved(fns, budget_s=budget, min_reps=3)
+                t = interleaved(fns, budget_s=budget, min_reps=2 if args.quick else 3)
             except Exception as exc:
                 say(f"   {policy} batch {b} seq {s}: FAILED: {type(exc).__name__}: {exc}")
                 continue
@@ -439,7 +439,7 @@ def run_decoder(args, hf: bool, env: dict, budget: float) -> list[dict]:
                 toks = greedy(m, hf, prompt, T)
                 logits = decoder_logits(m, hf, seq).float()
             fns = {"fp32": fp32_call} if policy == "fp32" else {"fp32": fp32_call, policy: call(m, ac)}
-            t = interleaved(fns, budget_s=budget, min_reps=3)
+            t = interleaved(fns, budget_s=budget, min_reps=2 if args.quick else 3)
         except Exception as exc:
             say(f"   decoder {policy}: FAILED: {type(exc).__name__}: {exc}")
             continue
