@@ -109,6 +109,18 @@ def test_slow_call_is_timed_fewer_times_and_marked():
     assert out["slow"].reduced and not out["fast"].reduced and out["fast"].reps >= 5
 
 
+def test_call_predictor_skips_only_a_predicted_slow_call():
+    p = common.CallPredictor(max_call_s=2.0)
+    assert p.allowed("eager", 16) == (True, None)  # nothing seen yet
+    p.record("eager", 1, 0.5)
+    assert p.allowed("eager", 16) == (True, None)  # 16x from M = 1: no prediction (weight-read bound there)
+    p.record("eager", 16, 0.5)
+    ok, pred = p.allowed("eager", 128)
+    assert not ok and abs(pred - 4.0) < 1e-9
+    assert p.allowed("eager", 32)[0]
+    assert p.allowed("fastdl", 128) == (True, None)
+
+
 def test_slower_row_is_loud_and_listed_at_the_end(capsys, monkeypatch):
     monkeypatch.setitem(common._CTX, "ctx", {"cpu_model": "Test CPU", "isa_level": "avx2", "isa_capped": True,
                                              "detected_level": "avx512_bf16", "kernels": {}, "pytorch": {},

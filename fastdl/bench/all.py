@@ -145,7 +145,10 @@ def run(args) -> list[dict]:
             continue
         left = box - (time.monotonic() - t_all)
         rest = sum(WEIGHTS.get(n, 0.1) for n in names[i:])
-        share = max(5.0, left * WEIGHTS.get(name, 0.1) / rest)
+        # its share of what is left, but never under 70% of its share of the whole box: a benchmark that ran over
+        # (it stops after the shape it is measuring) does not starve the ones after it
+        weight = WEIGHTS.get(name, 0.1) / sum(WEIGHTS.get(n, 0.1) for n in names)
+        share = max(5.0, left * WEIGHTS.get(name, 0.1) / rest, 0.7 * box * weight)
         set_deadline(share)
         say(f"\n== [{i + 1}/{len(names)}] {name} (time box {share:.0f} s; {time.monotonic() - t_all:.0f} s so far)")
         t0 = time.monotonic()

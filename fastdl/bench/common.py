@@ -20,6 +20,8 @@ import torch
 # A call slower than this is timed with fewer repetitions (and marked so): eager bf16 F.linear at M = 512,
 # K = N = 4096 takes ~1.5 s a call on an AVX2-only Zen 2, where 3 warm-up + 10 timed calls would take 20 s.
 SLOW_CALL_S = 0.5
+# A first call longer than this is the measurement itself (1 run).
+VERY_SLOW_CALL_S = 3.0
 
 
 def sync(device: str) -> None:
@@ -165,10 +167,11 @@ def time_fn(fn: Callable[[], object], device: str = "cpu", warmup: int = 3, min_
             max_reps: int = 200, budget_s: float = 1.0, cold: bool = False,
             slow_call_s: float | None = None) -> Seconds:
     """Median seconds per call. The first call is timed as a probe: when it takes longer than ``slow_call_s``
-    (default ``SLOW_CALL_S``) the call is a slow baseline and only 2 more calls (1 beyond 4x the budget) are timed
-    (``Seconds.reduced``). Otherwise ``warmup`` calls, then at least ``min_reps`` timed calls and more while the time
-    budget lasts (up to ``max_reps``). GPU calls are timed with CUDA events. ``cold``: flush the caches before
-    every timed call (``flush_caches``; the flush itself is not timed)."""
+    (default ``SLOW_CALL_S``) the call is a slow baseline and only 2 more calls (1 beyond 4x the budget, none beyond
+    ``VERY_SLOW_CALL_S``: the probe is the measurement) are timed (``Seconds.reduced``). Otherwise ``warmup`` calls,
+    then at least ``min_reps`` timed calls and more while the time budget lasts (up to ``max_reps``). GPU calls are
+    timed with CUDA events. ``cold``: flush the caches before every timed call (``flush_caches``; the flush itself is
+    not timed)."""
     slow = SLOW_CALL_S if slow_call_s is None else slow_call_s
     sync(device)
     t0 = time.perf_counter()
@@ -176,6 +179,8 @@ def time_fn(fn: Callable[[], object], device: str = "cpu", warmup: int = 3, min_
     sync(device)
     first = time.perf_counter() - t0
     if first > slow:
+        if first > VERY_SLOW_CALL_S:  # the probe is the measurement: warm-up effects are noise at this length
+            return Seconds(first, reps=1, reduced=True)
         n = 1 if first > 4 * slow else 2
         times = [_timed_call(fn, device, cold) for _ in range(n)]
         return Seconds(statistics.median(times), reps=n, reduced=True)
@@ -203,7 +208,9 @@ def interleaved(fns: dict[str, Callable[[], object]], device: str = "cpu", budge
     first = {name: _timed_call(fn, device, cold) for name, fn in fns.items()}
     out: dict[str, Seconds] = {}
     for name, fn in fns.items():
-        if first[name] > slow:
+        if first[name] > VERY_SLOW_CALL_S:
+            out[name] = Seconds(first[name], 1, True)
+        elif first[name] > slow:
             n = 1 if first[name] > 4 * slow else 2
             out[name] = Seconds(statistics.median([_timed_call(fn, device, cold) for _ in range(n)]), n, True)
     fast = {k: v for k, v in fns.items() if k not in out}
@@ -238,8 +245,10 @@ class CallPredictor:
         self.seen: dict = {}
 
     def predict(self, key, work: float) -> float | None:
+        """Seconds predicted for ``work``; None without a previous shape at least 1/8 of it (from M = 1, where a call
+        is bound by reading the weight, scaling by the work would overestimate a call at M = 16)."""
         prev = self.seen.get(key)
-        if prev is None or prev[0] <= 0:
+        if prev is None or prev[0] <= 0 or prev[0] * 8 < work:
             return None
         return prev[1] * work / prev[0]
 

@@ -56,7 +56,7 @@ DEFAULT_M = (1, 16, 128, 512)
 # LLaMA-7B MLP: gate/up projections 4096 -> 11008, down projection 11008 -> 4096
 LLAMA_SHAPES = ((4096, 11008), (11008, 4096))
 INT8_PROVIDERS = ("int_mm+dequant", "fbgemm_dynamic", "fastdl_w8a8", "fastdl_weight_only", "fastdl_weight_only_g16")
-QUICK_ARGS = ["--m", "1", "16", "128", "--llama-m", "--budget", "0.3"]
+QUICK_ARGS = ["--m", "1", "16", "128", "--llama-m", "--budget", "0.15"]
 ALL_ARGS = ["--budget", "0.5"]
 # The PyTorch providers a user could run instead (x best); int_mm+dequant leaves out the activation quantization.
 TORCH_PROVIDERS = ("bf16", "fp32", "fbgemm_dynamic")
@@ -203,6 +203,8 @@ def _judge(row: dict, times: dict, name: str, fbgemm_ok: bool) -> None:
     """Ratios of a fastdl row against the PyTorch path it replaces and the best PyTorch path, marked when < 1."""
     t = times[name]
     floats = {k: times[k] for k in ("bf16", "fp32") if k in times}
+    if not floats:  # no float baseline ran here: nothing to judge against
+        return
     best_float = min(floats, key=floats.get)
     # Weight-only int8 keeps float activations: its peers are the float paths (fbgemm's W8A8 quantizes activations
     # to 7 bits, a less accurate class). W8A8's peers are all three.
@@ -267,7 +269,11 @@ def run(args) -> list[dict]:
                     continue
                 calls[name] = call
             # alternating blocks of 3 calls per provider (one untimed call first: its weights back in the cache)
-            times = interleaved(calls, device, budget_s=budget * len(calls), min_reps=4, block=3, cold=args.cold)
+            try:
+                times = interleaved(calls, device, budget_s=budget * len(calls), min_reps=4, block=3, cold=args.cold)
+            except Exception as exc:  # one shape that fails does not lose the others' rows
+                say(f"!! M={M} K={K} N={N} FAILED: {type(exc).__name__}: {exc}")
+                continue
             rows = []
             for name, t in times.items():
                 int8_weights = name.startswith(("fastdl", "int_mm", "fbgemm"))
