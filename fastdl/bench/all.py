@@ -20,6 +20,8 @@ from .common import context, print_table, say, set_deadline, stop_requested, wri
 
 # Share of the time box per benchmark (the model benchmark converts and runs whole models; overhead is cheap).
 WEIGHTS = {"fused_linear": 0.22, "int8": 0.18, "sparse24": 0.1, "overhead": 0.06, "model": 0.36, "loader": 0.08}
+# --quick: the microbenchmarks run 3 shapes each; the whole models get the largest share
+QUICK_WEIGHTS = {"fused_linear": 0.19, "int8": 0.13, "sparse24": 0.08, "overhead": 0.06, "model": 0.47, "loader": 0.07}
 # The box bounds when a benchmark starts its next shape; the shape it is measuring then finishes (the slowest: one
 # model policy, ~30 s on a busy machine), so the whole run stays under 10 minutes (quick: about 3.5).
 DEFAULT_TIME_BOX = {False: 540.0, True: 170.0}
@@ -143,12 +145,13 @@ def run(args) -> list[dict]:
         except ImportError as exc:
             say(f"\n== {name}: unavailable ({exc})")
             continue
+        weights = QUICK_WEIGHTS if args.quick else WEIGHTS
         left = box - (time.monotonic() - t_all)
-        rest = sum(WEIGHTS.get(n, 0.1) for n in names[i:])
+        rest = sum(weights.get(n, 0.1) for n in names[i:])
         # its share of what is left, but never under 70% of its share of the whole box: a benchmark that ran over
         # (it stops after the shape it is measuring) does not starve the ones after it
-        weight = WEIGHTS.get(name, 0.1) / sum(WEIGHTS.get(n, 0.1) for n in names)
-        share = max(5.0, left * WEIGHTS.get(name, 0.1) / rest, 0.7 * box * weight)
+        weight = weights.get(name, 0.1) / sum(weights.get(n, 0.1) for n in names)
+        share = max(5.0, left * weights.get(name, 0.1) / rest, 0.7 * box * weight)
         set_deadline(share)
         say(f"\n== [{i + 1}/{len(names)}] {name} (time box {share:.0f} s; {time.monotonic() - t_all:.0f} s so far)")
         t0 = time.monotonic()
