@@ -381,7 +381,9 @@ def _dact_gemm_kernel(
             row_sum += tl.sum(d, axis=1)  # fp32 dpre, before rounding
         a = _to_compute(d, CDT)
         if STORE_D:
-            tl.store(d_ptrs, a, mask=mask_pr & is_first)
+            # tl.where, not mask_pr & is_first: triton 3.9's interpreter gives a block & scalar of bools an int32
+            # handle and then rejects it as a mask ("mask has unsupported dtype"); the GPU code is the same.
+            tl.store(d_ptrs, a, mask=tl.where(is_first, mask_pr, False))
         b = tl.load(b_ptrs, mask=mask_r[:, None] & mask_q[None, :], other=0.0)
         b = _to_compute(b, CDT)
         if UPCAST:
@@ -396,7 +398,7 @@ def _dact_gemm_kernel(
     c_ptrs = c_ptr + pid_s * stride_cs + offs_p[:, None] * stride_cp + offs_q[None, :] * stride_cq
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_p[:, None] & mask_q[None, :])
     if ROW_SUM:
-        tl.store(s_ptr + pid_s * P + offs_p, row_sum, mask=mask_p & is_first)
+        tl.store(s_ptr + pid_s * P + offs_p, row_sum, mask=tl.where(is_first, mask_p, False))
 
 
 # --------------------------------------------------------------------------------------------------------------

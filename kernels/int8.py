@@ -330,7 +330,9 @@ def _int8_mm_kernel(
         else:
             a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0)
         b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0)
-        acc = tl.dot(a, b, acc)  # int8 x int8 -> int32, exact
+        # int8 x int8 -> int32, exact. out_dtype must be given: it defaults to fp32, and triton <= 3.6 then rejects
+        # the int32 accumulator (semantic.dot asserts acc.type.element_ty == out_dtype, on the GPU too).
+        acc = tl.dot(a, b, acc, out_dtype=tl.int32)
         a_ptrs += a_step
         b_ptrs += b_step
 
@@ -437,7 +439,9 @@ def _wo_gemv_kernel(
             code = tl.load(g_rows + (k_abs // 16)[None, :] * stride_gk, mask=mask_w, other=0)
             w = w * code.to(tl.float32)
         for m in tl.static_range(BLOCK_M):  # each weight tile is used by every token
-            xm = tl.load(x_ptrs + m * stride_xm, mask=mask_k & (m < M), other=0.0).to(tl.float32)
+            # tl.where, not mask_k & (m < M): triton 3.9's interpreter gives a block & scalar of bools an int32
+            # handle and then rejects it as a load mask ("mask has unsupported dtype"); the GPU code is the same.
+            xm = tl.load(x_ptrs + m * stride_xm, mask=tl.where(m < M, mask_k, False), other=0.0).to(tl.float32)
             part = tl.sum(w * xm[None, :], axis=1)  # [BN]
             acc = tl.where(arange_m[:, None] == m, acc + part[None, :], acc)
         w_ptrs += w_step
