@@ -82,12 +82,10 @@ _FWD_TILES = [
 # configs and 32-deep tiles keep it out of local memory. 64x128x64 with 4 warps is left out: it spills 8 bytes on
 # sm_80 even without an activation (ptxas 12.9, at 168 registers).
 _BWD_TILES = [t for t in _FWD_TILES if t != (64, 128, 64, 4, 4)] + [(128, 256, 32, 8, 4)]
-# fp32 'ieee' (FMA units) backward on Ampere: the only tiles ptxas compiles without spills there (sm_80, gelu/relu/
-# silu/gelu_tanh, dpre store and bias row sums): 32x64x32 with 3 stages with an activation (64x64x32 spills 356
-# bytes, 128x128x32 with 8 warps 352, 32x64x32 with 4 stages 8-12), 128x128x32 with 8 warps without one (64x64x32
-# spills 236 bytes). The small tile is used for nothing else.
+# fp32 'ieee' (FMA units) backward on Ampere: the only tile ptxas compiles without spills there (sm_80, with and
+# without an activation, dpre store and bias row sums) is 32x64x32 with 3 stages (64x64x32 spills 236-356 bytes,
+# 128x128x32 with 8 warps 20-352, 32x64x32 with 4 stages 8-12). It is used for nothing else.
 _BWD_SMALL = (32, 64, 32, 4, 3)
-_BWD_FMA_SM80 = {True: _BWD_SMALL, False: (128, 128, 32, 8, 4)}
 _BWD_TILES.append(_BWD_SMALL)
 # The interpreter executes programs one after another in numpy: few, mid-sized tiles are fastest there.
 _INTERP_TILES = [(32, 32, 32, 4, 1)]
@@ -159,6 +157,8 @@ def _per_thread(c, *elems):
 #   without spills for a bias-only epilogue, but an activation with the pre-activation store, or a residual (a
 #   second [BLOCK_M, BLOCK_N] tile), spills 24-830 bytes on both targets: then 64 per thread (128x128 with 8 warps:
 #   234 registers, no spill, with gelu + bias + residual + pre-activation).
+#   On Ampere 64 in every case: with triton 3.6 (ptxas 12.8) 128x256 and 256x128 spill 20-32 bytes on sm_80 even
+#   with a bias-only epilogue.
 # * fp32 'ieee' (FMA units): at most 64 per thread and at most 32 deep; a 64-deep FMA tile spills kilobytes on sm_80.
 _FWD_LIMIT, _FWD_LIMIT_HEAVY, _FMA_LIMIT, _FMA_MAX_K = 128, 64, 64, 32
 
@@ -176,13 +176,16 @@ def _prune_fwd(configs, named_args, **kwargs):
     def regs(c):
         return _per_thread(c, c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])
 
+    x = named_args["x_ptr"]
     if fma:
-        return _prune(configs, named_args["x_ptr"], smem, regs, _FMA_LIMIT, max_k=_FMA_MAX_K)
-    return _prune(configs, named_args["x_ptr"], smem, regs, _FWD_LIMIT_HEAVY if heavy else _FWD_LIMIT)
+        return _prune(configs, x, smem, regs, _FMA_LIMIT, max_k=_FMA_MAX_K)
+    light = not heavy and x.device.type == "cuda" and _capability_major(_device_index(x)) >= 9
+    return _prune(configs, x, smem, regs, _FWD_LIMIT if light else _FWD_LIMIT_HEAVY)
 
 
 # Backward GEMM, per thread: the accumulator, plus with an activation g and act'(preact) of the A tile in fp32.
-# Without an activation: 128 (tensor cores) or 64 (FMA, at most 32 deep) like the forward. With one (ptxas, gelu
+# Without an activation: 128 on Hopper's tensor cores, 64 on Ampere's (triton 3.6: 128x128x64 with 4 warps spills
+# 76 bytes on sm_80) and on the FMA units (at most 32 deep) like the forward. With one (ptxas, gelu
 # with the dpre store and the bias row sums): Hopper 96 (128x128x32 with 8 warps: 179 registers; 128 spills 4-12
 # bytes), Ampere 64 on tensor cores (64x64x32: 229 registers; 96 spills 130-180 bytes). FMA on Ampere: see
 # _BWD_FMA_SM80.
@@ -211,10 +214,10 @@ def _prune_bwd(configs, named_args, **kwargs):
         return configs
     hopper = _capability_major(_device_index(g)) >= 9
     if fma and not hopper:
-        return [c for c in configs if _tile(c) == _BWD_FMA_SM80[act]] or configs
+        return [c for c in configs if _tile(c) == _BWD_SMALL] or configs
     configs = [c for c in configs if _tile(c) != _BWD_SMALL] or configs
     if not act:
-        limit = _FMA_LIMIT if fma else _BWD_LIMIT
+        limit = _FMA_LIMIT if fma else (_BWD_LIMIT if hopper else _BWD_LIMIT_ACT_SM80)
     else:
         limit = _BWD_LIMIT_ACT_SM90 if hopper else _BWD_LIMIT_ACT_SM80
     return _prune(configs, g, smem, regs, limit, max_k=_FMA_MAX_K if fma else None)

@@ -213,17 +213,24 @@ def _smem_of(a, b, b_extra=0):
 
 # int8 GEMM: int32 accumulators per thread. Hopper's wgmma takes 128 (128x256 with 8 warps: 172 registers); on
 # Ampere mma.sync also keeps the int8 fragments of the 128-deep tiles in registers and 128 accumulators spill
-# 720-860 bytes (ptxas, sm_80), so 64 there (128x128x128 with 8 warps: 242 registers).
-_MM_LIMIT_SM90, _MM_LIMIT_SM80 = 128, 64
+# 720-860 bytes (ptxas, sm_80), so 64 there (128x128x128 with 8 warps: 242 registers). With the quantization fused
+# (QUANT_A) the float x tile is in registers too: at most 96 (64x128x128 with 4 warps, 128, spills 4 bytes on
+# sm_90a with triton 3.6).
+_MM_LIMIT_SM90, _MM_LIMIT_SM80, _MM_LIMIT_QUANT_A = 128, 64, 96
 
 
 def _prune_mm(configs, named_args, **kwargs):
     a, b = named_args["a_ptr"], named_args["b_ptr"]
+    quant_a = bool(kwargs.get("QUANT_A", False))
 
     def regs(c):
-        return c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] / (32 * c.num_warps)
+        kw = c.kwargs
+        x_tile = kw["BLOCK_M"] * kw["BLOCK_K"] if quant_a else 0
+        return (kw["BLOCK_M"] * kw["BLOCK_N"] + x_tile) / (32 * c.num_warps)
 
     limit = _MM_LIMIT_SM90 if a.device.type == "cuda" and _device_major(a) >= 9 else _MM_LIMIT_SM80
+    if quant_a:
+        limit = max(min(limit, _MM_LIMIT_QUANT_A), _MM_LIMIT_SM80)
     return _prune(configs, a, named_args["M"], _smem_of(a, b), regs, limit)
 
 
