@@ -43,10 +43,31 @@
 #define FL_OMP_SHIM 0
 #endif
 
+#include "cpu_isa.h"
 #include "fused_linear_kernels.h"
 
 namespace fastdl {
 namespace fused_linear {
+
+// The family of this process, from the level of cpu_isa.h (cpuid + XGETBV, capped by FASTDL_CPU_ISA): AVX512_BF16,
+// AVX-512 F (bf16 through the AVX2 kernels), AVX2 + FMA + F16C, or scalar. The AVX-512 families also need FMA (every
+// AVX-512 CPU has it; a hypervisor could hide it).
+const Kernels &kernels() {
+    static const Kernels &k = [&]() -> const Kernels & {
+        const cpu::Level level = cpu::level();
+        const cpu::Features &f = cpu::features();
+        const Kernels *t = nullptr;
+        if (level >= cpu::kAvx512Bf16 && f.fma)
+            t = kernels_avx512_bf16();
+        if (!t && level >= cpu::kAvx512 && f.fma)
+            t = kernels_avx512();
+        if (!t && level >= cpu::kAvx2)
+            t = kernels_avx2();
+        return t ? *t : *kernels_scalar();
+    }();
+    return k;
+}
+
 namespace {
 
 #if FL_OMP_SHIM
@@ -121,10 +142,10 @@ template <class F> void parallel_for(int64_t begin, int64_t end, int64_t grain, 
     at::parallel_for(begin, end, grain, f);
 }
 
-// fp32 small-M threshold (rows of x after flattening): the FMA kernel beats MKL's sgemm (at::mm) on the dev machine
-// (Zen 5, 2 threads, K = N = 4096) at every M <= 64: M = 1: 0.52 vs 2.1 ms, 16: 2.4 vs 7.8, 64: 8.0 vs 13.
+// fp32 small-M threshold (rows of x after flattening) of the AVX-512 family: the FMA kernel beats MKL's sgemm (at::mm)
+// on the dev machine (Zen 5, 2 threads, K = N = 4096) at every M <= 64: M = 1: 0.52 vs 2.1 ms, 16: 2.4 vs 7.8, 64:
+// 8.0 vs 13. (The kernel takes at most kernels().fwd_f32.max_m rows.)
 constexpr int64_t kFwdF32SmallM = 64;
-static_assert(kFwdF32SmallM <= kFwdF32MaxM, "the fp32 small-M kernel accepts at most kFwdF32MaxM rows");
 
 Act parse_activation(c10::string_view s, const char *fn) {
     if (s == "none")
@@ -246,7 +267,8 @@ Scratch thread_scratch(int slot, size_t bytes) {
 // Epilogue over a full [M, N] fp32 accumulator, parallel over rows.
 void run_epilogue(const Epilogue &e, const float *acc, int64_t M, int64_t N) {
     const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(N, 1));
-    parallel_for(0, M, grain, [&](int64_t r0, int64_t r1) { apply_epilogue(e, acc + r0 * N, N, r0, r1 - r0, 0, N); });
+    parallel_for(0, M, grain,
+                 [&](int64_t r0, int64_t r1) { kernels().epilogue(e, acc + r0 * N, N, r0, r1 - r0, 0, N); });
 }
 
 // C[M, N] = A[M, K] * B[K, N] with the bf16 GEMM, then the epilogue on C. A is packed once (shared by all
@@ -254,18 +276,19 @@ void run_epilogue(const Epilogue &e, const float *acc, int64_t M, int64_t N) {
 void run_gemm_bf16(const GemmOperand &a, const GemmOperand &b, int64_t M, int64_t N, int64_t K, const Epilogue &e) {
     if (M == 0 || N == 0)
         return;
+    const Bf16Gemm &g = kernels().gemm_bf16;
     const Scratch ap = thread_scratch(kSharedSlot, sizeof(uint16_t) * gemm_packed_a_elems(M, K));
     uint16_t *app = static_cast<uint16_t *>(ap.ptr);
     const int64_t panels = (M + kGemmMR - 1) / kGemmMR;
     const int64_t pairs = (panels + 1) / 2;
     parallel_for(0, pairs, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)),
-                 [&](int64_t p0, int64_t p1) { gemm_pack_a(a, M, K, 2 * p0, std::min(panels, 2 * p1), app); });
+                 [&](int64_t p0, int64_t p1) { g.pack_a(a, M, K, 2 * p0, std::min(panels, 2 * p1), app); });
     const int64_t n_tiles = (N + kGemmNR - 1) / kGemmNR;
     const int64_t m_blocks = (M + kGemmMC - 1) / kGemmMC;
     parallel_for(0, m_blocks * n_tiles, 1, [&](int64_t t0, int64_t t1) {
         const Scratch ws = thread_scratch(kTaskSlot, gemm_workspace_bytes());
         for (int64_t t = t0; t < t1; ++t)
-            gemm_tile(app, b, M, N, K, (t / n_tiles) * kGemmMC, (t % n_tiles) * kGemmNR, e, ws.ptr);
+            g.tile(app, b, M, N, K, (t / n_tiles) * kGemmMC, (t % n_tiles) * kGemmNR, e, ws.ptr);
     });
 }
 
@@ -316,6 +339,7 @@ constexpr int64_t kPbRowBlock = 256; // rows per pass over the thread's panels (
 template <class Pack>
 void run_pb(DType compute, const void *a, int64_t lda, PbA a_mode, int64_t M, int64_t N, int64_t K, const Pack &pack,
             const Epilogue &e) {
+    const PbKernels &pk = compute == DType::BF16 ? kernels().pb_bf16 : kernels().pb_f32;
     if (M == 0 || N == 0)
         return;
     const int64_t panels = (N + kGemmNR - 1) / kGemmNR, kpt = pb_kpt(K, compute);
@@ -355,7 +379,7 @@ void run_pb(DType compute, const void *a, int64_t lda, PbA a_mode, int64_t M, in
                     range(p, g0, g1);
                     const int64_t r0 = std::max(b0, g0 * kGemmMR), r1 = std::min({b0 + kPbRowBlock, M, g1 * kGemmMR});
                     if (r0 < r1)
-                        pb_block(compute, a, lda, a_mode, K, bp + (p - lo) * kpt * kGemmNR, N, r0, r1, p * kGemmNR, e);
+                        pk.block(a, lda, a_mode, K, bp + (p - lo) * kpt * kGemmNR, N, r0, r1, p * kGemmNR, e);
                 }
             }
         }
@@ -366,12 +390,13 @@ void forward_pb(DType compute, const at::Tensor &x2, const at::Tensor &w, int64_
                 const Epilogue &e) {
     const void *wp = w.data_ptr();
     const DType wd = dtype_of(w.scalar_type());
+    const PbKernels &pk = compute == DType::BF16 ? kernels().pb_bf16 : kernels().pb_f32;
     run_pb(
         compute, x2.data_ptr(), K, PbA::Rows, M, N, K,
-        [&](int64_t p0, int64_t p1, uint32_t *bp) { pb_pack_wt(compute, wp, wd, K, N, K, p0, p1, bp); }, e);
+        [&](int64_t p0, int64_t p1, uint32_t *bp) { pk.pack_wt(wp, wd, K, N, K, p0, p1, bp); }, e);
 }
 
-void forward_kernels(DType compute, const at::Tensor &x2, const at::Tensor &w, int64_t M, int64_t N, int64_t K,
+void forward_kernels(const FwdKernel &fk, const at::Tensor &x2, const at::Tensor &w, int64_t M, int64_t N, int64_t K,
                      const Epilogue &e) {
     // Tasks: (block of kFwdRowBlock x rows, slice of N) pairs, the N slices multiples of 48 weight rows; a thread's
     // tasks are contiguous (one row block and a weight slice at a time). Every task packs the x^T of its row block,
@@ -381,7 +406,7 @@ void forward_kernels(DType compute, const at::Tensor &x2, const at::Tensor &w, i
     // rows): M = 359 on 2 threads was cut 256 + 103, so one thread did 71 % of the work (K = N = 4096: 18.5 -> 14.2
     // ms).
     const int64_t nt = std::max<int64_t>(1, at::get_num_threads());
-    int64_t m_blocks = (compute == DType::BF16 && M > 4) ? (M + kFwdRowBlock - 1) / kFwdRowBlock : 1;
+    int64_t m_blocks = M > fk.row_block_above ? (M + kFwdRowBlock - 1) / kFwdRowBlock : 1;
     if (m_blocks >= nt) // (fewer blocks than threads: the threads split N instead)
         m_blocks = (m_blocks + nt - 1) / nt * nt;
     const int64_t rows_per_block = m_blocks == 1 ? M : ((M + m_blocks - 1) / m_blocks + 15) / 16 * 16;
@@ -395,13 +420,12 @@ void forward_kernels(DType compute, const at::Tensor &x2, const at::Tensor &w, i
     // threads 13.1 -> 10.7 us, bf16 M = 16 22.4 -> 21.7 us; 32K made M = 1, K = N = 256 slower, 5.4 -> 6.8 us).
     const int64_t grain = M * K * slice < (int64_t{1} << 16) ? m_blocks * n_slices : 1;
     parallel_for(0, m_blocks * n_slices, grain, [&](int64_t t0, int64_t t1) {
-        const Scratch ws = thread_scratch(kTaskSlot, fwd_workspace_bytes(M, K));
+        const Scratch ws = thread_scratch(kTaskSlot, fk.workspace_bytes(M, K));
         for (int64_t t = t0; t < t1; ++t) {
             const int64_t mb = t / n_slices, sl = t % n_slices;
             const int64_t m0 = mb * rows_per_block, m1 = std::min(M, m0 + rows_per_block);
             const int64_t n0 = sl * slice, n1 = std::min(N, n0 + slice);
-            fwd_compute(compute, x2.data_ptr(), K, M, w.data_ptr(), dtype_of(w.scalar_type()), K, K, m0, m1, n0, n1, e,
-                        ws.ptr);
+            fk.run(x2.data_ptr(), K, M, w.data_ptr(), dtype_of(w.scalar_type()), K, K, m0, m1, n0, n1, e, ws.ptr);
         }
     });
 }
@@ -409,21 +433,23 @@ void forward_kernels(DType compute, const at::Tensor &x2, const at::Tensor &w, i
 // out / pre: the op's outputs as [M, N] (pre undefined when not stored); b32: the bias in fp32 or undefined.
 void forward_compute(const at::Tensor &x2, const at::Tensor &w, int64_t M, int64_t N, int64_t K, const Epilogue &e,
                      const at::Tensor &out, const at::Tensor &pre, const at::Tensor &b32) {
-    const CpuCaps &caps = cpu_caps();
+    const Kernels &kr = kernels();
     const auto c = x2.scalar_type();
     if (K == 0) { // empty reduction: acc = 0
         at::Tensor acc = at::zeros({M, N}, x2.options().dtype(at::kFloat));
         return run_epilogue(e, acc.data_ptr<float>(), M, N);
     }
-    if (c == at::kBFloat16 && caps.avx512bf16) {
+    if (c == at::kBFloat16 && kr.pb_bf16.block) { // AVX512_BF16
         if (fwd_bf16_pb(M, N, K))
             return forward_pb(DType::BF16, x2, w, M, N, K, e);
-        return forward_kernels(DType::BF16, x2, w, M, N, K, e);
+        return forward_kernels(kr.fwd_bf16, x2, w, M, N, K, e);
     }
-    if (c == at::kFloat && caps.avx512 && M <= kFwdF32SmallM)
-        return forward_kernels(DType::F32, x2, w, M, N, K, e);
-    if (c == at::kFloat && caps.avx512 && w.scalar_type() == at::kFloat)
-        return forward_pb(DType::F32, x2, w, M, N, K, e);
+    if (c == at::kFloat && kr.pb_f32.block) { // AVX-512 F
+        if (M <= std::min(kFwdF32SmallM, kr.fwd_f32.max_m))
+            return forward_kernels(kr.fwd_f32, x2, w, M, N, K, e);
+        if (w.scalar_type() == at::kFloat)
+            return forward_pb(DType::F32, x2, w, M, N, K, e);
+    }
     // Generic: fp32 GEMM of the operands rounded to c (the products of bf16/fp16 values are exact in fp32).
     const at::Tensor a = c == at::kFloat ? x2 : x2.to(at::kFloat);
     const at::Tensor b = c == at::kFloat ? w : w.to(c).to(at::kFloat);
@@ -507,7 +533,9 @@ fused_linear_backward_cpu(const at::Tensor &grad_out, const at::Tensor &x, const
         check_optional(preact, "preact", out_shape, x, fn);
     const bool need_gx = output_mask[0], need_gw = output_mask[1], need_gb = output_mask[2];
     const bool need_d = need_gx || need_gw;
-    const bool fast_bf16 = c == at::kBFloat16 && cpu_caps().avx512bf16;
+    const Kernels &kr = kernels();
+    const bool fast_bf16 = c == at::kBFloat16 && kr.pb_bf16.block && kr.gemm_bf16.tile && kr.small_bf16.grad_x;
+    const bool f32_pb = c == at::kFloat && kr.pb_f32.block && kr.pb_f32.pack_a && weight.scalar_type() == at::kFloat;
 
     // 1. dpre = g * act'(p) (fp32) -> grad_bias (fp32 column sums) and dpre_c = round_c(dpre), one pass.
     const at::Tensor g2 = as_matrix(grad_out, M, N);
@@ -558,7 +586,7 @@ fused_linear_backward_cpu(const at::Tensor &grad_out, const at::Tensor &x, const
         parallel_for(0, tasks, grain, [&](int64_t t0, int64_t t1) {
             for (int64_t t = t0; t < t1; ++t) {
                 const int64_t b = t / cchunks, c0 = (t % cchunks) * cw;
-                dpre_pass(a, b * kDpreRows, std::min(M, (b + 1) * kDpreRows), c0, std::min(N, c0 + cw), partial, N);
+                kr.dpre_pass(a, b * kDpreRows, std::min(M, (b + 1) * kDpreRows), c0, std::min(N, c0 + cw), partial, N);
             }
         });
         if (need_gb) {
@@ -588,8 +616,8 @@ fused_linear_backward_cpu(const at::Tensor &grad_out, const at::Tensor &x, const
             const GemmOperand wb{w.data_ptr(), K, dtype_of(w.scalar_type()), false};
             run_pb(
                 DType::BF16, dpre.data_ptr(), N, PbA::Rows, M, K, N,
-                [&](int64_t p0, int64_t p1, uint32_t *bp) { pb_pack_rows(DType::BF16, wb, K, N, p0, p1, bp); }, e);
-        } else if (c == at::kFloat && cpu_caps().avx512 && w.scalar_type() == at::kFloat && gx_f32_pb(M)) {
+                [&](int64_t p0, int64_t p1, uint32_t *bp) { kr.pb_bf16.pack_rows(wb, K, N, p0, p1, bp); }, e);
+        } else if (f32_pb && gx_f32_pb(M)) {
             gx = empty_output({M, K}, x.options());
             Epilogue e;
             e.out = gx.data_ptr();
@@ -598,15 +626,15 @@ fused_linear_backward_cpu(const at::Tensor &grad_out, const at::Tensor &x, const
             const GemmOperand wb{w.data_ptr(), K, DType::F32, false};
             run_pb(
                 DType::F32, dpre.data_ptr(), N, PbA::Rows, M, K, N,
-                [&](int64_t p0, int64_t p1, uint32_t *bp) { pb_pack_rows(DType::F32, wb, K, N, p0, p1, bp); }, e);
+                [&](int64_t p0, int64_t p1, uint32_t *bp) { kr.pb_f32.pack_rows(wb, K, N, p0, p1, bp); }, e);
         } else if (fast_bf16 && M <= kSmallGradXMax) {
             // Small M: stream the weight rows once (threads split the columns of grad_x).
             gx = empty_output({M, K}, x.options());
             const int64_t grain = std::max<int64_t>(64, (int64_t{1} << 18) / std::max<int64_t>(1, M * N));
             parallel_for(0, K, grain, [&](int64_t k0, int64_t k1) {
                 const Scratch ws = thread_scratch(kTaskSlot, small_grad_x_workspace_bytes(M, k1 - k0));
-                small_m_grad_x(dpre.data_ptr(), N, M, w.data_ptr(), dtype_of(w.scalar_type()), K, N, k0, k1,
-                               gx.data_ptr(), K, ws.ptr);
+                kr.small_bf16.grad_x(dpre.data_ptr(), N, M, w.data_ptr(), dtype_of(w.scalar_type()), K, N, k0, k1,
+                                     gx.data_ptr(), K, ws.ptr);
             });
         } else if (fast_bf16) {
             gx = empty_output({M, K}, x.options());
@@ -641,9 +669,7 @@ fused_linear_backward_cpu(const at::Tensor &grad_out, const at::Tensor &x, const
             // per panel: 359,64,512 69 -> 51 us, 512,128,128 48 -> 31 us, but 359,512,512 252 vs 266 us and
             // 4096,256,1024 3.4 vs 4.1 ms.
             const GemmOperand xb{x2.data_ptr(), K, DType::BF16, false};
-            auto pack_x = [&](int64_t p0, int64_t p1, uint32_t *bp) {
-                pb_pack_rows(DType::BF16, xb, K, M, p0, p1, bp);
-            };
+            auto pack_x = [&](int64_t p0, int64_t p1, uint32_t *bp) { kr.pb_bf16.pack_rows(xb, K, M, p0, p1, bp); };
             if (K <= 128) {
                 run_pb(DType::BF16, dpre.data_ptr(), N, PbA::Cols, N, K, M, pack_x, e);
             } else {
@@ -651,12 +677,13 @@ fused_linear_backward_cpu(const at::Tensor &grad_out, const at::Tensor &x, const
                 uint16_t *app = static_cast<uint16_t *>(ap.ptr);
                 const GemmOperand at_{dpre.data_ptr(), N, DType::BF16, true};
                 const int64_t apanels = (N + kGemmMR - 1) / kGemmMR, pairs = (apanels + 1) / 2;
-                parallel_for(
-                    0, pairs, std::max<int64_t>(1, 4096 / std::max<int64_t>(M, 1)),
-                    [&](int64_t p0, int64_t p1) { gemm_pack_a(at_, N, M, 2 * p0, std::min(apanels, 2 * p1), app); });
+                parallel_for(0, pairs, std::max<int64_t>(1, 4096 / std::max<int64_t>(M, 1)),
+                             [&](int64_t p0, int64_t p1) {
+                                 kr.gemm_bf16.pack_a(at_, N, M, 2 * p0, std::min(apanels, 2 * p1), app);
+                             });
                 run_pb(DType::BF16, app, 0, PbA::Packed, N, K, M, pack_x, e);
             }
-        } else if (c == at::kFloat && cpu_caps().avx512 && weight.scalar_type() == at::kFloat && gw_f32_pb(M, N, K)) {
+        } else if (f32_pb && gw_f32_pb(M, N, K)) {
             gw = empty_output({N, K}, weight.options());
             Epilogue e;
             e.out = gw.data_ptr();
@@ -669,19 +696,19 @@ fused_linear_backward_cpu(const at::Tensor &grad_out, const at::Tensor &x, const
             float *app = static_cast<float *>(ap.ptr);
             const float *dp = dpre.data_ptr<float>();
             parallel_for(0, apanels, std::max<int64_t>(1, 8192 / std::max<int64_t>(M, 1)),
-                         [&](int64_t p0, int64_t p1) { pb_pack_a_f32(dp, N, N, M, p0, p1, app); });
+                         [&](int64_t p0, int64_t p1) { kr.pb_f32.pack_a(dp, N, N, M, p0, p1, app); });
             const GemmOperand xb{x2.data_ptr(), K, DType::F32, false};
             run_pb(
                 DType::F32, app, 0, PbA::Packed, N, K, M,
-                [&](int64_t p0, int64_t p1, uint32_t *bp) { pb_pack_rows(DType::F32, xb, K, M, p0, p1, bp); }, e);
+                [&](int64_t p0, int64_t p1, uint32_t *bp) { kr.pb_f32.pack_rows(xb, K, M, p0, p1, bp); }, e);
         } else if (fast_bf16) { // M <= kSmallGradXMax
             // Small M: rank-M update written row by row (threads split the rows of grad_weight).
             gw = empty_output({N, K}, weight.options());
             const int64_t grain = std::max<int64_t>(8, (int64_t{1} << 18) / std::max<int64_t>(1, M * K));
             parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
                 const Scratch ws = thread_scratch(kTaskSlot, small_grad_w_workspace_bytes(M, K));
-                small_m_grad_w(dpre.data_ptr(), N, x2.data_ptr(), K, M, K, n0, n1, gw.data_ptr(),
-                               dtype_of(weight.scalar_type()), K, ws.ptr);
+                kr.small_bf16.grad_w(dpre.data_ptr(), N, x2.data_ptr(), K, M, K, n0, n1, gw.data_ptr(),
+                                     dtype_of(weight.scalar_type()), K, ws.ptr);
             });
         } else if (c == at::kFloat) {
             gw = at::mm(dpre.t(), x2);
@@ -697,6 +724,10 @@ fused_linear_backward_cpu(const at::Tensor &grad_out, const at::Tensor &x, const
 } // namespace
 } // namespace fused_linear
 } // namespace fastdl
+
+const char *fastdl_fused_linear_cpu_kernels() {
+    return fastdl::fused_linear::kernels().name;
+}
 
 TORCH_LIBRARY_IMPL(fastdl_cpp, CPU, m) {
     m.impl("fused_linear", TORCH_FN(fastdl::fused_linear::fused_linear_cpu));
