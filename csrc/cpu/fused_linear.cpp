@@ -146,6 +146,8 @@ template <class F> void parallel_for(int64_t begin, int64_t end, int64_t grain, 
 // on the dev machine (Zen 5, 2 threads, K = N = 4096) at every M <= 64: M = 1: 0.52 vs 2.1 ms, 16: 2.4 vs 7.8, 64:
 // 8.0 vs 13. (The kernel takes at most kernels().fwd_f32.max_m rows.)
 constexpr int64_t kFwdF32SmallM = 64;
+// AVX2 family: the kernels reading the weight in place (streaming / broadcast) up to this M, the fgemm above it.
+constexpr int64_t kAvx2StreamMaxM = 32;
 
 Act parse_activation(c10::string_view s, const char *fn) {
     if (s == "none")
@@ -386,6 +388,39 @@ void run_pb(DType compute, const void *a, int64_t lda, PbA a_mode, int64_t M, in
     });
 }
 
+// fgemm (the AVX2 family; the AVX-512 F family's bf16 path): A packed once into fp32 panels (shared, in parallel),
+// then each thread computes a contiguous range of 16-column units (it packs only the B blocks of its columns), or a
+// range of rows when there are too few columns for the threads.
+void run_fgemm(const FgemmArgs &g, const Epilogue &e) {
+    const Fgemm &f = kernels().fgemm;
+    const int64_t M = g.M, N = g.N, K = g.K;
+    if (M == 0 || N == 0)
+        return;
+    const int64_t panels = (M + kFgMR - 1) / kFgMR;
+    const Scratch ap = thread_scratch(kSharedSlot, sizeof(float) * fgemm_packed_a_floats(M, K));
+    float *app = static_cast<float *>(ap.ptr);
+    parallel_for(0, panels, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)),
+                 [&](int64_t p0, int64_t p1) { f.pack_a(g, p0, p1, app); });
+    // small problems (< ~256K multiply-adds per thread) use fewer threads
+    const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (M * N * K) >> 18));
+    const int64_t units = (N + kFgNR - 1) / kFgNR;
+    const bool split_n = units >= 4 * nt || panels < 2 * nt;
+    parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
+        const Scratch ws = thread_scratch(kTaskSlot, fgemm_workspace_bytes(K));
+        for (int64_t t = t0; t < t1; ++t) {
+            if (split_n) {
+                const int64_t n0 = units * t / nt * kFgNR, n1 = std::min(N, units * (t + 1) / nt * kFgNR);
+                if (n0 < n1)
+                    f.block(g, app, 0, M, n0, n1, e, ws.ptr);
+            } else {
+                const int64_t m0 = panels * t / nt * kFgMR, m1 = std::min(M, panels * (t + 1) / nt * kFgMR);
+                if (m0 < m1)
+                    f.block(g, app, m0, m1, 0, N, e, ws.ptr);
+            }
+        }
+    });
+}
+
 void forward_pb(DType compute, const at::Tensor &x2, const at::Tensor &w, int64_t M, int64_t N, int64_t K,
                 const Epilogue &e) {
     const void *wp = w.data_ptr();
@@ -449,6 +484,19 @@ void forward_compute(const at::Tensor &x2, const at::Tensor &w, int64_t M, int64
             return forward_kernels(kr.fwd_f32, x2, w, M, N, K, e);
         if (w.scalar_type() == at::kFloat)
             return forward_pb(DType::F32, x2, w, M, N, K, e);
+    }
+    if (kr.fgemm.block && (c == at::kBFloat16 || c == at::kFloat)) { // AVX2 (and AVX-512 F for bf16)
+        const FwdKernel &fk = c == at::kBFloat16 ? kr.fwd_bf16 : kr.fwd_f32;
+        if (fk.run && M <= std::min(kAvx2StreamMaxM, fk.max_m))
+            return forward_kernels(fk, x2, w, M, N, K, e);
+        FgemmArgs g;
+        g.a = GemmOperand{x2.data_ptr(), K, dtype_of(c), false};
+        g.b = GemmOperand{w.data_ptr(), K, dtype_of(w.scalar_type()), true};
+        g.round_b = c == at::kBFloat16 && w.scalar_type() == at::kFloat;
+        g.M = M;
+        g.N = N;
+        g.K = K;
+        return run_fgemm(g, e);
     }
     // Generic: fp32 GEMM of the operands rounded to c (the products of bf16/fp16 values are exact in fp32).
     const at::Tensor a = c == at::kFloat ? x2 : x2.to(at::kFloat);
@@ -536,6 +584,8 @@ fused_linear_backward_cpu(const at::Tensor &grad_out, const at::Tensor &x, const
     const Kernels &kr = kernels();
     const bool fast_bf16 = c == at::kBFloat16 && kr.pb_bf16.block && kr.gemm_bf16.tile && kr.small_bf16.grad_x;
     const bool f32_pb = c == at::kFloat && kr.pb_f32.block && kr.pb_f32.pack_a && weight.scalar_type() == at::kFloat;
+    // fgemm: the AVX2 family for bf16 and fp32, the AVX-512 F family for bf16
+    const bool fg = kr.fgemm.block && (c == at::kBFloat16 || (c == at::kFloat && !kr.pb_f32.block));
 
     // 1. dpre = g * act'(p) (fp32) -> grad_bias (fp32 column sums) and dpre_c = round_c(dpre), one pass.
     const at::Tensor g2 = as_matrix(grad_out, M, N);
@@ -644,6 +694,20 @@ fused_linear_backward_cpu(const at::Tensor &grad_out, const at::Tensor &x, const
             e.out_dtype = DType::BF16;
             run_gemm_bf16({dpre.data_ptr(), N, DType::BF16, false}, {w.data_ptr(), K, dtype_of(w.scalar_type()), false},
                           M, K, N, e);
+        } else if (fg) {
+            gx = empty_output({M, K}, x.options());
+            Epilogue e;
+            e.out = gx.data_ptr();
+            e.ld_out = K;
+            e.out_dtype = dtype_of(c);
+            FgemmArgs g;
+            g.a = GemmOperand{dpre.data_ptr(), N, dtype_of(dpre.scalar_type()), false};
+            g.b = GemmOperand{w.data_ptr(), K, dtype_of(w.scalar_type()), false};
+            g.round_b = c == at::kBFloat16 && w.scalar_type() == at::kFloat;
+            g.M = M;
+            g.N = K;
+            g.K = N;
+            run_fgemm(g, e);
         } else if (c == at::kFloat) {
             gx = at::mm(dpre, w);
         } else {
@@ -710,6 +774,20 @@ fused_linear_backward_cpu(const at::Tensor &grad_out, const at::Tensor &x, const
                 kr.small_bf16.grad_w(dpre.data_ptr(), N, x2.data_ptr(), K, M, K, n0, n1, gw.data_ptr(),
                                      dtype_of(weight.scalar_type()), K, ws.ptr);
             });
+        } else if (fg) {
+            gw = empty_output({N, K}, weight.options());
+            Epilogue e;
+            e.out = gw.data_ptr();
+            e.ld_out = K;
+            e.out_dtype = dtype_of(weight.scalar_type());
+            e.stream = true; // grad_weight is not read back by this op
+            FgemmArgs g;
+            g.a = GemmOperand{dpre.data_ptr(), N, dtype_of(dpre.scalar_type()), true}; // A = dpre^T
+            g.b = GemmOperand{x2.data_ptr(), K, dtype_of(x2.scalar_type()), false};
+            g.M = N;
+            g.N = K;
+            g.K = M;
+            run_fgemm(g, e);
         } else if (c == at::kFloat) {
             gw = at::mm(dpre.t(), x2);
         } else {

@@ -194,17 +194,18 @@ struct SmallBackward {
 //      round_b: an fp32 B is rounded to bf16 (RNE) first, as autocast casts an fp32 master weight.
 // A is packed once per call into fp32 panels of kFgMR rows (pack_a over the panels [panel0, panel1), in parallel;
 // fgemm_packed_a_floats(M, K) floats), and block computes C rows [m0, m1) x columns [n0, n1) (m0 % kFgMR == 0): per
-// strip of kFgNC columns and K block of kFgKC it packs that block of B (widened, rounded) into its workspace (L2) and
-// runs kFgMR x kFgNR register tiles over all rows of a kFgMS-row super block; the strip's fp32 sums stay in the
-// workspace (L2) until the epilogue runs on them. B is read from memory once per super block.
+// strip of kFgNC columns it packs B's strip (widened, rounded; whole K) into its workspace
+// (fgemm_workspace_bytes(K)), then runs kFgMR x kFgNR register tiles over K blocks of kFgKC, for kFgMS rows at a time,
+// whose fp32 sums stay in the workspace (L2) until the epilogue runs on them. B is read from memory once.
 struct FgemmArgs {
     GemmOperand a, b;
     bool round_b = false;
     int64_t M = 0, N = 0, K = 0;
 };
 constexpr int64_t kFgMR = 6, kFgNR = 16, kFgKC = 256, kFgNC = 64, kFgMS = 480;
+constexpr int64_t kFgStripPanels = kFgNC / kFgNR;
 int64_t fgemm_packed_a_floats(int64_t M, int64_t K);
-size_t fgemm_workspace_bytes();
+size_t fgemm_workspace_bytes(int64_t K);
 struct Fgemm {
     void (*pack_a)(const FgemmArgs &g, int64_t panel0, int64_t panel1, float *ap) = nullptr;
     void (*block)(const FgemmArgs &g, const float *ap, int64_t m0, int64_t m1, int64_t n0, int64_t n1,
