@@ -406,17 +406,19 @@ void run_fgemm(const FgemmArgs &g, const Epilogue &e) {
     const int64_t units = (N + kFgNR - 1) / kFgNR;
     const bool split_n = units >= 4 * nt || panels < 2 * nt;
     parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
-        const Scratch ws = thread_scratch(kTaskSlot, fgemm_workspace_bytes(K));
         for (int64_t t = t0; t < t1; ++t) {
+            int64_t m0 = 0, m1 = M, n0 = 0, n1 = N;
             if (split_n) {
-                const int64_t n0 = units * t / nt * kFgNR, n1 = std::min(N, units * (t + 1) / nt * kFgNR);
-                if (n0 < n1)
-                    f.block(g, app, 0, M, n0, n1, e, ws.ptr);
+                n0 = units * t / nt * kFgNR;
+                n1 = std::min(N, units * (t + 1) / nt * kFgNR);
             } else {
-                const int64_t m0 = panels * t / nt * kFgMR, m1 = std::min(M, panels * (t + 1) / nt * kFgMR);
-                if (m0 < m1)
-                    f.block(g, app, m0, m1, 0, N, e, ws.ptr);
+                m0 = panels * t / nt * kFgMR;
+                m1 = std::min(M, panels * (t + 1) / nt * kFgMR);
             }
+            if (m0 >= m1 || n0 >= n1)
+                continue;
+            const Scratch ws = thread_scratch(kTaskSlot, fgemm_workspace_bytes(g, m1 - m0, n1 - n0));
+            f.block(g, app, m0, m1, n0, n1, e, ws.ptr);
         }
     });
 }
@@ -487,7 +489,8 @@ void forward_compute(const at::Tensor &x2, const at::Tensor &w, int64_t M, int64
     }
     if (kr.fgemm.block && (c == at::kBFloat16 || c == at::kFloat)) { // AVX2 (and AVX-512 F for bf16)
         const FwdKernel &fk = c == at::kBFloat16 ? kr.fwd_bf16 : kr.fwd_f32;
-        if (fk.run && M <= std::min(kAvx2StreamMaxM, fk.max_m))
+        static const int64_t dbg_max = getenv("FL_DBG_BCAST") ? atoll(getenv("FL_DBG_BCAST")) : kAvx2StreamMaxM; // DEBUG
+        if (fk.run && M <= std::min(dbg_max, fk.max_m))
             return forward_kernels(fk, x2, w, M, N, K, e);
         FgemmArgs g;
         g.a = GemmOperand{x2.data_ptr(), K, dtype_of(c), false};

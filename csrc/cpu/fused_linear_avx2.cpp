@@ -29,8 +29,29 @@ int64_t fgemm_packed_a_floats(int64_t M, int64_t K) {
     return (M + kFgMR - 1) / kFgMR * kFgMR * ((K + kFgKC - 1) / kFgKC * kFgKC) + 8;
 }
 
-size_t fgemm_workspace_bytes(int64_t K) {
-    return 64 + sizeof(float) * ((K + kFgKC - 1) / kFgKC * kFgKC * kFgNC + kFgMS * kFgNC);
+namespace {
+// Rows mode: the fp32 sums of a super block of rows x all the block's columns stay in the workspace, at most
+// kFgRowsCBytes (the rows of a super block are chosen to fit).
+constexpr int64_t kFgRowsCBytes = int64_t{4} << 20;
+inline int64_t fgemm_cols_pad(int64_t cols) {
+    return (cols + kFgNC - 1) / kFgNC * kFgNC;
+}
+// Strips over the whole K for B trans (whole rows of the weight read in order) and for B rows with a short K (a strip
+// then touches at most 512 rows of B, within the TLB's reach: grad_weight, whose K is the batch, M = 128, K = N =
+// 4096: XX -> XX ms); K blocks over all columns otherwise (see fgemm_block_rows).
+inline bool fgemm_strip_mode(const FgemmArgs &g) {
+    return g.b.trans || g.K <= 512;
+}
+inline int64_t fgemm_rows_ms(int64_t cols) {
+    return std::max<int64_t>(kFgMR, kFgRowsCBytes / (4 * fgemm_cols_pad(cols)) / kFgMR * kFgMR);
+}
+} // namespace
+
+size_t fgemm_workspace_bytes(const FgemmArgs &g, int64_t rows, int64_t cols) {
+    if (fgemm_strip_mode(g)) // B strip over the whole K + the sums of kFgMS rows x one strip
+        return 64 + sizeof(float) * ((g.K + kFgKC - 1) / kFgKC * kFgKC * kFgNC + kFgMS * kFgNC);
+    const int64_t cp = fgemm_cols_pad(cols), ms = std::min(fgemm_rows_ms(cols), (rows + kFgMR - 1) / kFgMR * kFgMR);
+    return 64 + sizeof(float) * (kFgKC * cp + ms * cp); // one K block of B for all columns + the sums
 }
 
 #if FA_X86
@@ -442,10 +463,8 @@ FA void fgemm_pack_a_avx2(const FgemmArgs &g, int64_t panel0, int64_t panel1, fl
     }
 }
 
-// The columns [nc, nc + 16 * njr) of B over the whole K into the strip buffer bp (layout above). The source is read
-// in memory order - the weight (trans) 8 rows at a time, each over its whole K - so the hardware prefetchers follow
-// it (packing K blocks of 64 rows instead, 64 rows x 512 B at a time, ran latency-bound: M = 16, K = N = 4096, 42 ->
-// XX GFLOP/s on one core).
+// The columns [nc, nc + 16 * njr) of B over the whole K into the strip buffer bp (layout above): B trans 8 weight rows
+// at a time, each read over its whole K in order; B rows row by row (only for short K: see fgemm_strip_mode).
 FA void fgemm_pack_b(const FgemmArgs &g, int64_t nc, int64_t njr, float *bp) {
     const GemmOperand &b = g.b;
     const int64_t N = g.N, K = g.K;
@@ -509,15 +528,13 @@ FA void fgemm_micro(int64_t kc, const float *a, const float *b, float *c, int64_
     }
 }
 
-FA void fgemm_block_avx2(const FgemmArgs &g, const float *ap, int64_t m0, int64_t m1, int64_t n0, int64_t n1,
-                         const Epilogue &epi, void *workspace) {
-    char *p = static_cast<char *>(workspace);
-    p += (64 - reinterpret_cast<uintptr_t>(p) % 64) % 64;
-    float *cb = reinterpret_cast<float *>(p);
+// Strip mode: per strip of kFgNC columns, B packed over the whole K, then every super block of kFgMS rows runs the K
+// blocks with its sums in the workspace; the epilogue per (super block, strip). B is read and packed once.
+FA void fgemm_block_strips(const FgemmArgs &g, const float *ap, int64_t m0, int64_t m1, int64_t n0, int64_t n1,
+                          const Epilogue &e, float *ws) {
+    float *cb = ws;
     float *bp = cb + kFgMS * kFgNC;
     const int64_t K = g.K, P = (g.M + kFgMR - 1) / kFgMR;
-    Epilogue e = epi;
-    e.fence = false; // streamed stores are fenced once at the end
     for (int64_t nc = n0; nc < n1; nc += kFgNC) {
         const int64_t ncw = std::min(kFgNC, n1 - nc), njr = (ncw + kFgNR - 1) / kFgNR;
         fgemm_pack_b(g, nc, njr, bp);
@@ -536,6 +553,61 @@ FA void fgemm_block_avx2(const FgemmArgs &g, const float *ap, int64_t m0, int64_
             epilogue_avx2(e, cb, kFgNC, ms, me - ms, nc, ncw);
         }
     }
+}
+
+// B rows (B[k][j] = b[k * ldb + j]: the backward's weight and x): K blocks outermost, each packed for all the block's
+// columns [n0, n1) row segment by row segment, the sums of a super block of rows x all columns in the workspace.
+// (Packing one strip over the whole K read 256 B of each of the N weight rows per strip - for grad_x 4096 rows 16 KB
+// apart - and missed the TLB on every row: M = 6, K = N = 4096 grad_x 18 ms for ~2.5 ms of arithmetic.)
+// Layout of a packed K block: bp[((s * kFgStripPanels + jr) * kFgKC + k) * kFgNR + j], s = strip of kFgNC columns.
+FA void fgemm_block_rows(const FgemmArgs &g, const float *ap, int64_t m0, int64_t m1, int64_t n0, int64_t n1,
+                         const Epilogue &e, float *ws) {
+    const GemmOperand &b = g.b;
+    const int64_t K = g.K, P = (g.M + kFgMR - 1) / kFgMR, cols = n1 - n0, cp = fgemm_cols_pad(cols);
+    const int64_t msz = std::min(fgemm_rows_ms(cols), (m1 - m0 + kFgMR - 1) / kFgMR * kFgMR);
+    float *cb = ws;
+    float *bp = cb + msz * cp;
+    const size_t esz = b.dtype == DType::F32 ? 4 : 2;
+    const bool rnd = g.round_b && b.dtype == DType::F32;
+    const int64_t units = (cols + kFgNR - 1) / kFgNR, strips = cp / kFgNC;
+    for (int64_t ms = m0; ms < m1; ms += msz) {
+        const int64_t me = std::min(m1, ms + msz);
+        for (int64_t pc = 0; pc < K; pc += kFgKC) {
+            const int64_t kc = std::min(kFgKC, K - pc), kb = pc / kFgKC;
+            for (int64_t k = 0; k < kc; ++k) {
+                const char *row = static_cast<const char *>(b.ptr) + ((pc + k) * b.ld + n0) * esz;
+                for (int64_t u = 0; u < units; ++u) {
+                    float *dst = bp + (u * kFgKC + k) * kFgNR; // (s * 4 + jr) == u
+                    _mm256_store_ps(dst, load_operand(row, b.dtype, u * kFgNR, cols - u * kFgNR, rnd));
+                    _mm256_store_ps(dst + 8, load_operand(row, b.dtype, u * kFgNR + 8, cols - u * kFgNR - 8, rnd));
+                }
+            }
+            for (int64_t st = 0; st < strips; ++st) {
+                const int64_t njr = std::min<int64_t>(kFgStripPanels, units - st * kFgStripPanels);
+                for (int64_t i = ms; i < me; i += kFgMR) {
+                    const float *ai = ap + (kb * P + i / kFgMR) * kFgKC * kFgMR;
+                    for (int64_t jr = 0; jr < njr; ++jr)
+                        fgemm_micro(kc, ai, bp + (st * kFgStripPanels + jr) * kFgKC * kFgNR,
+                                    cb + (i - ms) * cp + st * kFgNC + jr * kFgNR, cp, pc > 0);
+                }
+                if (pc + kFgKC >= K) // the strip's sums are final: epilogue while they are in cache
+                    epilogue_avx2(e, cb + st * kFgNC, cp, ms, me - ms, n0 + st * kFgNC,
+                                  std::min(kFgNC, cols - st * kFgNC));
+            }
+        }
+    }
+}
+
+FA void fgemm_block_avx2(const FgemmArgs &g, const float *ap, int64_t m0, int64_t m1, int64_t n0, int64_t n1,
+                         const Epilogue &epi, void *workspace) {
+    char *p = static_cast<char *>(workspace);
+    p += (64 - reinterpret_cast<uintptr_t>(p) % 64) % 64;
+    Epilogue e = epi;
+    e.fence = false; // streamed stores are fenced once at the end
+    if (fgemm_strip_mode(g))
+        fgemm_block_strips(g, ap, m0, m1, n0, n1, e, reinterpret_cast<float *>(p));
+    else
+        fgemm_block_rows(g, ap, m0, m1, n0, n1, e, reinterpret_cast<float *>(p));
     if (epi.stream && epi.fence)
         _mm_sfence();
 }

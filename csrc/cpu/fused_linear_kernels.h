@@ -193,10 +193,10 @@ struct SmallBackward {
 //   B: b.trans ? B[k][j] = b[j * ldb + k] (the forward's weight [N, K]) : B[k][j] = b[k * ldb + j]; fp32 or bf16;
 //      round_b: an fp32 B is rounded to bf16 (RNE) first, as autocast casts an fp32 master weight.
 // A is packed once per call into fp32 panels of kFgMR rows (pack_a over the panels [panel0, panel1), in parallel;
-// fgemm_packed_a_floats(M, K) floats), and block computes C rows [m0, m1) x columns [n0, n1) (m0 % kFgMR == 0): per
-// strip of kFgNC columns it packs B's strip (widened, rounded; whole K) into its workspace
-// (fgemm_workspace_bytes(K)), then runs kFgMR x kFgNR register tiles over K blocks of kFgKC, for kFgMS rows at a time,
-// whose fp32 sums stay in the workspace (L2) until the epilogue runs on them. B is read from memory once.
+// fgemm_packed_a_floats(M, K) floats), and block computes C rows [m0, m1) x columns [n0, n1) (m0 % kFgMR == 0) with
+// kFgMR x kFgNR register tiles over K blocks of kFgKC, packing the B it needs (widened, rounded) into its workspace
+// (fgemm_workspace_bytes): B trans per strip of kFgNC columns over the whole K, B rows per K block over all columns
+// (whole row segments: TLB-friendly). The fp32 sums stay in the workspace until the epilogue runs on them.
 struct FgemmArgs {
     GemmOperand a, b;
     bool round_b = false;
@@ -205,7 +205,7 @@ struct FgemmArgs {
 constexpr int64_t kFgMR = 6, kFgNR = 16, kFgKC = 256, kFgNC = 64, kFgMS = 480;
 constexpr int64_t kFgStripPanels = kFgNC / kFgNR;
 int64_t fgemm_packed_a_floats(int64_t M, int64_t K);
-size_t fgemm_workspace_bytes(int64_t K);
+size_t fgemm_workspace_bytes(const FgemmArgs &g, int64_t rows, int64_t cols); // of block() on rows x cols
 struct Fgemm {
     void (*pack_a)(const FgemmArgs &g, int64_t panel0, int64_t panel1, float *ap) = nullptr;
     void (*block)(const FgemmArgs &g, const float *ap, int64_t m0, int64_t m1, int64_t n0, int64_t n1,
