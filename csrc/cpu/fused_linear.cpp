@@ -489,7 +489,8 @@ void forward_compute(const at::Tensor &x2, const at::Tensor &w, int64_t M, int64
     }
     if (kr.fgemm.block && (c == at::kBFloat16 || c == at::kFloat)) { // AVX2 (and AVX-512 F for bf16)
         const FwdKernel &fk = c == at::kBFloat16 ? kr.fwd_bf16 : kr.fwd_f32;
-        static const int64_t dbg_max = getenv("FL_DBG_BCAST") ? atoll(getenv("FL_DBG_BCAST")) : kAvx2StreamMaxM; // DEBUG
+        static const int64_t dbg_max =
+            getenv("FL_DBG_BCAST") ? atoll(getenv("FL_DBG_BCAST")) : kAvx2StreamMaxM; // DEBUG
         if (fk.run && M <= std::min(dbg_max, fk.max_m))
             return forward_kernels(fk, x2, w, M, N, K, e);
         FgemmArgs g;
