@@ -1,24 +1,32 @@
 // CPU implementation of fastdl_cpp::fused_linear / fused_linear_backward (schemas are defined in Python).
-// This file holds the argument checks, the choice of path, threading (at::parallel_for) and the ATen GEMM calls; the
-// SIMD kernels live in fused_linear_avx512.cpp (no torch headers there, ISA enabled per function).
+// This file holds the argument checks, the choice of kernel family (kernels(): one table per family, from the level of
+// cpu_isa.h) and of path, threading (at::parallel_for) and the ATen GEMM calls; the SIMD kernels live in
+// fused_linear_avx512.cpp, fused_linear_avx2.cpp and fused_linear_scalar.cpp (no torch headers there).
 //
 // Paths (c = x.dtype, M = rows of x after flattening; the rules and their numbers are at fwd_bf16_pb & co. below):
-//   bf16 on an AVX512_BF16 CPU: for M >= 48 with a weight not too large for M (narrow layers, large batches) the
+//   AVX512_BF16 family, bf16: for M >= 48 with a weight not too large for M (narrow layers, large batches) the
 //     packed-B kernel ("pb": each thread packs the weight panels it uses, x is broadcast from its rows in place, 8 x 48
 //     tiles over the whole K, epilogue per 64 x 48 block); otherwise kernels reading the weight rows in place, never
 //     packing or copying the weight (fp32 master weights are rounded to bf16 in registers or per 12-row tile, RNE like
 //     autocast): M <= 4 inner products streaming the weight; M > 4 a broadcast kernel over x^T (packed once), within
 //     1-2 % of the vdpbf16ps peak and faster than both the packed GEMM below and oneDNN.
-//   fp32 on an AVX-512 CPU: M <= 64 small-M FMA kernel, M > 64 the fp32 pb kernel (MKL's sgemm is 2-3x slower on this
+//   AVX-512 families, fp32: M <= 64 small-M FMA kernel, M > 64 the fp32 pb kernel (MKL's sgemm is 2-3x slower on this
 //     AMD CPU at every M measured).
-//   otherwise (fp16, CPUs without AVX-512 / AVX512_BF16): at::mm in fp32 on the operands rounded to c (products of
-//     bf16/fp16 values are exact in fp32), then the vectorised epilogue (in place in an fp32 output).
+//   AVX2 family (bf16 and fp32) and the bf16 of the AVX-512 F family (no AVX512_BF16): fp32 FMA kernels that read the
+//     operands in their stored dtype (bf16 widened in registers, fp32 master weights rounded to bf16 on the way, never
+//     a converted copy of the weight): M <= 4 weight streaming (inner products), M <= 32 a broadcast kernel reading the
+//     weight rows in place against x^T, larger M the packed-panel GEMM "fgemm" (6 x 16 register tiles, the epilogue
+//     in registers on the last K block). Crossovers at kAvx2StreamMaxM; MKL's sgemm (at::mm) was not faster at any
+//     shape measured (K = N = 4096, LLaMA-7B MLP, narrow layers; see the README).
+//   scalar family and fp16: at::mm in fp32 on the operands rounded to c (products of bf16/fp16 values are exact in
+//     fp32), then the epilogue (in place in an fp32 output).
 // Backward: one pass computes dpre (rounded to c) and grad_bias; then grad_x / grad_weight with the pb kernels
 // (grad_x: A = dpre in place, B = the weight; grad_weight: A = dpre^T, B = x), small-M kernels (bf16,
 // M <= 16: weight rows streamed once, grad_weight written row by row) or, for grad_x with a large weight, the packed
-// bf16 GEMM (vdpbf16ps, fp32 accumulation, epilogue per 512 x 48 block). fp32 master weights are read directly and
-// grad_weight is written directly in fp32: no bf16 weight copy, no bf16 gradient + cast. fp32 M = 1 / fp16 / no
-// AVX-512: at::mm.
+// bf16 GEMM (vdpbf16ps, fp32 accumulation, epilogue per 512 x 48 block); the AVX2 family (and the AVX-512 F family's
+// bf16, and fp32 grad_x of large weights at M <= 64) with fgemm (grad_x: A = dpre, B = the weight's rows; grad_weight:
+// A = dpre^T, B = x). fp32 master weights are read directly and grad_weight is written directly in fp32: no bf16
+// weight copy, no bf16 gradient + cast. AVX-512 fp32 M = 1 / fp16 / scalar: at::mm.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -146,7 +154,10 @@ template <class F> void parallel_for(int64_t begin, int64_t end, int64_t grain, 
 // on the dev machine (Zen 5, 2 threads, K = N = 4096) at every M <= 64: M = 1: 0.52 vs 2.1 ms, 16: 2.4 vs 7.8, 64:
 // 8.0 vs 13. (The kernel takes at most kernels().fwd_f32.max_m rows.)
 constexpr int64_t kFwdF32SmallM = 64;
-// AVX2 family: the kernels reading the weight in place (streaming / broadcast) up to this M, the fgemm above it.
+// AVX2 family: the kernels reading the weight in place (streaming up to M = 4, then broadcast) up to this M, the
+// fgemm above it. Zen 4 capped to AVX2, 1 thread, K = N = 4096, GFLOP/s bf16 / fp32 (broadcast vs fgemm): M = 8:
+// 41 / 36 vs 25 / 24 | 16: 72 / 61 vs 45 / 41 | 24: 64 / 67 vs 59 / 56 | 32: 60 / 59 vs 64 / 52 (the fgemm's
+// 6-row tiles and weight transposes do not pay off below ~32 rows).
 constexpr int64_t kAvx2StreamMaxM = 32;
 
 Act parse_activation(c10::string_view s, const char *fn) {
@@ -325,6 +336,14 @@ bool gx_bf16_pb(int64_t M, int64_t N, int64_t K) {
 bool gx_f32_pb(int64_t M) {
     return M >= 2;
 }
+// fp32 grad_x with a large weight and M <= 64 (AVX-512 families): fgemm (fused_linear_avx2.cpp, strips of the weight
+// packed per K block) instead of pb, which packs the whole weight per call. Zen 4, 1 thread, ms: 16,4096,4096 54 ->
+// 10 | 64,4096,4096 58 -> 28; kept pb at 128,4096,4096 (98 vs 56 on Zen 4, whose 512-bit FMAs are double-pumped; on
+// a CPU with full-width AVX-512 pb runs twice the FMA rate) and for small weights: 16,512,512 107 vs 128 us |
+// 8,384,1536 144 vs 227 | 32,1536,384 401 vs 469.
+bool gx_f32_fgemm(int64_t M, int64_t N, int64_t K) {
+    return M >= 2 && M <= 64 && N * K >= (int64_t{1} << 22);
+}
 bool gw_f32_pb(int64_t M, int64_t N, int64_t K) {
     return M >= 2 || N * K >= (int64_t{1} << 20);
 }
@@ -489,9 +508,7 @@ void forward_compute(const at::Tensor &x2, const at::Tensor &w, int64_t M, int64
     }
     if (kr.fgemm.block && (c == at::kBFloat16 || c == at::kFloat)) { // AVX2 (and AVX-512 F for bf16)
         const FwdKernel &fk = c == at::kBFloat16 ? kr.fwd_bf16 : kr.fwd_f32;
-        static const int64_t dbg_max =
-            getenv("FL_DBG_BCAST") ? atoll(getenv("FL_DBG_BCAST")) : kAvx2StreamMaxM; // DEBUG
-        if (fk.run && M <= std::min(dbg_max, fk.max_m))
+        if (fk.run && M <= std::min(kAvx2StreamMaxM, fk.max_m))
             return forward_kernels(fk, x2, w, M, N, K, e);
         FgemmArgs g;
         g.a = GemmOperand{x2.data_ptr(), K, dtype_of(c), false};
@@ -588,8 +605,9 @@ fused_linear_backward_cpu(const at::Tensor &grad_out, const at::Tensor &x, const
     const Kernels &kr = kernels();
     const bool fast_bf16 = c == at::kBFloat16 && kr.pb_bf16.block && kr.gemm_bf16.tile && kr.small_bf16.grad_x;
     const bool f32_pb = c == at::kFloat && kr.pb_f32.block && kr.pb_f32.pack_a && weight.scalar_type() == at::kFloat;
-    // fgemm: the AVX2 family for bf16 and fp32, the AVX-512 F family for bf16
+    // fgemm: the AVX2 family for bf16 and fp32, the AVX-512 F family for bf16, fp32 grad_x of large weights
     const bool fg = kr.fgemm.block && (c == at::kBFloat16 || (c == at::kFloat && !kr.pb_f32.block));
+    const bool fg_gx = fg || (kr.fgemm.block && f32_pb && gx_f32_fgemm(M, N, K));
 
     // 1. dpre = g * act'(p) (fp32) -> grad_bias (fp32 column sums) and dpre_c = round_c(dpre), one pass.
     const at::Tensor g2 = as_matrix(grad_out, M, N);
@@ -671,7 +689,7 @@ fused_linear_backward_cpu(const at::Tensor &grad_out, const at::Tensor &x, const
             run_pb(
                 DType::BF16, dpre.data_ptr(), N, PbA::Rows, M, K, N,
                 [&](int64_t p0, int64_t p1, uint32_t *bp) { kr.pb_bf16.pack_rows(wb, K, N, p0, p1, bp); }, e);
-        } else if (f32_pb && gx_f32_pb(M)) {
+        } else if (f32_pb && gx_f32_pb(M) && !fg_gx) {
             gx = empty_output({M, K}, x.options());
             Epilogue e;
             e.out = gx.data_ptr();
@@ -698,7 +716,7 @@ fused_linear_backward_cpu(const at::Tensor &grad_out, const at::Tensor &x, const
             e.out_dtype = DType::BF16;
             run_gemm_bf16({dpre.data_ptr(), N, DType::BF16, false}, {w.data_ptr(), K, dtype_of(w.scalar_type()), false},
                           M, K, N, e);
-        } else if (fg) {
+        } else if (fg_gx) {
             gx = empty_output({M, K}, x.options());
             Epilogue e;
             e.out = gx.data_ptr();

@@ -1490,7 +1490,6 @@ Kernels make_avx512_bf16() {
     t.pb_bf16 = PbKernels{pb_pack_wt_bf16, pb_pack_rows_bf16, pb_block_bf16, nullptr};
     t.gemm_bf16 = Bf16Gemm{pack_a_avx512bf16, gemm_tile_avx512bf16};
     t.small_bf16 = SmallBackward{small_grad_x_entry, small_grad_w_entry};
-    t.fgemm = Fgemm{}; // every bf16 product runs on vdpbf16ps
     return t;
 }
 } // namespace
