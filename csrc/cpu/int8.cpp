@@ -100,15 +100,6 @@ std::pair<int64_t, int64_t> split(int64_t total, int64_t parts, int64_t i, int64
     return {edge(i), edge(i + 1)};
 }
 
-// 64-byte aligned scratch memory of one thread.
-struct Scratch {
-    std::unique_ptr<uint8_t[]> mem;
-    uint8_t *base = nullptr;
-    explicit Scratch(int64_t bytes) : mem(new uint8_t[static_cast<size_t>(bytes) + 64]) {
-        base = mem.get() + ((64 - reinterpret_cast<uintptr_t>(mem.get()) % 64) % 64);
-    }
-};
-
 // 2-D view [rows, K] of x [..., K] with unit stride along K (a copy only when the strides do not allow a view).
 at::Tensor rows_view(const at::Tensor &x) {
     const int64_t K = x.size(-1);
@@ -234,11 +225,11 @@ void w8a8_rect(const W8A8 &p, int64_t m0, int64_t m1, int64_t j0, int64_t j1) {
     const int64_t a_bytes = round_up(mc * Kc * kr.a_bytes, 64);
     const int64_t f_bytes = round_up(2 * mc * 4, 64);
     const int64_t p_bytes = nkb > 1 ? mc * cols * 4 : 0;
-    Scratch s(a_bytes + f_bytes + p_bytes);
-    void *abuf = s.base;
-    float *scale = reinterpret_cast<float *>(s.base + a_bytes);
+    uint8_t *base = scratch_of<uint8_t>(kScratchA, a_bytes + f_bytes + p_bytes);
+    void *abuf = base;
+    float *scale = reinterpret_cast<float *>(base + a_bytes);
     float *inv = scale + mc;
-    int32_t *partial = nkb > 1 ? reinterpret_cast<int32_t *>(s.base + a_bytes + f_bytes) : nullptr;
+    int32_t *partial = nkb > 1 ? reinterpret_cast<int32_t *>(base + a_bytes + f_bytes) : nullptr;
     const bool float_a = p.a_dtype != DType::I8;
     const int64_t a_elem = p.a_dtype == DType::F32 ? 4 : p.a_dtype == DType::I8 ? 1 : 2;
     const int64_t o_elem = (p.out_dtype == DType::F32 || p.out_dtype == DType::I32) ? 4 : 2;

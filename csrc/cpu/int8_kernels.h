@@ -122,6 +122,16 @@ inline int64_t code_buffer_floats(int64_t K) {
 }
 
 // ---------------------------------------------------------------------------------------------------------------
+// Scratch memory of the calling thread, 64-byte aligned, at least `bytes`: one buffer per slot, kept and grown across
+// calls (a fresh multi-100-KiB buffer per call came from mmap and paid a page fault per 4 KiB, every call: 17 % of a
+// W8A8 call at M = 512, K = N = 1024). Contents are undefined. The slots of one call must differ.
+enum ScratchSlot : int { kScratchA = 0, kScratchB, kScratchC, kScratchD, kScratchSlots };
+void *thread_scratch(int slot, int64_t bytes); // int8_scalar.cpp
+template <class T> T *scratch_of(int slot, int64_t count) {
+    return static_cast<T *>(thread_scratch(slot, count * static_cast<int64_t>(sizeof(T))));
+}
+
+// ---------------------------------------------------------------------------------------------------------------
 // int8_pack_weight for the 16-row blocks [jb0, jb1) of w [N, K] (row stride ldw): packed is the whole [Np, Kp] output
 // (VNNI layout above, zero padding), comp[n] = 128 * sum_k w[n, k] in int32 arithmetic (0 for padded rows).
 struct PackB {
