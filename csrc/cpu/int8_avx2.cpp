@@ -22,6 +22,9 @@ namespace {
 inline int64_t imin(int64_t a, int64_t b) {
     return a < b ? a : b;
 }
+inline int64_t imax(int64_t a, int64_t b) {
+    return a > b ? a : b;
+}
 
 template <DType DT> constexpr int64_t elem_size() {
     return DT == DType::F32 ? 4 : 2;
@@ -403,6 +406,30 @@ FDL_AVX2 inline void wo_step(const float *x, int64_t ldx, const int8_t *w, int64
     }
 }
 
+// Horizontal sums of 4 accumulators: lanes 0..3 of the result.
+FDL_AVX2 inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+// One row, one whole group (16 k from k, a multiple of 16) of NB w rows: the products of the group are summed first
+// and multiplied by the code once (t = x0 w0 + x1 w1, acc += t * code: 5 floating-point operations per 16 weights
+// instead of 6 with the code multiplied into each 8 converted weights; M = 1, one core, ms: K = N = 4096 1.60 ->
+// 1.55, 4096 -> 11008 4.67 -> 4.40, 11008 -> 4096 4.25 -> 3.90).
+template <int NB>
+FDL_AVX2 inline void wo_group1(const float *x, const int8_t *w, int64_t ldw, int64_t k, const float *c,
+                               __m256 (&acc)[NB]) {
+    const __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
+#pragma GCC unroll 8
+    for (int j = 0; j < NB; ++j) {
+        const __m128i w16 = _mm_loadu_si128(reinterpret_cast<const __m128i *>(w + j * ldw + k));
+        const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(w16));
+        const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(w16, w16)));
+        const __m256 t = _mm256_fmadd_ps(x1, w1, _mm256_mul_ps(x0, w0));
+        acc[j] = _mm256_fmadd_ps(t, _mm256_broadcast_ss(c + j * kCodeChunk), acc[j]);
+    }
+}
+
 template <int MB, int NB, bool Grouped>
 FDL_AVX2 void wo_tile(const WeightOnly &p, int64_t m0, int64_t n0, const float *codes) {
     __m256 acc[MB][NB];
@@ -417,6 +444,11 @@ FDL_AVX2 void wo_tile(const WeightOnly &p, int64_t m0, int64_t n0, const float *
     const int8_t *w = p.w + n0 * p.ldw;
     int64_t k = 0;
     if constexpr (Grouped) {
+        if constexpr (MB == 1) {
+            for (; k + 16 <= p.K; k += 16) {
+                wo_group1<NB>(x, w, p.ldw, k, code_at(codes, k >> 4), acc[0]);
+            }
+        }
         for (; k + 8 <= p.K; k += 8) {
             wo_step<MB, NB, true>(x, p.ldx, w, p.ldw, k, code_at(codes, k >> 4), acc);
         }
@@ -425,21 +457,30 @@ FDL_AVX2 void wo_tile(const WeightOnly &p, int64_t m0, int64_t n0, const float *
             wo_step<MB, NB, false>(x, p.ldx, w, p.ldw, k, nullptr, acc);
         }
     }
-    // unrolled: with constant indices acc stays in registers (else it lives in memory too, and with groups every
-    // float load of a code, which might alias it, made GCC store the accumulators first)
+    // Horizontal sums 4 accumulators at a time (vhaddps), then the K tail in scalar code. Unrolled: with constant
+    // indices acc stays in registers (else it lives in memory too, and with groups every float load of a code, which
+    // might alias it, made GCC store the accumulators first).
     alignas(32) float s[MB][8] = {};
+    const __m256 zero = _mm256_setzero_ps();
 #pragma GCC unroll 2
     for (int i = 0; i < MB; ++i) {
-#pragma GCC unroll 8
-        for (int j = 0; j < NB; ++j) {
-            alignas(32) float v[8];
-            _mm256_store_ps(v, acc[i][j]);
-            float t = ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
-            for (int64_t kk = k; kk < p.K; ++kk) { // K tail
-                const float wf = static_cast<float>(w[j * p.ldw + kk]);
-                t += x[i * p.ldx + kk] * (Grouped ? wf * code_at(codes, kk / 16)[j * kCodeChunk] : wf);
+#pragma GCC unroll 2
+        for (int j0 = 0; j0 < NB; j0 += 4) {
+            const __m256 a0 = acc[i][j0];
+            const __m256 a1 = j0 + 1 < NB ? acc[i][j0 + 1 < NB ? j0 + 1 : 0] : zero;
+            const __m256 a2 = j0 + 2 < NB ? acc[i][j0 + 2 < NB ? j0 + 2 : 0] : zero;
+            const __m256 a3 = j0 + 3 < NB ? acc[i][j0 + 3 < NB ? j0 + 3 : 0] : zero;
+            _mm_store_ps(s[i] + j0, hsum4(a0, a1, a2, a3));
+        }
+        if (k < p.K) {
+            for (int j = 0; j < NB; ++j) {
+                float t = s[i][j];
+                for (int64_t kk = k; kk < p.K; ++kk) { // K tail
+                    const float wf = static_cast<float>(w[j * p.ldw + kk]);
+                    t += x[i * p.ldx + kk] * (Grouped ? wf * code_at(codes, kk / 16)[j * kCodeChunk] : wf);
+                }
+                s[i][j] = t;
             }
-            s[i][j] = t;
         }
     }
     alignas(32) float ws[8] = {}, bias[8] = {};
@@ -515,24 +556,24 @@ template <bool Grouped> void weight_only_t(const WeightOnly &p) {
 // loop runs at 15.5 MAC/cycle here (Zen 4 at AVX2, one core; peak 16), ATen's fp32 GEMM (MKL) at ~9.5.
 // Sizes: one core, K = N = 4096, M = 128 / 512, MAC/cycle within noise (+-5 % on this shared machine) for kPanelKc
 // 256 / 512, kPanelNc 128 / 256, kPanelMc 120 / 240 / 510; kPanelKc 128 lost 20 %.
-constexpr int64_t kPanelKc = 256; // k per slice (a multiple of kWeightGroup and of 8)
-constexpr int64_t kPanelNc = 128; // w rows per converted block (128 x 256 fp32 = 128 KiB: L2)
-constexpr int64_t kPanelJb = 16;  // w rows per L1 group (16 KiB)
-constexpr int64_t kPanelMc = 240; // x rows per row block (their slice 240 KiB, partial sums 120 KiB: L2)
+constexpr int64_t kPanelKc = 512;      // longest K slice; K is cut into near-equal slices (multiples of kWeightGroup)
+constexpr int64_t kPanelNc = 128;      // w rows per converted block (128 x 256 fp32 = 128 KiB: L2)
+constexpr int64_t kPanelL1 = 16 << 10; // bytes of converted w rows per L1 group
+constexpr int64_t kPanelMc = 240;      // x rows per row block (their slice 240 KiB, partial sums 120 KiB: L2)
 // The conversion prefetches the slice of the w row kPanelPfRows ahead: its kc bytes are too short a run for the
 // hardware prefetcher. One core, K = N = 4096, ms, without -> with: M = 2 4.11 -> 3.69, M = 16 11.4 -> 9.5.
 constexpr int64_t kPanelPfRows = 8;
 constexpr int kPanelMB = 3, kPanelNB = 4;
-constexpr int64_t kPanelFromRows = 32, kPanelFromRowsGrouped = 12;
 
-// w rows [n0, n0 + nr) x k in [k0, k0 + kc) as fp32: row j at buf + j * kPanelKc, zero from kc to the next multiple
+// w rows [n0, n0 + nr) x k in [k0, k0 + kc) as fp32: row j at buf + j * ldb, zero from kc to the next multiple
 // of 8 and in the rows nr .. round_up(nr, 4) - 1.
 template <bool Grouped>
-FDL_AVX2 void panel_convert(const WeightOnly &p, int64_t n0, int64_t nr, int64_t k0, int64_t kc, float *buf) {
+FDL_AVX2 void panel_convert(const WeightOnly &p, int64_t n0, int64_t nr, int64_t k0, int64_t kc, float *buf,
+                            int64_t ldb) {
     const int64_t kc8 = (kc + 7) / 8 * 8;
     const int64_t nr4 = (nr + 3) / 4 * 4;
     for (int64_t j = 0; j < nr4; ++j) {
-        float *dst = buf + j * kPanelKc;
+        float *dst = buf + j * ldb;
         if (j >= nr) {
             std::memset(dst, 0, static_cast<size_t>(4 * kc8));
             continue;
@@ -563,18 +604,12 @@ FDL_AVX2 void panel_convert(const WeightOnly &p, int64_t n0, int64_t nr, int64_t
     }
 }
 
-// Horizontal sums of 4 accumulators: lanes 0..3 of the result.
-FDL_AVX2 inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
-    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-    return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-}
-
-// MB x rows (x + i * ldx: the kc values of the slice) times the 4 converted w rows at w (row stride kPanelKc).
+// MB x rows (x + i * ldx: the kc values of the slice) times the 4 converted w rows at w (row stride ldb).
 // part: the partial sums of these outputs, row stride kPanelNc. After the last slice: the outputs at columns n .. n + 3
 // (those < p.cols) of rows m0 .. m0 + MB - 1.
 template <int MB>
-FDL_AVX2 void panel_tile(const WeightOnly &p, const float *x, const float *w, int64_t kc, float *part, bool first,
-                         bool last, int64_t m0, int64_t n) {
+FDL_AVX2 void panel_tile(const WeightOnly &p, const float *x, const float *w, int64_t ldb, int64_t kc, float *part,
+                         bool first, bool last, int64_t m0, int64_t n) {
     __m256 acc[MB][kPanelNB];
 #pragma GCC unroll 3
     for (int i = 0; i < MB; ++i) {
@@ -593,7 +628,7 @@ FDL_AVX2 void panel_tile(const WeightOnly &p, const float *x, const float *w, in
         }
 #pragma GCC unroll 4
         for (int j = 0; j < kPanelNB; ++j) {
-            const __m256 wv = _mm256_loadu_ps(w + j * kPanelKc + k);
+            const __m256 wv = _mm256_loadu_ps(w + j * ldb + k);
 #pragma GCC unroll 3
             for (int i = 0; i < MB; ++i) {
                 acc[i][j] = _mm256_fmadd_ps(xv[i], wv, acc[i][j]);
@@ -610,7 +645,7 @@ FDL_AVX2 void panel_tile(const WeightOnly &p, const float *x, const float *w, in
         }
 #pragma GCC unroll 4
         for (int j = 0; j < kPanelNB; ++j) {
-            const __m256 wv = _mm256_loadu_ps(w + j * kPanelKc + k);
+            const __m256 wv = _mm256_loadu_ps(w + j * ldb + k);
 #pragma GCC unroll 3
             for (int i = 0; i < MB; ++i) {
                 acc[i][j] = _mm256_fmadd_ps(xv[i], wv, acc[i][j]);
@@ -645,37 +680,51 @@ FDL_AVX2 void panel_tile(const WeightOnly &p, const float *x, const float *w, in
         if (p.bias) {
             f = _mm_add_ps(f, _mm_load_ps(bias));
         }
-        store8(static_cast<char *>(p.out) + ((m0 + i) * p.ldo + n) * es, _mm256_castps128_ps256(f), p.out_dtype, nv);
+        char *o = static_cast<char *>(p.out) + ((m0 + i) * p.ldo + n) * es;
+        if (nv == 4 && p.out_dtype == DType::F32) { // the common case without store8's copy through a buffer
+            _mm_storeu_ps(reinterpret_cast<float *>(o), f);
+        } else if (nv == 4) {
+            const __m256 f8 = _mm256_castps128_ps256(f);
+            const __m128i h = p.out_dtype == DType::BF16 ? to_bf16(f8) : _mm256_cvtps_ph(f8, _MM_FROUND_TO_NEAREST_INT);
+            _mm_storel_epi64(reinterpret_cast<__m128i *>(o), h);
+        } else {
+            store8(o, _mm256_castps128_ps256(f), p.out_dtype, nv);
+        }
     }
 }
 
 template <bool Grouped> void weight_only_panels(const WeightOnly &p) {
-    float *wb = scratch_of<float>(kScratchA, kPanelNc * kPanelKc);
+    // K slices: one when K <= kPanelKc (no partial sums: K = 384 at M = 4096 took 0.86x the time of ATen's fp32
+    // GEMM with slices of 256, ...), else near-equal slices, multiples of 16 so that groups do not straddle two.
+    const int64_t nks = p.K > kPanelKc ? (p.K + kPanelKc - 1) / kPanelKc : 1;
+    const int64_t kcs = nks == 1 ? p.K : ((p.K + nks - 1) / nks + kWeightGroup - 1) / kWeightGroup * kWeightGroup;
+    const int64_t ldb = (kcs + 7) / 8 * 8 + 8; // converted row stride (+8: rows 4 KiB apart share L1 sets)
+    const int64_t jb_rows = imax(kPanelNB, kPanelL1 / (ldb * 4) / kPanelNB * kPanelNB);
+    float *wb = scratch_of<float>(kScratchA, kPanelNc * ldb);
     float *pt = scratch_of<float>(kScratchB, kPanelMc * kPanelNc);
-    const int64_t nks = p.K > 0 ? (p.K + kPanelKc - 1) / kPanelKc : 1;
     for (int64_t m0 = 0; m0 < p.rows; m0 += kPanelMc) {
         const int64_t mr = imin(kPanelMc, p.rows - m0);
         for (int64_t n0 = 0; n0 < p.cols; n0 += kPanelNc) {
             const int64_t nr = imin(kPanelNc, p.cols - n0);
             for (int64_t ks = 0; ks < nks; ++ks) {
-                const int64_t k0 = ks * kPanelKc, kc = imin(kPanelKc, p.K - k0);
-                panel_convert<Grouped>(p, n0, nr, k0, kc, wb);
+                const int64_t k0 = ks * kcs, kc = imin(kcs, p.K - k0);
+                panel_convert<Grouped>(p, n0, nr, k0, kc, wb, ldb);
                 const bool first = ks == 0, last = ks == nks - 1;
                 const float *xs = static_cast<const float *>(p.x) + m0 * p.ldx + k0;
-                for (int64_t jb = 0; jb < nr; jb += kPanelJb) {
-                    const int64_t je = imin(nr, jb + kPanelJb);
+                for (int64_t jb = 0; jb < nr; jb += jb_rows) {
+                    const int64_t je = imin(nr, jb + jb_rows);
                     for (int64_t i0 = 0; i0 < mr; i0 += kPanelMB) {
                         const int mb = static_cast<int>(imin(kPanelMB, mr - i0));
                         const float *xi = xs + i0 * p.ldx;
                         for (int64_t j = jb; j < je; j += kPanelNB) {
-                            const float *wj = wb + j * kPanelKc;
+                            const float *wj = wb + j * ldb;
                             float *pp = pt + i0 * kPanelNc + j;
                             if (mb == 3) {
-                                panel_tile<3>(p, xi, wj, kc, pp, first, last, m0 + i0, n0 + j);
+                                panel_tile<3>(p, xi, wj, ldb, kc, pp, first, last, m0 + i0, n0 + j);
                             } else if (mb == 2) {
-                                panel_tile<2>(p, xi, wj, kc, pp, first, last, m0 + i0, n0 + j);
+                                panel_tile<2>(p, xi, wj, ldb, kc, pp, first, last, m0 + i0, n0 + j);
                             } else {
-                                panel_tile<1>(p, xi, wj, kc, pp, first, last, m0 + i0, n0 + j);
+                                panel_tile<1>(p, xi, wj, ldb, kc, pp, first, last, m0 + i0, n0 + j);
                             }
                         }
                     }
@@ -686,11 +735,15 @@ template <bool Grouped> void weight_only_panels(const WeightOnly &p) {
 }
 
 void weight_only_f32(const WeightOnly &p) {
-    // From kPanelFromRows rows (per channel) or kPanelFromRowsGrouped (group codes: the dot form multiplies every
-    // weight by its code once per 2-row tile, the conversion once per row block) the panel GEMM is faster. One core,
-    // K = N = 4096, ms, dot form vs panels: per channel M = 16 8.0 vs 10.1, 24 12.0 vs 12.4, 32 15.6 vs 15.9, 64 31.3
-    // vs 27.5; grouped M = 8 7.5 vs 9.8, 12 9.0 vs 7.5, 16 13.2 vs 10.6, 64 54.5 vs 33.1.
-    if (p.rows >= (p.w_group ? kPanelFromRowsGrouped : kPanelFromRows)) {
+    // The panel GEMM converts each weight once per call; the dot form converts it once per 2-row tile (and with group
+    // codes multiplies it by its code there too), but reads int8 instead of fp32 in its inner loop. One core, ms, dot
+    // form vs panels: per channel, K = N = 384: M = 8 0.046 vs 0.045, 16 0.079 vs 0.069, 32 0.143 vs 0.115; 384 ->
+    // 1536 M = 4 0.082 vs 0.102, 16 0.280 vs 0.242; 2048 -> 5504 M = 8 3.35 vs 4.29, 16 5.99 vs 6.38; K = N = 4096
+    // M = 16 8.0 vs 10.1, 32 15.6 vs 15.9, 64 31.3 vs 27.5. Grouped, K = N = 384: M = 4 0.050 vs 0.057, 8 0.058 vs
+    // 0.052, 16 0.103 vs 0.075; 2048 -> 5504 M = 8 4.32 vs 4.25, 16 7.94 vs 6.25; K = N = 4096 M = 8 6.31 vs 6.26.
+    // Hence panels from 8 rows with groups, else from 16 rows when the thread's weights fit in L2 and 32 otherwise.
+    const int64_t from = p.w_group ? 8 : p.cols * p.K <= (int64_t(1) << 20) ? 16 : 32;
+    if (p.rows >= from) {
         if (p.w_group) {
             weight_only_panels<true>(p);
         } else {
