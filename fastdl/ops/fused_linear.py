@@ -17,7 +17,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ._library import define, register_autocast_rule, require, require_same_device
+from ._library import define, register_autocast_rule, require, require_device
 
 ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu")
 _FLOAT = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -60,7 +60,7 @@ def check_args(x, weight, bias, activation, residual) -> tuple[int, int]:
         lambda: f"fused_linear: weight must have shape [N, K] with K = x.shape[-1] = {K}, "
         f"got weight of shape {tuple(weight.shape)} (mismatched K)",
     )
-    require_same_device(
+    require_device(
         weight.device == x.device,
         lambda: f"fused_linear: x and weight must be on the same device, got x on {x.device}, "
         f"weight on {weight.device}",
@@ -73,7 +73,7 @@ def check_args(x, weight, bias, activation, residual) -> tuple[int, int]:
             bias.dim() == 1 and bias.shape[0] == N,
             lambda: f"fused_linear: bias must have shape [N] = [{N}], got {tuple(bias.shape)}",
         )
-        require_same_device(
+        require_device(
             bias.device == x.device,
             lambda: f"fused_linear: bias must be on x's device {x.device}, got {bias.device}",
         )
@@ -87,7 +87,7 @@ def check_args(x, weight, bias, activation, residual) -> tuple[int, int]:
             tuple(residual.shape) == out_shape,
             lambda: f"fused_linear: residual must have the output's shape {out_shape}, got {tuple(residual.shape)}",
         )
-        require_same_device(
+        require_device(
             residual.device == x.device,
             lambda: f"fused_linear: residual must be on x's device {x.device}, got {residual.device}",
         )
