@@ -1,8 +1,11 @@
 // 2:4 sparsity, CPU: ATen glue for fastdl_cpp::{mask_2_4, compress_2_4, decompress_2_4, sparse24_linear}.
 // Checks arguments, makes inputs contiguous, allocates outputs and splits the work between threads with
-// at::parallel_for; the SIMD kernels (sparse24_avx512.cpp, no torch headers) run on row ranges. The schemas are
-// defined in Python (fastdl/ops/sparse24.py), which documents the semantics and the meta layout.
+// at::parallel_for; the kernels of the active instruction-set level (sparse24_avx512.cpp, sparse24_avx2.cpp,
+// sparse24_scalar.cpp; no torch headers) run on row ranges. The schemas are defined in Python
+// (fastdl/ops/sparse24.py), which documents the semantics and the meta layout.
 #include "sparse24_kernels.h"
+
+#include "cpu_isa.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -15,6 +18,79 @@
 
 namespace fastdl {
 namespace sparse24 {
+
+// ================================================================================================== dispatch
+// The level comes from the one CPU-capability module (cpu_isa.h: cpuid + XGETBV, capped by FASTDL_CPU_ISA). The
+// AVX512-BF16 kernel also needs AVX512_VBMI2 (vpexpandw).
+int active_level() {
+    static const int level = [] {
+        const cpu::Level l = cpu::level();
+        if (l >= cpu::kAvx512Bf16 && cpu::features().avx512_vbmi2)
+            return static_cast<int>(Avx512Bf16);
+        if (l >= cpu::kAvx512)
+            return static_cast<int>(Avx512);
+        return l >= cpu::kAvx2 ? static_cast<int>(Avx2) : static_cast<int>(Scalar);
+    }();
+    return level;
+}
+
+const char *level_name(int level) {
+    switch (level) {
+    case Avx512Bf16:
+        return "avx512_bf16";
+    case Avx512:
+        return "avx512";
+    case Avx2:
+        return "avx2";
+    default:
+        return "scalar";
+    }
+}
+
+void compress_rows(int level, DType dt, const void *w, int64_t ld, int64_t K, int64_t r0, int64_t r1, void *values,
+                   uint8_t *meta, bool *mask) {
+    if (level >= Avx512)
+        return avx512::compress_rows(dt, w, ld, K, r0, r1, values, meta, mask);
+    if (level >= Avx2)
+        return avx2::compress_rows(dt, w, ld, K, r0, r1, values, meta, mask);
+    scalar::compress_rows(dt, w, ld, K, r0, r1, values, meta, mask);
+}
+
+void decompress_rows(int level, DType dt, const void *values, const uint8_t *meta, int64_t K, int64_t r0, int64_t r1,
+                     void *out) {
+    if (level >= Avx512)
+        return avx512::decompress_rows(dt, values, meta, K, r0, r1, out);
+    if (level >= Avx2)
+        return avx2::decompress_rows(dt, values, meta, K, r0, r1, out);
+    scalar::decompress_rows(dt, values, meta, K, r0, r1, out);
+}
+
+bool linear_accepts(int level, const LinearArgs &a) {
+    if (level >= Avx512)
+        return a.vdt == a.dt;
+    if (level >= Avx2)
+        return avx2::linear_accepts(a);
+    return true;
+}
+
+bool linear_wants_f32_x(int level, const LinearArgs &a) {
+    return level == Avx2 && avx2::linear_wants_f32_x(a);
+}
+
+int64_t linear_split(int level, const LinearArgs &a) {
+    if (level == Avx2)
+        return avx2::linear_split(a);
+    return 24; // a multiple of every NR of the AVX-512 kernels (4, 6, 8)
+}
+
+void linear_rows(int level, const LinearArgs &a, int64_t n0, int64_t n1) {
+    if (level >= Avx512)
+        return avx512::linear_rows(level >= Avx512Bf16, a, n0, n1);
+    if (level >= Avx2)
+        return avx2::linear_rows(a, n0, n1);
+    scalar::linear_rows(a, n0, n1);
+}
+
 namespace {
 
 DType weight_dtype(const at::Tensor &t, const char *op, const char *name) {
@@ -184,13 +260,17 @@ at::Tensor sparse24_linear(const at::Tensor &x_in, const at::Tensor &values_in, 
         return out;
     }
     const at::Tensor x = x_in.reshape({M, K}).contiguous();
-    // The kernel reads x and the values in one dtype: round fp32 values to bf16 x (as the contract says), or widen
-    // bf16 values for fp32 x (exact). Storing the values in x's dtype avoids this pass.
-    const at::Tensor values = values_in.to(x.scalar_type()).contiguous();
-    const at::Tensor meta = meta_in.contiguous();
-
+    const int level = active_level();
     LinearArgs a;
     a.dt = x.scalar_type() == at::kFloat ? DType::F32 : DType::BF16;
+    a.vdt = values_in.scalar_type() == at::kFloat ? DType::F32 : DType::BF16;
+    // A level that does not read this (x, values) dtype pair directly gets the values in x's dtype: fp32 values are
+    // rounded to bf16 x (the contract), bf16 values widened for fp32 x (exact; the AVX2 and scalar kernels widen
+    // them in registers instead). Storing the values in x's dtype avoids this pass.
+    if (!linear_accepts(level, a))
+        a.vdt = a.dt;
+    const at::Tensor values = (a.vdt == a.dt ? values_in.to(x.scalar_type()) : values_in).contiguous();
+    const at::Tensor meta = meta_in.contiguous();
     a.x = x.data_ptr();
     a.ldx = K;
     a.M = M;
@@ -201,7 +281,12 @@ at::Tensor sparse24_linear(const at::Tensor &x_in, const at::Tensor &values_in, 
     a.bias = bias.defined() ? bias.data_ptr<float>() : nullptr;
     a.out = out.data_ptr();
     a.ldo = N;
-    const int level = active_level();
+    at::Tensor xf; // x widened to fp32 once, for kernels that read it many times (shared by the threads)
+    if (linear_wants_f32_x(level, a)) {
+        xf = x.to(at::kFloat);
+        a.xf = xf.data_ptr<float>();
+        a.ldxf = K;
+    }
     const int64_t split = linear_split(level, a);
     const int64_t blocks = (N + split - 1) / split;
     parallel_range(blocks, 1,
@@ -212,6 +297,10 @@ at::Tensor sparse24_linear(const at::Tensor &x_in, const at::Tensor &values_in, 
 } // namespace
 } // namespace sparse24
 } // namespace fastdl
+
+const char *fastdl_sparse24_cpu_kernels() {
+    return fastdl::sparse24::level_name(fastdl::sparse24::active_level());
+}
 
 TORCH_LIBRARY_IMPL(fastdl_cpp, CPU, m) {
     m.impl("mask_2_4", &fastdl::sparse24::mask_2_4);

@@ -1,0 +1,454 @@
+// 2:4 sparsity, AVX2 + FMA kernels (Haswell and later, AMD Zen 1-3, and any AVX-512 CPU capped with
+// FASTDL_CPU_ISA=avx2). No torch headers; every function enables AVX2 + FMA with a target attribute and the dispatch
+// (sparse24.cpp) calls in only when cpu_isa.h reports the level. Threading is done by the caller on row ranges.
+//
+// One meta byte covers 8 positions = 2 groups = 4 kept values, so every kernel steps 8 positions at a time and looks
+// up a per-byte table (256 entries; a 2:4 meta only ever uses 36 of them):
+//  * prune+compress: the 8 magnitude keys of 2 groups (one group per 128-bit lane) are compared with the keys of the
+//    same group rotated by 1, 2, 3 (vpshufd); a position is kept when at most one other beats it. movmskps of the
+//    result is the meta byte; vpermd (fp32) / pshufb (16-bit) by that byte packs the 4 kept values.
+//  * decompress / expand: the 4 kept values are broadcast to both 128-bit lanes (vpbroadcastq / vbroadcasti128) and
+//    one vpshufb by the meta byte's control places them at their positions, zeroes the pruned lanes and (bf16 values)
+//    widens them to fp32 by putting the 2 bytes in the high half of each 32-bit lane. One load + one shuffle per
+//    8 positions, no separate widening or masking.
+//  * sparse linear, small M ("direct", memory-bound): MR rows of x x NR weight rows, each weight row expanded on the
+//    fly and multiplied (FMA, fp32 accumulation) with the 8 x values of those positions. The weight is read once per
+//    MR rows of x, in its stored dtype: bf16 values stream 2.25 bytes per kept value (incl. meta).
+//  * sparse linear, larger M ("panel", compute-bound): per NR = 3 weight rows and K block of 512 positions, the
+//    expanded fp32 panel (6 KiB) is built once in L1 and reused by every 4-row tile of x (4 x 3 dot-product tile,
+//    12 accumulators, x read as fp32). It does the multiply-adds of the dense GEMM (half on zeros), so its gain over
+//    a dense fp32 GEMM is the weight bytes, not the FLOPs; the dispatch in sparse24.cpp routes large M to the dense
+//    path where that is faster.
+//  Alternatives measured (prototype, 1 thread, K = 4096, N = 504, AVX2 on the Zen 4 dev machine, useful GFLOP/s =
+//  2 M N K / 2 / t): at M = 16 / 48 the panel tile reached 27 / 28, a pair tile (two weight rows' kept values in one
+//  vector, x gathered to match with vpermps, the AVX-512 kernel's trick) 18 / 11-16, and a transposed-x tile (every
+//  FMA useful: broadcast each kept value, load the 8-24 x rows of its position) 21 / 12-16: vpermps and the extra
+//  loads cost more than the zero lanes.
+#include "sparse24_kernels.h"
+
+#if defined(__x86_64__) || defined(_M_X64)
+#define FASTDL_SP24_AVX2 1
+#include <immintrin.h>
+#endif
+
+#include <vector>
+
+namespace fastdl {
+namespace sparse24 {
+namespace avx2 {
+
+#ifdef FASTDL_SP24_AVX2
+namespace {
+
+using namespace detail;
+
+#define SP24_AVX2 __attribute__((target("avx2,fma")))
+
+// ----------------------------------------------------------------------------------------------- tables
+// Rank of position p among the set bits of byte b below it (the index of its value in the byte's 4 kept values).
+constexpr int rank_below(int b, int p) {
+    int r = 0;
+    for (int q = 0; q < p; ++q)
+        r += (b >> q) & 1;
+    return r;
+}
+
+struct Tables {
+    alignas(32) uint8_t exp_bf16[256][32]; // vpshufb: 4 bf16 in bytes 0-7 of each lane -> 8 fp32 lanes
+    alignas(32) uint8_t exp_f32[256][32];  // vpshufb: 4 fp32 in bytes 0-15 of each lane -> 8 fp32 lanes
+    alignas(16) uint8_t exp_16[256][16];   // pshufb: 4 16-bit values in bytes 0-7 -> 8 16-bit lanes
+    alignas(16) uint8_t cmp_16[256][16];   // pshufb: 8 16-bit lanes -> the kept ones in bytes 0-7
+    alignas(32) int32_t cmp_32[256][8];    // vpermd: 8 32-bit lanes -> the kept ones in lanes 0-3
+    uint64_t mask_bytes[256];              // the 8 bits of b as 8 bool bytes
+    // Lanes of a byte with more than 4 bits (not a 2:4 meta) read the wrong value, never out of the 16-byte lane.
+    constexpr Tables() : exp_bf16(), exp_f32(), exp_16(), cmp_16(), cmp_32(), mask_bytes() {
+        for (int b = 0; b < 256; ++b) {
+            int r = 0;
+            for (int p = 0; p < 8; ++p) {
+                const bool on = (b >> p) & 1;
+                const int rk = rank_below(b, p) & 3;
+                for (int q = 0; q < 4; ++q) {
+                    exp_bf16[b][4 * p + q] = on && q >= 2 ? static_cast<uint8_t>(2 * rk + q - 2) : 0x80;
+                    exp_f32[b][4 * p + q] = on ? static_cast<uint8_t>(4 * rk + q) : 0x80;
+                }
+                for (int q = 0; q < 2; ++q)
+                    exp_16[b][2 * p + q] = on ? static_cast<uint8_t>(2 * rk + q) : 0x80;
+                if (on) {
+                    if (r < 4) {
+                        cmp_16[b][2 * r] = static_cast<uint8_t>(2 * p);
+                        cmp_16[b][2 * r + 1] = static_cast<uint8_t>(2 * p + 1);
+                        cmp_32[b][r] = p;
+                    }
+                    ++r;
+                }
+                mask_bytes[b] |= static_cast<uint64_t>(on) << (8 * p);
+            }
+            for (int q = 8; q < 16; ++q)
+                cmp_16[b][q] = 0x80;
+        }
+    }
+};
+constexpr Tables kT{};
+
+// ----------------------------------------------------------------------------------------------- loads
+SP24_AVX2 inline __m256 load8(const float *p) {
+    return _mm256_loadu_ps(p);
+}
+SP24_AVX2 inline __m256 load8(const uint16_t *p) { // 8 bf16 -> fp32 (exact)
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+
+// The 8 positions of meta byte `byte` as fp32 (zeros at pruned positions) from its 4 kept values at v.
+SP24_AVX2 inline __m256 expand8(const uint16_t *v, unsigned byte) {
+    long long q;
+    std::memcpy(&q, v, 8);
+    return _mm256_castsi256_ps(_mm256_shuffle_epi8(
+        _mm256_set1_epi64x(q), _mm256_load_si256(reinterpret_cast<const __m256i *>(kT.exp_bf16[byte]))));
+}
+SP24_AVX2 inline __m256 expand8(const float *v, unsigned byte) {
+    const __m256i s = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i *>(v)));
+    return _mm256_castsi256_ps(
+        _mm256_shuffle_epi8(s, _mm256_load_si256(reinterpret_cast<const __m256i *>(kT.exp_f32[byte]))));
+}
+
+SP24_AVX2 inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+// x . w over the trailing group (K % 8 == 4) of one row pair, scalar.
+template <typename XT, typename VT> inline float tail_dot(const XT *xr, const VT *vr, const uint8_t *mr, int64_t K) {
+    const int64_t g = K / 4 - 1;
+    int p0, p1;
+    kept_positions(meta_nibble(mr, g), p0, p1);
+    return to_f32(xr[4 * g + p0]) * to_f32(vr[2 * g]) + to_f32(xr[4 * g + p1]) * to_f32(vr[2 * g + 1]);
+}
+
+// ----------------------------------------------------------------------------------------------- compress
+template <int KIND> // 0 = F32, 1 = BF16, 2 = F16
+SP24_AVX2 void compress_row(const void *w, int64_t K, void *vals, uint8_t *meta, bool *mask) {
+    const __m256i absm = _mm256_set1_epi32(static_cast<int>(kAbsMask[KIND]));
+    const __m256i nank = _mm256_set1_epi32(static_cast<int>(kNanKey[KIND]));
+    // element j beats element i on equal keys when j < i: lanes (of each group) where the rotated partner is lower
+    const __m256i tie1 = _mm256_setr_epi32(0, 0, 0, -1, 0, 0, 0, -1);
+    const __m256i tie2 = _mm256_setr_epi32(0, 0, -1, -1, 0, 0, -1, -1);
+    const __m256i tie3 = _mm256_setr_epi32(0, -1, -1, -1, 0, -1, -1, -1);
+    const int64_t nc = K / 8;
+    for (int64_t c = 0; c < nc; ++c) {
+        __m256i raw;
+        __m128i raw16 = _mm_setzero_si128();
+        if constexpr (KIND == 0) {
+            raw = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(static_cast<const float *>(w) + 8 * c));
+        } else {
+            raw16 = _mm_loadu_si128(reinterpret_cast<const __m128i *>(static_cast<const uint16_t *>(w) + 8 * c));
+            raw = _mm256_cvtepu16_epi32(raw16);
+        }
+        const __m256i k = _mm256_min_epu32(_mm256_and_si256(raw, absm), nank);
+        const __m256i k1 = _mm256_shuffle_epi32(k, 0x39), k2 = _mm256_shuffle_epi32(k, 0x4E),
+                      k3 = _mm256_shuffle_epi32(k, 0x93);
+        const __m256i b1 =
+            _mm256_or_si256(_mm256_cmpgt_epi32(k1, k), _mm256_and_si256(_mm256_cmpeq_epi32(k1, k), tie1));
+        const __m256i b2 =
+            _mm256_or_si256(_mm256_cmpgt_epi32(k2, k), _mm256_and_si256(_mm256_cmpeq_epi32(k2, k), tie2));
+        const __m256i b3 =
+            _mm256_or_si256(_mm256_cmpgt_epi32(k3, k), _mm256_and_si256(_mm256_cmpeq_epi32(k3, k), tie3));
+        const __m256i lost = _mm256_or_si256(_mm256_or_si256(_mm256_and_si256(b1, b2), _mm256_and_si256(b1, b3)),
+                                             _mm256_and_si256(b2, b3));
+        const unsigned keep = static_cast<unsigned>(~_mm256_movemask_ps(_mm256_castsi256_ps(lost))) & 0xFFu;
+        if (vals) {
+            if constexpr (KIND == 0) {
+                const __m256i packed = _mm256_permutevar8x32_epi32(
+                    raw, _mm256_load_si256(reinterpret_cast<const __m256i *>(kT.cmp_32[keep])));
+                _mm_storeu_si128(reinterpret_cast<__m128i *>(static_cast<float *>(vals) + 4 * c),
+                                 _mm256_castsi256_si128(packed));
+            } else {
+                const __m128i packed =
+                    _mm_shuffle_epi8(raw16, _mm_load_si128(reinterpret_cast<const __m128i *>(kT.cmp_16[keep])));
+                _mm_storel_epi64(reinterpret_cast<__m128i *>(static_cast<uint16_t *>(vals) + 4 * c), packed);
+            }
+        }
+        if (meta)
+            meta[c] = static_cast<uint8_t>(keep);
+        if (mask)
+            std::memcpy(mask + 8 * c, &kT.mask_bytes[keep], 8);
+    }
+    if (K % 8) { // one trailing group
+        if constexpr (KIND == 0)
+            compress_group(static_cast<const uint32_t *>(w) + 8 * nc, 2 * nc, KIND, static_cast<uint32_t *>(vals), meta,
+                           mask);
+        else
+            compress_group(static_cast<const uint16_t *>(w) + 8 * nc, 2 * nc, KIND, static_cast<uint16_t *>(vals), meta,
+                           mask);
+    }
+}
+
+// ----------------------------------------------------------------------------------------------- decompress
+template <int BYTES> SP24_AVX2 void decompress_row(const void *vals, const uint8_t *meta, int64_t K, void *out) {
+    const int64_t nc = K / 8;
+    for (int64_t c = 0; c < nc; ++c) {
+        const unsigned byte = meta[c];
+        if constexpr (BYTES == 4) {
+            _mm256_storeu_ps(static_cast<float *>(out) + 8 * c,
+                             expand8(static_cast<const float *>(vals) + 4 * c, byte));
+        } else {
+            const __m128i v =
+                _mm_loadl_epi64(reinterpret_cast<const __m128i *>(static_cast<const uint16_t *>(vals) + 4 * c));
+            _mm_storeu_si128(reinterpret_cast<__m128i *>(static_cast<uint16_t *>(out) + 8 * c),
+                             _mm_shuffle_epi8(v, _mm_load_si128(reinterpret_cast<const __m128i *>(kT.exp_16[byte]))));
+        }
+    }
+    if (K % 8) {
+        if constexpr (BYTES == 4)
+            decompress_group(static_cast<const uint32_t *>(vals), meta, 2 * nc, static_cast<uint32_t *>(out));
+        else
+            decompress_group(static_cast<const uint16_t *>(vals), meta, 2 * nc, static_cast<uint16_t *>(out));
+    }
+}
+
+// ----------------------------------------------------------------------------------------------- direct (small M)
+// MR rows of x times NR weight rows over all of K; out[MR * NR] = the sums (no bias).
+template <typename XT, typename VT, int MR, int NR>
+SP24_AVX2 void direct_tile(const XT *const *xr, const VT *const *vr, const uint8_t *const *mr, int64_t K, float *out) {
+    __m256 acc[MR][NR];
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
+        for (int j = 0; j < NR; ++j)
+            acc[i][j] = _mm256_setzero_ps();
+    const int64_t nc = K / 8;
+    for (int64_t c = 0; c < nc; ++c) {
+        __m256 w[NR];
+#pragma GCC unroll 8
+        for (int j = 0; j < NR; ++j)
+            w[j] = expand8(vr[j] + 4 * c, mr[j][c]);
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; ++i) {
+            const __m256 xv = load8(xr[i] + 8 * c);
+#pragma GCC unroll 8
+            for (int j = 0; j < NR; ++j)
+                acc[i][j] = _mm256_fmadd_ps(xv, w[j], acc[i][j]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
+        for (int j = 0; j < NR; ++j)
+            out[i * NR + j] = hsum(acc[i][j]) + (K % 8 ? tail_dot(xr[i], vr[j], mr[j], K) : 0.f);
+}
+
+template <typename XT, typename VT, int MR, int NR>
+SP24_AVX2 void run_direct(const LinearArgs &a, int64_t m0, int64_t n0, int64_t n1) {
+    const XT *x = static_cast<const XT *>(a.x);
+    const VT *v = static_cast<const VT *>(a.values);
+    const int64_t half = a.K / 2, mb = (a.K + 7) / 8;
+    const int rows = static_cast<int>(std::min<int64_t>(MR, a.M - m0));
+    const XT *xr[MR];
+    for (int i = 0; i < MR; ++i)
+        xr[i] = x + (m0 + std::min(i, rows - 1)) * a.ldx;
+    for (int64_t n = n0; n < n1; n += NR) {
+        const VT *vr[NR];
+        const uint8_t *mr[NR];
+        for (int j = 0; j < NR; ++j) {
+            const int64_t r = std::min(n + j, n1 - 1); // past the end: repeat the last row (result discarded)
+            vr[j] = v + r * half;
+            mr[j] = a.meta + r * mb;
+        }
+        float acc[MR * NR];
+        direct_tile<XT, VT, MR, NR>(xr, vr, mr, a.K, acc);
+        store_tile<XT, NR>(a, acc, m0, rows, n, static_cast<int>(std::min<int64_t>(NR, n1 - n)));
+    }
+}
+
+template <typename XT, typename VT> SP24_AVX2 void linear_direct(const LinearArgs &a, int64_t n0, int64_t n1) {
+    int64_t m = 0;
+    for (; m + 4 <= a.M; m += 4)
+        run_direct<XT, VT, 4, 3>(a, m, n0, n1);
+    switch (a.M - m) {
+    case 1:
+        return run_direct<XT, VT, 1, 8>(a, m, n0, n1);
+    case 2:
+        return run_direct<XT, VT, 2, 6>(a, m, n0, n1);
+    case 3:
+        return run_direct<XT, VT, 3, 4>(a, m, n0, n1);
+    default:
+        return;
+    }
+}
+
+// ----------------------------------------------------------------------------------------------- panel (larger M)
+constexpr int kPMR = 4, kPNR = 3;
+constexpr int64_t kPKC = 512; // K block: the expanded panel is 3 x 512 fp32 = 6 KiB (L1)
+constexpr int64_t kPMC = 192; // M block: x block 192 x 512 fp32 = 384 KiB (L2), re-read per 3 weight rows
+
+// 4 rows of x (fp32) times the 3 expanded panel rows (stride kPKC) over `len` positions (multiple of 8). Partial sums
+// come from ain (nullptr: zeros) and go to aout (not the last K block), else their horizontal sums to out[4 * 3].
+SP24_AVX2 void panel_tile(const float *const *xr, const float *pn, int64_t len, const float *ain, float *aout,
+                          float *out) {
+    __m256 acc[kPMR][kPNR];
+#pragma GCC unroll 4
+    for (int i = 0; i < kPMR; ++i)
+#pragma GCC unroll 4
+        for (int j = 0; j < kPNR; ++j)
+            acc[i][j] = ain ? _mm256_loadu_ps(ain + 8 * (i * kPNR + j)) : _mm256_setzero_ps();
+    for (int64_t c = 0; c < len / 8; ++c) {
+        const __m256 w0 = _mm256_loadu_ps(pn + 8 * c), w1 = _mm256_loadu_ps(pn + kPKC + 8 * c),
+                     w2 = _mm256_loadu_ps(pn + 2 * kPKC + 8 * c);
+#pragma GCC unroll 4
+        for (int i = 0; i < kPMR; ++i) {
+            const __m256 xv = _mm256_loadu_ps(xr[i] + 8 * c);
+            acc[i][0] = _mm256_fmadd_ps(xv, w0, acc[i][0]);
+            acc[i][1] = _mm256_fmadd_ps(xv, w1, acc[i][1]);
+            acc[i][2] = _mm256_fmadd_ps(xv, w2, acc[i][2]);
+        }
+    }
+    if (aout) {
+#pragma GCC unroll 4
+        for (int i = 0; i < kPMR; ++i)
+#pragma GCC unroll 4
+            for (int j = 0; j < kPNR; ++j)
+                _mm256_storeu_ps(aout + 8 * (i * kPNR + j), acc[i][j]);
+        return;
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < kPMR; ++i)
+#pragma GCC unroll 4
+        for (int j = 0; j < kPNR; ++j)
+            out[i * kPNR + j] = hsum(acc[i][j]);
+}
+
+template <typename XT, typename VT> SP24_AVX2 void linear_panel(const LinearArgs &a, int64_t n0, int64_t n1) {
+    const float *x = a.xf ? a.xf : static_cast<const float *>(a.x); // fp32 x (the glue widened bf16 x once)
+    const int64_t ldx = a.xf ? a.ldxf : a.ldx;
+    const XT *xo = static_cast<const XT *>(a.x);
+    const VT *v = static_cast<const VT *>(a.values);
+    const int64_t half = a.K / 2, mb = (a.K + 7) / 8, K8 = a.K / 8 * 8;
+    const int64_t nkb = std::max<int64_t>(1, (K8 + kPKC - 1) / kPKC);
+    const int64_t mc = std::min(a.M, kPMC);
+    std::vector<float> panel(static_cast<size_t>(kPNR * kPKC));
+    std::vector<float> accs(static_cast<size_t>((mc + kPMR - 1) / kPMR * kPMR * kPNR * 8));
+    for (int64_t m0 = 0; m0 < a.M; m0 += kPMC) {
+        const int64_t m1 = std::min(a.M, m0 + kPMC);
+        for (int64_t n = n0; n < n1; n += kPNR) {
+            const int cols = static_cast<int>(std::min<int64_t>(kPNR, n1 - n));
+            const VT *vr[kPNR];
+            const uint8_t *mr[kPNR];
+            for (int j = 0; j < kPNR; ++j) {
+                const int64_t r = std::min(n + j, n1 - 1);
+                vr[j] = v + r * half;
+                mr[j] = a.meta + r * mb;
+            }
+            for (int64_t kb = 0; kb < nkb; ++kb) {
+                const int64_t k0 = kb * kPKC, len = std::min(kPKC, K8 - k0);
+                for (int j = 0; j < kPNR; ++j)
+                    for (int64_t c = 0; c < len / 8; ++c)
+                        _mm256_storeu_ps(panel.data() + j * kPKC + 8 * c,
+                                         expand8(vr[j] + k0 / 2 + 4 * c, mr[j][k0 / 8 + c]));
+                const bool last = kb == nkb - 1;
+                for (int64_t m = m0; m < m1; m += kPMR) {
+                    const int rows = static_cast<int>(std::min<int64_t>(kPMR, m1 - m));
+                    const float *xr[kPMR];
+                    for (int i = 0; i < kPMR; ++i)
+                        xr[i] = x + (m + std::min(i, rows - 1)) * ldx + k0;
+                    float *acc_io = accs.data() + (m - m0) / kPMR * kPMR * kPNR * 8;
+                    float sums[kPMR * kPNR];
+                    panel_tile(xr, panel.data(), len, kb ? acc_io : nullptr, last ? nullptr : acc_io, sums);
+                    if (!last)
+                        continue;
+                    if (a.K % 8)
+                        for (int i = 0; i < rows; ++i)
+                            for (int j = 0; j < kPNR; ++j)
+                                sums[i * kPNR + j] += tail_dot(xo + (m + i) * a.ldx, vr[j], mr[j], a.K);
+                    store_tile<XT, kPNR>(a, sums, m, rows, n, cols);
+                }
+            }
+        }
+    }
+}
+
+// Rows of x up to which the direct kernel (weight re-read per 4 rows) beats the panel kernel.
+constexpr int64_t kDirectMaxM = 4;
+
+template <typename XT, typename VT> SP24_AVX2 void linear_typed(const LinearArgs &a, int64_t n0, int64_t n1) {
+    if (a.M <= kDirectMaxM || a.K < 8)
+        return linear_direct<XT, VT>(a, n0, n1);
+    return linear_panel<XT, VT>(a, n0, n1);
+}
+
+} // namespace
+#endif // FASTDL_SP24_AVX2
+
+void compress_rows(DType dt, const void *w, int64_t ld, int64_t K, int64_t r0, int64_t r1, void *values, uint8_t *meta,
+                   bool *mask) {
+#ifdef FASTDL_SP24_AVX2
+    const size_t es = dt == DType::F32 ? 4 : 2;
+    const int64_t half = K / 2, mb = (K + 7) / 8;
+    for (int64_t r = r0; r < r1; ++r) {
+        const char *wr = static_cast<const char *>(w) + r * ld * es;
+        void *vr = values ? static_cast<char *>(values) + r * half * es : nullptr;
+        uint8_t *mr = meta ? meta + r * mb : nullptr;
+        bool *kr = mask ? mask + r * K : nullptr;
+        if (dt == DType::F32)
+            compress_row<0>(wr, K, vr, mr, kr);
+        else if (dt == DType::BF16)
+            compress_row<1>(wr, K, vr, mr, kr);
+        else
+            compress_row<2>(wr, K, vr, mr, kr);
+    }
+#else
+    scalar::compress_rows(dt, w, ld, K, r0, r1, values, meta, mask);
+#endif
+}
+
+void decompress_rows(DType dt, const void *values, const uint8_t *meta, int64_t K, int64_t r0, int64_t r1, void *out) {
+#ifdef FASTDL_SP24_AVX2
+    const size_t es = dt == DType::F32 ? 4 : 2;
+    const int64_t half = K / 2, mb = (K + 7) / 8;
+    for (int64_t r = r0; r < r1; ++r) {
+        const char *vr = static_cast<const char *>(values) + r * half * es;
+        char *orow = static_cast<char *>(out) + r * K * es;
+        if (es == 4)
+            decompress_row<4>(vr, meta + r * mb, K, orow);
+        else
+            decompress_row<2>(vr, meta + r * mb, K, orow);
+    }
+#else
+    scalar::decompress_rows(dt, values, meta, K, r0, r1, out);
+#endif
+}
+
+bool linear_accepts(const LinearArgs &a) {
+    return a.vdt == a.dt || (a.dt == DType::F32 && a.vdt == DType::BF16); // bf16 values widen exactly for fp32 x
+}
+
+bool linear_wants_f32_x(const LinearArgs &a) {
+#ifdef FASTDL_SP24_AVX2
+    return a.dt == DType::BF16 && a.M > kDirectMaxM && a.K >= 8;
+#else
+    (void)a;
+    return false;
+#endif
+}
+
+int64_t linear_split(const LinearArgs &a) {
+    (void)a;
+    return 24; // a multiple of every NR (8, 6, 4, 3)
+}
+
+void linear_rows(const LinearArgs &a, int64_t n0, int64_t n1) {
+    if (n0 >= n1 || a.M <= 0)
+        return;
+#ifdef FASTDL_SP24_AVX2
+    if (a.dt == DType::F32)
+        return a.vdt == DType::F32 ? linear_typed<float, float>(a, n0, n1) : linear_typed<float, uint16_t>(a, n0, n1);
+    if (a.vdt == DType::BF16)
+        return linear_typed<uint16_t, uint16_t>(a, n0, n1);
+#endif
+    scalar::linear_rows(a, n0, n1); // a pair linear_accepts rejects (the glue converts first): reference loop
+}
+
+} // namespace avx2
+} // namespace sparse24
+} // namespace fastdl
