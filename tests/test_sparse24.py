@@ -248,6 +248,16 @@ def test_cpp_isa_levels_match(isa):
         assert family == "avx2", out
 
 
+@pytest.mark.skipif(not HAS_CPP, reason="needs the compiled extension fastdl._C (C++ kernels)")
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "native"])
+def test_cpp_dense_route_matches(isa):
+    """From FASTDL_SPARSE24_DENSE_ROWS rows on, sparse24_linear decompresses to fp32 and calls at::mm (the route the
+    dispatch takes at large M where that is faster): same contract, every dtype pair, bias, non-contiguous x."""
+    out = run_at_isa(isa, "import os; os.environ['FASTDL_SPARSE24_DENSE_ROWS'] = '3'; import test_sparse24 as t; "
+                          "print('kernels', t.check_cpp_levels_match())")
+    assert out.split()[-1] in ("scalar", "avx2", "avx512", "avx512_bf16"), out
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_empty_inputs(backend):
     values, meta = sp.compress_2_4(torch.randn(6, 16))

@@ -11,6 +11,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <cstdint>
+#include <cstdlib>
 #include <exception>
 #include <mutex>
 #include <thread>
@@ -63,6 +65,13 @@ void decompress_rows(int level, DType dt, const void *values, const uint8_t *met
     if (level >= Avx2)
         return avx2::decompress_rows(dt, values, meta, K, r0, r1, out);
     scalar::decompress_rows(dt, values, meta, K, r0, r1, out);
+}
+
+void decompress_rows_f32(int level, DType vdt, const void *values, const uint8_t *meta, int64_t K, int64_t r0,
+                         int64_t r1, float *out) {
+    if (level >= Avx2)
+        return avx2::decompress_rows_f32(vdt, values, meta, K, r0, r1, out);
+    scalar::decompress_rows_f32(vdt, values, meta, K, r0, r1, out);
 }
 
 bool linear_accepts(int level, const LinearArgs &a) {
@@ -223,6 +232,61 @@ at::Tensor decompress_2_4(const at::Tensor &values_in, const at::Tensor &meta_in
     return out;
 }
 
+// ------------------------------------------------------------------------------------------- dense route
+// From this many rows of x on, sparse24_linear decompresses the weight to fp32 and calls at::mm (MKL / oneDNN sgemm)
+// instead of running the sparse kernel: at large M the product is compute-bound, the sparse kernels do the
+// multiply-adds of the dense GEMM (the AVX2 / AVX-512 fp32 ones expand the zeros too) and a tuned sgemm does them
+// faster than the decompression costs. Measured crossovers (2 threads, K = 4096, N = 4096 and 11008, medians of
+// alternating calls; see each number):
+// FASTDL_SPARSE24_DENSE_ROWS=<rows> overrides the crossover (read once per process: tests cover both routes at every
+// level with it, and benchmarks measure the crossover).
+int64_t dense_route_min_rows(int level, at::ScalarType xdt, int64_t N, int64_t K) {
+    static const int64_t forced = [] {
+        const char *env = std::getenv("FASTDL_SPARSE24_DENSE_ROWS");
+        return env && *env ? std::max<int64_t>(1, std::atoll(env)) : int64_t(0);
+    }();
+    if (forced)
+        return forced;
+    (void)xdt;
+    (void)N;
+    (void)K;
+    if (level >= Avx512)
+        return INT64_MAX;
+    return INT64_MAX;
+}
+
+// out = x @ decompress(values, meta).T + bias through fp32 at::mm, the weight decompressed in blocks of rows (at most
+// 16 MiB of fp32 at a time) straight into fp32; one rounding to x's dtype at the end.
+at::Tensor dense_route(int level, const at::Tensor &x, const at::Tensor &values_in, const at::Tensor &meta_in,
+                       const at::Tensor &bias, at::Tensor &out) {
+    const at::Tensor values = values_in.contiguous(), meta = meta_in.contiguous();
+    const int64_t M = x.size(0), K = x.size(1), N = values.size(0);
+    const DType vdt = values.scalar_type() == at::kFloat ? DType::F32 : DType::BF16;
+    const at::Tensor xf = x.to(at::kFloat);
+    at::Tensor res =
+        x.scalar_type() == at::kFloat ? out.view({M, N}) : at::empty({M, N}, x.options().dtype(at::kFloat));
+    const int64_t nb = std::max<int64_t>(1, std::min<int64_t>(N, (int64_t(16) << 20) / (4 * K)));
+    at::Tensor wblock = at::empty({std::min(nb, N), K}, x.options().dtype(at::kFloat));
+    const void *vp = values.data_ptr();
+    const uint8_t *mp = meta.data_ptr<uint8_t>();
+    for (int64_t n0 = 0; n0 < N; n0 += nb) {
+        const int64_t rows = std::min(nb, N - n0);
+        const int64_t vstride = (K / 2) * static_cast<int64_t>(values.element_size());
+        const void *vb = static_cast<const char *>(vp) + n0 * vstride;
+        const uint8_t *mb = mp + n0 * ((K + 7) / 8);
+        float *wp = wblock.data_ptr<float>();
+        parallel_range(rows, row_grain(K),
+                       [&](int64_t r0, int64_t r1) { decompress_rows_f32(level, vdt, vb, mb, K, r0, r1, wp); });
+        at::Tensor dst = res.narrow(1, n0, rows);
+        at::mm_out(dst, xf, wblock.narrow(0, 0, rows).t());
+    }
+    if (bias.defined())
+        res.add_(bias);
+    if (x.scalar_type() != at::kFloat)
+        out.view({M, N}).copy_(res);
+    return out;
+}
+
 at::Tensor sparse24_linear(const at::Tensor &x_in, const at::Tensor &values_in, const at::Tensor &meta_in,
                            const std::optional<at::Tensor> &bias_in) {
     check_compressed(values_in, meta_in, "sparse24_linear");
@@ -261,6 +325,8 @@ at::Tensor sparse24_linear(const at::Tensor &x_in, const at::Tensor &values_in, 
     }
     const at::Tensor x = x_in.reshape({M, K}).contiguous();
     const int level = active_level();
+    if (M >= dense_route_min_rows(level, x.scalar_type(), N, K))
+        return dense_route(level, x, values_in, meta_in, bias, out);
     LinearArgs a;
     a.dt = x.scalar_type() == at::kFloat ? DType::F32 : DType::BF16;
     a.vdt = values_in.scalar_type() == at::kFloat ? DType::F32 : DType::BF16;

@@ -54,14 +54,15 @@ constexpr int rank_below(int b, int p) {
 }
 
 struct Tables {
-    alignas(32) uint8_t exp_bf16[256][32]; // vpshufb: 4 bf16 in bytes 0-7 of each lane -> 8 fp32 lanes
-    alignas(32) uint8_t exp_f32[256][32];  // vpshufb: 4 fp32 in bytes 0-15 of each lane -> 8 fp32 lanes
-    alignas(16) uint8_t exp_16[256][16];   // pshufb: 4 16-bit values in bytes 0-7 -> 8 16-bit lanes
-    alignas(16) uint8_t cmp_16[256][16];   // pshufb: 8 16-bit lanes -> the kept ones in bytes 0-7
-    alignas(32) int32_t cmp_32[256][8];    // vpermd: 8 32-bit lanes -> the kept ones in lanes 0-3
-    uint64_t mask_bytes[256];              // the 8 bits of b as 8 bool bytes
+    alignas(32) uint8_t exp_bf16[256][32];    // vpshufb: 4 bf16 in bytes 0-7 of each lane -> 8 fp32 lanes
+    alignas(32) uint8_t exp_bf16_hi[256][32]; // the same from bytes 8-15 (the second meta byte of a 16-position step)
+    alignas(32) uint8_t exp_f32[256][32];     // vpshufb: 4 fp32 in bytes 0-15 of each lane -> 8 fp32 lanes
+    alignas(16) uint8_t exp_16[256][16];      // pshufb: 4 16-bit values in bytes 0-7 -> 8 16-bit lanes
+    alignas(16) uint8_t cmp_16[256][16];      // pshufb: 8 16-bit lanes -> the kept ones in bytes 0-7
+    alignas(32) int32_t cmp_32[256][8];       // vpermd: 8 32-bit lanes -> the kept ones in lanes 0-3
+    uint64_t mask_bytes[256];                 // the 8 bits of b as 8 bool bytes
     // Lanes of a byte with more than 4 bits (not a 2:4 meta) read the wrong value, never out of the 16-byte lane.
-    constexpr Tables() : exp_bf16(), exp_f32(), exp_16(), cmp_16(), cmp_32(), mask_bytes() {
+    constexpr Tables() : exp_bf16(), exp_bf16_hi(), exp_f32(), exp_16(), cmp_16(), cmp_32(), mask_bytes() {
         for (int b = 0; b < 256; ++b) {
             int r = 0;
             for (int p = 0; p < 8; ++p) {
@@ -69,6 +70,7 @@ struct Tables {
                 const int rk = rank_below(b, p) & 3;
                 for (int q = 0; q < 4; ++q) {
                     exp_bf16[b][4 * p + q] = on && q >= 2 ? static_cast<uint8_t>(2 * rk + q - 2) : 0x80;
+                    exp_bf16_hi[b][4 * p + q] = on && q >= 2 ? static_cast<uint8_t>(8 + 2 * rk + q - 2) : 0x80;
                     exp_f32[b][4 * p + q] = on ? static_cast<uint8_t>(4 * rk + q) : 0x80;
                 }
                 for (int q = 0; q < 2; ++q)
@@ -208,35 +210,87 @@ template <int BYTES> SP24_AVX2 void decompress_row(const void *vals, const uint8
     }
 }
 
+// One row of bf16 values -> dense fp32 (the dense route's weight).
+SP24_AVX2 void expand_row_f32(const uint16_t *v, const uint8_t *mt, int64_t K, float *out) {
+    const int64_t nc = K / 8;
+    for (int64_t c = 0; c < nc; ++c)
+        _mm256_storeu_ps(out + 8 * c, expand8(v + 4 * c, mt[c]));
+    if (K % 8) {
+        const int nib = mt[nc] & 15;
+        int j = 0;
+        for (int i = 0; i < 4; ++i)
+            out[8 * nc + i] = ((nib >> i) & 1) && j < 2 ? bf16_to_f32(v[4 * nc + j++]) : 0.f;
+    }
+}
+
+#ifndef SP24_M1_NR
+#define SP24_M1_NR 4
+#endif
 // ----------------------------------------------------------------------------------------------- direct (small M)
-// MR rows of x times NR weight rows over all of K; out[MR * NR] = the sums (no bias).
+// 16 positions (2 meta bytes, 8 kept values) of one weight row per step: one 16-byte broadcast of the 8 bf16 values
+// feeds both vpshufb expansions (the second byte's control reads bytes 8-15), and the 2 meta bytes are one 16-bit
+// load: 4 loads per 16 positions instead of 6.
+SP24_AVX2 inline void expand16(const uint16_t *v, unsigned bytes, __m256 &lo, __m256 &hi) {
+    const __m256i s = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i *>(v)));
+    lo = _mm256_castsi256_ps(
+        _mm256_shuffle_epi8(s, _mm256_load_si256(reinterpret_cast<const __m256i *>(kT.exp_bf16[bytes & 0xFF]))));
+    hi = _mm256_castsi256_ps(
+        _mm256_shuffle_epi8(s, _mm256_load_si256(reinterpret_cast<const __m256i *>(kT.exp_bf16_hi[bytes >> 8]))));
+}
+SP24_AVX2 inline void expand16(const float *v, unsigned bytes, __m256 &lo, __m256 &hi) {
+    lo = expand8(v, bytes & 0xFF);
+    hi = expand8(v + 4, bytes >> 8);
+}
+
+// MR rows of x times NR weight rows over all of K; out[MR * NR] = the sums (no bias). With one row of x, each output
+// keeps two accumulators (positions 0-7 and 8-15 of a step) so that NR * 2 FMA chains hide the FMA latency.
 template <typename XT, typename VT, int MR, int NR>
 SP24_AVX2 void direct_tile(const XT *const *xr, const VT *const *vr, const uint8_t *const *mr, int64_t K, float *out) {
-    __m256 acc[MR][NR];
+    constexpr int S = MR == 1 ? 2 : 1;
+    __m256 acc[MR][NR][S];
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 8
         for (int j = 0; j < NR; ++j)
-            acc[i][j] = _mm256_setzero_ps();
-    const int64_t nc = K / 8;
-    for (int64_t c = 0; c < nc; ++c) {
-        __m256 w[NR];
+#pragma GCC unroll 2
+            for (int s = 0; s < S; ++s)
+                acc[i][j][s] = _mm256_setzero_ps();
+    const int64_t n16 = K / 16;
+    for (int64_t c = 0; c < n16; ++c) {
+        __m256 wl[NR], wh[NR];
 #pragma GCC unroll 8
-        for (int j = 0; j < NR; ++j)
-            w[j] = expand8(vr[j] + 4 * c, mr[j][c]);
+        for (int j = 0; j < NR; ++j) {
+            uint16_t bytes;
+            std::memcpy(&bytes, mr[j] + 2 * c, 2);
+            expand16(vr[j] + 8 * c, bytes, wl[j], wh[j]);
+        }
 #pragma GCC unroll 8
         for (int i = 0; i < MR; ++i) {
-            const __m256 xv = load8(xr[i] + 8 * c);
+            const __m256 xl = load8(xr[i] + 16 * c), xh = load8(xr[i] + 16 * c + 8);
 #pragma GCC unroll 8
-            for (int j = 0; j < NR; ++j)
-                acc[i][j] = _mm256_fmadd_ps(xv, w[j], acc[i][j]);
+            for (int j = 0; j < NR; ++j) {
+                acc[i][j][0] = _mm256_fmadd_ps(xl, wl[j], acc[i][j][0]);
+                acc[i][j][S - 1] = _mm256_fmadd_ps(xh, wh[j], acc[i][j][S - 1]);
+            }
+        }
+    }
+    if (K % 16 >= 8) { // one more 8-position step
+        const int64_t c = K / 8 - 1;
+#pragma GCC unroll 8
+        for (int j = 0; j < NR; ++j) {
+            const __m256 w = expand8(vr[j] + 4 * c, mr[j][c]);
+#pragma GCC unroll 8
+            for (int i = 0; i < MR; ++i)
+                acc[i][j][0] = _mm256_fmadd_ps(load8(xr[i] + 8 * c), w, acc[i][j][0]);
         }
     }
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 8
-        for (int j = 0; j < NR; ++j)
-            out[i * NR + j] = hsum(acc[i][j]) + (K % 8 ? tail_dot(xr[i], vr[j], mr[j], K) : 0.f);
+        for (int j = 0; j < NR; ++j) {
+            const __m256 t = S == 2 ? _mm256_add_ps(acc[i][j][0], acc[i][j][S - 1]) : acc[i][j][0];
+            out[i * NR + j] = hsum(t) + (K % 8 ? tail_dot(xr[i], vr[j], mr[j], K) : 0.f);
+        }
 }
 
 template <typename XT, typename VT, int MR, int NR>
@@ -268,7 +322,7 @@ template <typename XT, typename VT> SP24_AVX2 void linear_direct(const LinearArg
         run_direct<XT, VT, 4, 3>(a, m, n0, n1);
     switch (a.M - m) {
     case 1:
-        return run_direct<XT, VT, 1, 8>(a, m, n0, n1);
+        return run_direct<XT, VT, 1, SP24_M1_NR>(a, m, n0, n1);
     case 2:
         return run_direct<XT, VT, 2, 6>(a, m, n0, n1);
     case 3:
@@ -416,6 +470,19 @@ void decompress_rows(DType dt, const void *values, const uint8_t *meta, int64_t 
     }
 #else
     scalar::decompress_rows(dt, values, meta, K, r0, r1, out);
+#endif
+}
+
+void decompress_rows_f32(DType vdt, const void *values, const uint8_t *meta, int64_t K, int64_t r0, int64_t r1,
+                         float *out) {
+#ifdef FASTDL_SP24_AVX2
+    if (vdt == DType::F32)
+        return decompress_rows(vdt, values, meta, K, r0, r1, out);
+    const int64_t half = K / 2, mb = (K + 7) / 8;
+    for (int64_t r = r0; r < r1; ++r)
+        expand_row_f32(static_cast<const uint16_t *>(values) + r * half, meta + r * mb, K, out + r * K);
+#else
+    scalar::decompress_rows_f32(vdt, values, meta, K, r0, r1, out);
 #endif
 }
 

@@ -59,6 +59,10 @@ void compress_rows(int level, DType dt, const void *w, int64_t ld, int64_t K, in
 // copied (no conversion), so any 16-bit type works as BF16.
 void decompress_rows(int level, DType dt, const void *values, const uint8_t *meta, int64_t K, int64_t r0, int64_t r1,
                      void *out);
+// Dense fp32 rows [r0, r1) (K columns, zeros at pruned positions) from values of dtype vdt (F32, or BF16 widened
+// exactly): the weight of the dense route (decompress + at::mm), without a 16-bit copy in between.
+void decompress_rows_f32(int level, DType vdt, const void *values, const uint8_t *meta, int64_t K, int64_t r0,
+                         int64_t r1, float *out);
 // Whether the level's kernel reads values of dtype a.vdt with x of dtype a.dt directly (else the glue converts the
 // values to x's dtype first).
 bool linear_accepts(int level, const LinearArgs &a);
@@ -73,6 +77,8 @@ namespace scalar {
 void compress_rows(DType dt, const void *w, int64_t ld, int64_t K, int64_t r0, int64_t r1, void *values, uint8_t *meta,
                    bool *mask);
 void decompress_rows(DType dt, const void *values, const uint8_t *meta, int64_t K, int64_t r0, int64_t r1, void *out);
+void decompress_rows_f32(DType vdt, const void *values, const uint8_t *meta, int64_t K, int64_t r0, int64_t r1,
+                         float *out);
 void linear_rows(const LinearArgs &a, int64_t n0, int64_t n1); // any (dt, vdt)
 } // namespace scalar
 
@@ -80,6 +86,8 @@ namespace avx2 {
 void compress_rows(DType dt, const void *w, int64_t ld, int64_t K, int64_t r0, int64_t r1, void *values, uint8_t *meta,
                    bool *mask);
 void decompress_rows(DType dt, const void *values, const uint8_t *meta, int64_t K, int64_t r0, int64_t r1, void *out);
+void decompress_rows_f32(DType vdt, const void *values, const uint8_t *meta, int64_t K, int64_t r0, int64_t r1,
+                         float *out);
 bool linear_accepts(const LinearArgs &a);
 bool linear_wants_f32_x(const LinearArgs &a);
 int64_t linear_split(const LinearArgs &a);

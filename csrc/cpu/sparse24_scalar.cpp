@@ -81,6 +81,28 @@ void decompress_rows(DType dt, const void *values, const uint8_t *meta, int64_t 
     }
 }
 
+void decompress_rows_f32(DType vdt, const void *values, const uint8_t *meta, int64_t K, int64_t r0, int64_t r1,
+                         float *out) {
+    const int64_t half = K / 2, mb = (K + 7) / 8;
+    for (int64_t r = r0; r < r1; ++r) {
+        const uint8_t *mr = meta + r * mb;
+        float *o = out + r * K;
+        for (int64_t g = 0; g < K / 4; ++g) {
+            const int nib = meta_nibble(mr, g);
+            int j = 0;
+            for (int i = 0; i < 4; ++i) {
+                float v = 0.f;
+                if (((nib >> i) & 1) && j < 2) {
+                    const int64_t e = r * half + 2 * g + j++;
+                    v = vdt == DType::F32 ? static_cast<const float *>(values)[e]
+                                          : bf16_to_f32(static_cast<const uint16_t *>(values)[e]);
+                }
+                o[4 * g + i] = v;
+            }
+        }
+    }
+}
+
 void linear_rows(const LinearArgs &a, int64_t n0, int64_t n1) {
     const bool xf = a.dt == DType::F32, vf = a.vdt == DType::F32;
     if (xf)
