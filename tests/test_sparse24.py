@@ -197,7 +197,7 @@ def test_sparse_linear_leading_dims_noncontiguous_mixed_dtypes(backend):
 
 
 LEVEL_LINEAR_SHAPES = [(1, 68, 9), (2, 4, 5), (3, 100, 25), (4, 12, 7), (5, 132, 17), (7, 1028, 26), (9, 520, 3),
-                       (33, 260, 10), (200, 36, 5)]
+                       (33, 260, 10), (200, 36, 5), (250, 268, 50), (24, 4, 17)]
 
 
 def check_cpp_levels_match() -> str:

@@ -259,7 +259,9 @@ int64_t dense_route_min_rows(int level, at::ScalarType xdt, int64_t N, int64_t K
 // 16 MiB of fp32 at a time) straight into fp32; one rounding to x's dtype at the end.
 at::Tensor dense_route(int level, const at::Tensor &x, const at::Tensor &values_in, const at::Tensor &meta_in,
                        const at::Tensor &bias, at::Tensor &out) {
-    const at::Tensor values = values_in.contiguous(), meta = meta_in.contiguous();
+    // W is rounded to x's dtype (the contract): fp32 values for bf16 x become bf16 first
+    const at::Tensor values = (x.scalar_type() == at::kBFloat16 ? values_in.to(at::kBFloat16) : values_in).contiguous();
+    const at::Tensor meta = meta_in.contiguous();
     const int64_t M = x.size(0), K = x.size(1), N = values.size(0);
     const DType vdt = values.scalar_type() == at::kFloat ? DType::F32 : DType::BF16;
     const at::Tensor xf = x.to(at::kFloat);
