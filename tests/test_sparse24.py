@@ -235,10 +235,11 @@ def check_cpp_levels_match() -> str:
 @pytest.mark.skipif(not HAS_CPP, reason="needs the compiled extension fastdl._C (C++ kernels)")
 @pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512", "native"])
 def test_cpp_isa_levels_match(isa):
-    """FASTDL_CPU_ISA caps the kernels' instruction set (once per process): every level gives the contract's
-    results, and the process runs the kernels of the level it was capped at (avx2: the AVX2 kernels, also on an
-    AVX-512 CPU)."""
-    out = run_at_isa(isa, "import test_sparse24 as t; print('kernels', t.check_cpp_levels_match())")
+    """FASTDL_CPU_ISA caps the kernels' instruction set (once per process): every level's sparse kernels give the
+    contract's results (the dense route is switched off: FASTDL_SPARSE24_DENSE_ROWS above every M), and the process
+    runs the kernels of the level it was capped at (avx2: the AVX2 kernels, also on an AVX-512 CPU)."""
+    out = run_at_isa(isa, "import os; os.environ['FASTDL_SPARSE24_DENSE_ROWS'] = str(2**40); "
+                          "import test_sparse24 as t; print('kernels', t.check_cpp_levels_match())")
     family = out.split()[-1]
     native = fastdl.info(print_result=False)["cpu"]["kernels"]["sparse24"]
     levels = ["scalar", "avx2", "avx512", "avx512_bf16"]
@@ -250,7 +251,7 @@ def test_cpp_isa_levels_match(isa):
 
 @pytest.mark.skipif(not HAS_CPP, reason="needs the compiled extension fastdl._C (C++ kernels)")
 @pytest.mark.parametrize("isa", ["scalar", "avx2", "native"])
-def test_cpp_dense_route_matches(isa):
+def test_cpp_dense_route_matches(isa):  # the route every scalar call takes, and large M where it is faster
     """From FASTDL_SPARSE24_DENSE_ROWS rows on, sparse24_linear decompresses to fp32 and calls at::mm (the route the
     dispatch takes at large M where that is faster): same contract, every dtype pair, bias, non-contiguous x."""
     out = run_at_isa(isa, "import os; os.environ['FASTDL_SPARSE24_DENSE_ROWS'] = '3'; import test_sparse24 as t; "

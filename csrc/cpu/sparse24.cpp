@@ -233,13 +233,21 @@ at::Tensor decompress_2_4(const at::Tensor &values_in, const at::Tensor &meta_in
 }
 
 // ------------------------------------------------------------------------------------------- dense route
-// From this many rows of x on, sparse24_linear decompresses the weight to fp32 and calls at::mm (MKL / oneDNN sgemm)
-// instead of running the sparse kernel: at large M the product is compute-bound, the sparse kernels do the
-// multiply-adds of the dense GEMM (the AVX2 / AVX-512 fp32 ones expand the zeros too) and a tuned sgemm does them
-// faster than the decompression costs. Measured crossovers (2 threads, K = 4096, N = 4096 and 11008, medians of
-// alternating calls; see each number):
-// FASTDL_SPARSE24_DENSE_ROWS=<rows> overrides the crossover (read once per process: tests cover both routes at every
-// level with it, and benchmarks measure the crossover).
+// From dense_route_min_rows(...) rows of x on, sparse24_linear decompresses the weight to fp32 (in 16 MiB blocks of
+// rows) and calls at::mm (MKL / oneDNN sgemm) instead of running the sparse kernel. The decompression is paid on every
+// call (the op keeps no state), so the route only pays where the sparse kernel is much slower than a tuned sgemm.
+// Measured (AMD EPYC Zen 4 dev machine, K = N = 4096, medians of alternating calls, 1 thread: the shared machine's
+// load made 2-thread timings meaningless; ms sparse kernel / dense route / F.linear fp32 on a dense fp32 weight):
+//  * scalar (portable kernels; also what a non-x86 CPU runs): M = 1: 21-31 / 12 / 4.5, M = 4: 30-52 / 39-47 / 18,
+//    M = 16: 122-200 / 39-51 / 30-35. The route wins from M = 1 (the per-call decompression is a fraction of the
+//    scalar kernel's time), so every scalar call takes it.
+//  * avx2 (capped, fp32 x with bf16 values / bf16 x): M = 128: 219 / - / 245, M = 512: 716-813 / 898 / 716 (the
+//    broadcast kernel runs the dense GEMM's multiply-adds at ~84% of the FMA peak, like sgemm, and reads half the
+//    weight): never.
+//  * avx512 / avx512_bf16: never (the pair kernels do half the dense multiply-adds; fastdl.nn.Sparse24Linear keeps
+//    a cached dense weight for the sizes where dense bf16 F.linear is faster).
+// FASTDL_SPARSE24_DENSE_ROWS=<rows> overrides it (read once per process: the tests run both routes at every level,
+// and benchmarks measure the crossover with it).
 int64_t dense_route_min_rows(int level, at::ScalarType xdt, int64_t N, int64_t K) {
     static const int64_t forced = [] {
         const char *env = std::getenv("FASTDL_SPARSE24_DENSE_ROWS");
@@ -250,9 +258,7 @@ int64_t dense_route_min_rows(int level, at::ScalarType xdt, int64_t N, int64_t K
     (void)xdt;
     (void)N;
     (void)K;
-    if (level >= Avx512)
-        return INT64_MAX;
-    return INT64_MAX;
+    return level == Scalar ? 1 : INT64_MAX;
 }
 
 // out = x @ decompress(values, meta).T + bias through fp32 at::mm, the weight decompressed in blocks of rows (at most

@@ -19,8 +19,10 @@ template <typename U> void decompress_row(const U *vals, const uint8_t *meta, in
         decompress_group(vals, meta, g, out);
 }
 
-// XT: x / out element (float or uint16_t = bf16), VT: values element.
+// XT: x / out element (float or uint16_t = bf16), VT: values element. Each group's kept positions and values are
+// decoded once per weight row and block of up to 8 rows of x.
 template <typename XT, typename VT> void linear(const LinearArgs &a, int64_t n0, int64_t n1) {
+    constexpr int MB = 8;
     const XT *x = static_cast<const XT *>(a.x);
     const VT *v = static_cast<const VT *>(a.values);
     XT *out = static_cast<XT *>(a.out);
@@ -30,9 +32,9 @@ template <typename XT, typename VT> void linear(const LinearArgs &a, int64_t n0,
         const VT *vr = v + n * half;
         const uint8_t *mr = a.meta + n * mb;
         const float b = a.bias ? a.bias[n] : 0.f;
-        for (int64_t m = 0; m < a.M; ++m) {
-            const XT *xr = x + m * a.ldx;
-            float acc = 0.f;
+        for (int64_t m0 = 0; m0 < a.M; m0 += MB) {
+            const int rows = static_cast<int>(std::min<int64_t>(MB, a.M - m0));
+            float acc[MB] = {};
             for (int64_t g = 0; g < a.K / 4; ++g) {
                 int p0, p1;
                 kept_positions(meta_nibble(mr, g), p0, p1);
@@ -41,9 +43,13 @@ template <typename XT, typename VT> void linear(const LinearArgs &a, int64_t n0,
                     w0 = bf16_to_f32(f32_to_bf16(w0));
                     w1 = bf16_to_f32(f32_to_bf16(w1));
                 }
-                acc += to_f32(xr[4 * g + p0]) * w0 + to_f32(xr[4 * g + p1]) * w1;
+                for (int i = 0; i < rows; ++i) {
+                    const XT *xg = x + (m0 + i) * a.ldx + 4 * g;
+                    acc[i] += to_f32(xg[p0]) * w0 + to_f32(xg[p1]) * w1;
+                }
             }
-            store_out(out + m * a.ldo + n, acc + b);
+            for (int i = 0; i < rows; ++i)
+                store_out(out + (m0 + i) * a.ldo + n, acc[i] + b);
         }
     }
 }
@@ -88,17 +94,20 @@ void decompress_rows_f32(DType vdt, const void *values, const uint8_t *meta, int
         const uint8_t *mr = meta + r * mb;
         float *o = out + r * K;
         for (int64_t g = 0; g < K / 4; ++g) {
-            const int nib = meta_nibble(mr, g);
-            int j = 0;
-            for (int i = 0; i < 4; ++i) {
-                float v = 0.f;
-                if (((nib >> i) & 1) && j < 2) {
-                    const int64_t e = r * half + 2 * g + j++;
-                    v = vdt == DType::F32 ? static_cast<const float *>(values)[e]
-                                          : bf16_to_f32(static_cast<const uint16_t *>(values)[e]);
-                }
-                o[4 * g + i] = v;
+            int p0, p1;
+            kept_positions(meta_nibble(mr, g), p0, p1);
+            const int64_t e = r * half + 2 * g;
+            float w0, w1;
+            if (vdt == DType::F32) {
+                w0 = static_cast<const float *>(values)[e];
+                w1 = static_cast<const float *>(values)[e + 1];
+            } else {
+                w0 = bf16_to_f32(static_cast<const uint16_t *>(values)[e]);
+                w1 = bf16_to_f32(static_cast<const uint16_t *>(values)[e + 1]);
             }
+            o[4 * g] = o[4 * g + 1] = o[4 * g + 2] = o[4 * g + 3] = 0.f;
+            o[4 * g + p0] = w0;
+            o[4 * g + p1] = w1;
         }
     }
 }
