@@ -11,19 +11,21 @@
 //    one vpshufb by the meta byte's control places them at their positions, zeroes the pruned lanes and (bf16 values)
 //    widens them to fp32 by putting the 2 bytes in the high half of each 32-bit lane. One load + one shuffle per
 //    8 positions, no separate widening or masking.
-//  * sparse linear, small M ("direct", memory-bound): MR rows of x x NR weight rows, each weight row expanded on the
-//    fly and multiplied (FMA, fp32 accumulation) with the 8 x values of those positions. The weight is read once per
-//    MR rows of x, in its stored dtype: bf16 values stream 2.25 bytes per kept value (incl. meta).
-//  * sparse linear, larger M ("panel", compute-bound): per NR = 3 weight rows and K block of 512 positions, the
-//    expanded fp32 panel (6 KiB) is built once in L1 and reused by every 4-row tile of x (4 x 3 dot-product tile,
-//    12 accumulators, x read as fp32). It does the multiply-adds of the dense GEMM (half on zeros), so its gain over
-//    a dense fp32 GEMM is the weight bytes, not the FLOPs; the dispatch in sparse24.cpp routes large M to the dense
-//    path where that is faster.
+//  * sparse linear, M <= 4 ("direct", memory-bound): MR rows of x x NR weight rows, each weight row expanded on the
+//    fly, 16 positions per step (one 16-byte broadcast of 8 bf16 values and one 16-bit meta load feed two vpshufb),
+//    multiplied (FMA, fp32 accumulation) with the x values of those positions. The weight is read once per 4 rows
+//    of x, in its stored dtype: bf16 values stream 2.25 bytes per kept value (meta included), fp32 x reads bf16
+//    values directly (widened in registers), so a user keeps fp32 activations and half-size weights.
+//  * 5 <= M < 18 ("panel"): per 3 weight rows and K block of 512 positions, the expanded fp32 panel (6 KiB) is built
+//    once in L1 and reused by every 4-row tile of x (4 x 3 dot-product tile, 12 accumulators).
+//  * M >= 18 ("broadcast", compute-bound): the classic 6 x 16 GEMM tile on a k-major expanded panel (see
+//    linear_bcast); ~84% of the FMA peak. Both expanded kernels do the dense GEMM's multiply-adds (half on zeros):
+//    their gain over a dense fp32 GEMM is the weight bytes, not the FLOPs.
 //  Alternatives measured (prototype, 1 thread, K = 4096, N = 504, AVX2 on the Zen 4 dev machine, useful GFLOP/s =
-//  2 M N K / 2 / t): at M = 16 / 48 the panel tile reached 27 / 28, a pair tile (two weight rows' kept values in one
-//  vector, x gathered to match with vpermps, the AVX-512 kernel's trick) 18 / 11-16, and a transposed-x tile (every
-//  FMA useful: broadcast each kept value, load the 8-24 x rows of its position) 21 / 12-16: vpermps and the extra
-//  loads cost more than the zero lanes.
+//  2 M N K / 2 / t): at M = 16 / 48 the panel tile reached 27-34 / 28-37, a pair tile (two weight rows' kept values
+//  in one vector, x gathered to match with vpermps, the AVX-512 kernel's trick) 18-20 / 11-33, and a transposed-x
+//  tile (every FMA useful: broadcast each kept value, load the 8-24 x rows of its position) 21-32 / 12-17: vpermps
+//  and the extra loads cost more than the zero lanes save.
 #include "sparse24_kernels.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -223,9 +225,6 @@ SP24_AVX2 void expand_row_f32(const uint16_t *v, const uint8_t *mt, int64_t K, f
     }
 }
 
-#ifndef SP24_M1_NR
-#define SP24_M1_NR 4
-#endif
 // ----------------------------------------------------------------------------------------------- direct (small M)
 // 16 positions (2 meta bytes, 8 kept values) of one weight row per step: one 16-byte broadcast of the 8 bf16 values
 // feeds both vpshufb expansions (the second byte's control reads bytes 8-15), and the 2 meta bytes are one 16-bit
@@ -322,7 +321,7 @@ template <typename XT, typename VT> SP24_AVX2 void linear_direct(const LinearArg
         run_direct<XT, VT, 4, 3>(a, m, n0, n1);
     switch (a.M - m) {
     case 1:
-        return run_direct<XT, VT, 1, SP24_M1_NR>(a, m, n0, n1);
+        return run_direct<XT, VT, 1, 4>(a, m, n0, n1); // 8 accumulators, 8 streams (4 rows x values + meta)
     case 2:
         return run_direct<XT, VT, 2, 6>(a, m, n0, n1);
     case 3:
@@ -556,7 +555,10 @@ template <typename XT, typename VT> SP24_AVX2 void linear_bcast(const LinearArgs
             store_out(out + m * a.ldo + n0 + n, C[m * ldc + n] + (a.bias ? a.bias[n0 + n] : 0.f));
 }
 
-// Rows of x up to which the direct kernel (weight re-read per 4 rows) beats the panel kernel.
+// Rows of x up to which the direct kernel (weight re-read per 4 rows) runs; the panel kernel from 5 on.
+// Measured (1 thread, K = 4096, N = 11008 bf16 (50 MB, from DRAM), ms direct / panel): M = 4 7.6 / -, 5 15.4 / 18-22,
+// 6 17-25 / 21-28, 8 24-26 / 16-23, 12 25-38 / 19, 16 31-39 / 25-31 (the shared machine's noise is +-30%): the
+// direct kernel's second pass over the weight costs about what the panel's zero lanes do at M = 5-8.
 constexpr int64_t kDirectMaxM = 4;
 // The broadcast kernel from 18 rows on, unless its 6-row tiles waste more than 10% over the panel's 4-row ones.
 // Measured (1 thread, K = 4096, N = 240, bf16, ms panel / broadcast): M = 8 0.24 / 0.45, 12 0.33 / 0.45,
