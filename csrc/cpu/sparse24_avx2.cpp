@@ -479,14 +479,34 @@ SP24_AVX2 void build_bpanel(const VT *const *vr, const uint8_t *const *mr, int64
     }
 }
 
-// C[6][16] (row stride ldc) += x rows (fp32, at the block's first position) times pk over len positions; first: C = 0.
-SP24_AVX2 void bcast_tile(const float *const *xr, const float *pk, int64_t len, float *c, int64_t ldc, bool first) {
+// fp32 -> bf16 bits (round to nearest even, NaN -> 0x7FC0, like c10::BFloat16), 8 lanes.
+SP24_AVX2 inline __m128i to_bf16(__m256 f) {
+    const __m256i bits = _mm256_castps_si256(f);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q)));
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8));
+}
+
+// Where a tile's sums go. Not the last K block: fp32 partial sums to c (row stride ldc). The last one: + bias (16
+// values or nullptr), then fp32 to c (out itself for fp32 x) or bf16 to ob (row stride ldo).
+struct TileOut {
+    float *c = nullptr;
+    int64_t ldc = 0;
+    bool last = false;
+    const float *bias = nullptr;
+    uint16_t *ob = nullptr;
+    int64_t ldo = 0;
+};
+
+// 6 rows of x (fp32, at the block's first position) times pk over len positions, added to c (first: from zero).
+SP24_AVX2 void bcast_tile(const float *const *xr, const float *pk, int64_t len, bool first, const TileOut &o) {
     __m256 acc[kBMR][2];
 #pragma GCC unroll 6
     for (int i = 0; i < kBMR; ++i)
 #pragma GCC unroll 2
         for (int h = 0; h < 2; ++h)
-            acc[i][h] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(c + i * ldc + 8 * h);
+            acc[i][h] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(o.c + i * o.ldc + 8 * h);
     for (int64_t k = 0; k < len; ++k) {
         const __m256 w0 = _mm256_loadu_ps(pk + kBNR * k), w1 = _mm256_loadu_ps(pk + kBNR * k + 8);
 #pragma GCC unroll 6
@@ -496,11 +516,27 @@ SP24_AVX2 void bcast_tile(const float *const *xr, const float *pk, int64_t len, 
             acc[i][1] = _mm256_fmadd_ps(b, w1, acc[i][1]);
         }
     }
+    if (o.last && o.bias) {
+        const __m256 b0 = _mm256_loadu_ps(o.bias), b1 = _mm256_loadu_ps(o.bias + 8);
+#pragma GCC unroll 6
+        for (int i = 0; i < kBMR; ++i) {
+            acc[i][0] = _mm256_add_ps(acc[i][0], b0);
+            acc[i][1] = _mm256_add_ps(acc[i][1], b1);
+        }
+    }
+    if (o.last && o.ob) {
+#pragma GCC unroll 6
+        for (int i = 0; i < kBMR; ++i)
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; ++h)
+                _mm_storeu_si128(reinterpret_cast<__m128i *>(o.ob + i * o.ldo + 8 * h), to_bf16(acc[i][h]));
+        return;
+    }
 #pragma GCC unroll 6
     for (int i = 0; i < kBMR; ++i)
 #pragma GCC unroll 2
         for (int h = 0; h < 2; ++h)
-            _mm256_storeu_ps(c + i * ldc + 8 * h, acc[i][h]);
+            _mm256_storeu_ps(o.c + i * o.ldc + 8 * h, acc[i][h]);
 }
 
 template <typename XT, typename VT> SP24_AVX2 void linear_bcast(const LinearArgs &a, int64_t n0, int64_t n1) {
@@ -508,15 +544,16 @@ template <typename XT, typename VT> SP24_AVX2 void linear_bcast(const LinearArgs
     const int64_t ldx = a.xf ? a.ldxf : a.ldx;
     const VT *v = static_cast<const VT *>(a.values);
     const int64_t half = a.K / 2, mb = (a.K + 7) / 8, nt = n1 - n0;
-    const bool direct_c = a.dt == DType::F32; // accumulate in out itself
-    std::vector<float> cbuf(direct_c ? 0 : static_cast<size_t>(a.M * nt));
-    float *C = direct_c ? static_cast<float *>(a.out) + n0 : cbuf.data();
-    const int64_t ldc = direct_c ? a.ldo : nt;
-    std::vector<float> panel(static_cast<size_t>(kBKC * kBNR + 8)), edge(static_cast<size_t>(kBMR * kBNR));
+    const bool f32_out = sizeof(XT) == 4; // accumulate in out itself
     const int64_t Kp = (a.K + 7) / 8 * 8; // positions incl. the trailing group, padded
+    const bool one_block = Kp <= kBKC;    // no partial sums to keep
+    std::vector<float> cbuf(f32_out || one_block ? 0 : static_cast<size_t>(a.M * nt));
+    float *C = f32_out ? static_cast<float *>(a.out) + n0 : cbuf.data();
+    const int64_t ldc = f32_out ? a.ldo : nt;
+    std::vector<float> panel(static_cast<size_t>(kBKC * kBNR + 8)), edge(static_cast<size_t>(kBMR * kBNR));
     for (int64_t k0 = 0; k0 < Kp; k0 += kBKC) {
         const int64_t len = std::min(kBKC, a.K - k0); // positions of x to read (the panel is zero-padded to 8)
-        const bool first = k0 == 0;
+        const bool first = k0 == 0, last = k0 + kBKC >= Kp;
         for (int64_t m0 = 0; m0 < a.M; m0 += kBMC) {
             const int64_t m1 = std::min(a.M, m0 + kBMC);
             for (int64_t n = n0; n < n1; n += kBNR) {
@@ -535,24 +572,38 @@ template <typename XT, typename VT> SP24_AVX2 void linear_bcast(const LinearArgs
                     for (int i = 0; i < kBMR; ++i)
                         xr[i] = x + (m + std::min(i, rows - 1)) * ldx + k0;
                     float *ct = C + m * ldc + (n - n0);
-                    if (rows == kBMR && cols == kBNR) {
-                        bcast_tile(xr, panel.data(), len, ct, ldc, first);
+                    if (rows == kBMR && cols == kBNR) { // full tile: straight to / from C and out
+                        TileOut o;
+                        o.c = ct;
+                        o.ldc = ldc;
+                        o.last = last;
+                        o.bias = a.bias ? a.bias + n : nullptr;
+                        o.ob = f32_out ? nullptr : static_cast<uint16_t *>(a.out) + m * a.ldo + n;
+                        o.ldo = a.ldo;
+                        bcast_tile(xr, panel.data(), len, first, o);
                         continue;
                     }
-                    for (int i = 0; i < rows && !first; ++i) // an edge tile works on a copy of its valid part
+                    // an edge tile works on a copy of its valid part; the last K block stores it element by element
+                    for (int i = 0; i < rows && !first; ++i)
                         std::memcpy(edge.data() + i * kBNR, ct + i * ldc, cols * sizeof(float));
-                    bcast_tile(xr, panel.data(), len, edge.data(), kBNR, first);
+                    TileOut o;
+                    o.c = edge.data();
+                    o.ldc = kBNR;
+                    bcast_tile(xr, panel.data(), len, first, o);
+                    if (!last) {
+                        for (int i = 0; i < rows; ++i)
+                            std::memcpy(ct + i * ldc, edge.data() + i * kBNR, cols * sizeof(float));
+                        continue;
+                    }
+                    XT *out = static_cast<XT *>(a.out);
                     for (int i = 0; i < rows; ++i)
-                        std::memcpy(ct + i * ldc, edge.data() + i * kBNR, cols * sizeof(float));
+                        for (int j = 0; j < cols; ++j)
+                            store_out(out + (m + i) * a.ldo + n + j,
+                                      edge[i * kBNR + j] + (a.bias ? a.bias[n + j] : 0.f));
                 }
             }
         }
     }
-    // epilogue: bias and the rounding to out's dtype
-    XT *out = static_cast<XT *>(a.out);
-    for (int64_t m = 0; m < a.M; ++m)
-        for (int64_t n = 0; n < nt; ++n)
-            store_out(out + m * a.ldo + n0 + n, C[m * ldc + n] + (a.bias ? a.bias[n0 + n] : 0.f));
 }
 
 // Rows of x up to which the direct kernel (weight re-read per 4 rows) runs; the panel kernel from 5 on.
