@@ -43,9 +43,11 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .. import backends
+from ..dispatch import RuntimeChoice
 from ..ops import int8 as int8_ops
 from ._base import VersionedModule, is_dtensor, not_a_view
 
@@ -107,7 +109,7 @@ def _cpu_packing_available() -> bool:
     return backends.available("cpp", "int8_linear", "cpu")[0]
 
 
-class Int8Linear(VersionedModule):
+class Int8Linear(RuntimeChoice, VersionedModule):
     """Drop-in for ``nn.Linear(in_features, out_features, bias)`` with int8 weights. See the module docstring.
 
     ``Int8Linear(in, out)`` is initialised like ``nn.Linear`` (then quantized); usually it is made with
@@ -217,6 +219,15 @@ class Int8Linear(VersionedModule):
         return not_a_view(self._forward(x))
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.trainable:
+            k = self.in_features
+            key = ((x.numel() // k if k else 0).bit_length(), x.dtype)
+            path = self._choice_local.get(key) or self._choose(x, key)
+            if path != "kernel":
+                return self._run_path(path, x)
+        return self._kernel_forward(x)
+
+    def _kernel_forward(self, x: torch.Tensor) -> torch.Tensor:
         weight_only = self.mode == "weight_only"
         if self.trainable:
             if self.training:
@@ -229,6 +240,64 @@ class Int8Linear(VersionedModule):
         if weight_only:
             return int8_ops.int8_weight_only_linear(x, w_q, w_scale, self.bias, w_group)
         return int8_ops.int8_linear(x, w_q, w_scale, self.bias, w_packed, w_comp)
+
+    # ------------------------------------------------------------------------------ run-time choice (dispatch)
+    # Inference layers choose per bucket of input rows between "kernel" (the int8 op of their mode, the default) and
+    # "dequant": F.linear on the dequantized weight w_q * scales (* group scales), made once per dtype and held in
+    # the weight cache ONLY while "dequant" is the decision of at least one bucket of that dtype (and while a new
+    # bucket is timed): N x K x itemsize bytes, in fp32 4x the int8 weight, i.e. what the original nn.Linear held.
+    # Compute-bound shapes (large M) are faster as a GEMM than through an int8 kernel that converts weights tile by
+    # tile. Trainable (QAT) layers always run their op.
+    def _choice_layer(self) -> tuple:
+        return ("Int8Linear", self.mode, self.group_size, self.in_features, self.out_features, self.bias is not None)
+
+    def _choice_default(self, x) -> str:
+        return "kernel"
+
+    def _choice_paths(self, x: torch.Tensor) -> tuple[str, ...]:
+        if (self.trainable or x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or x.dim() < 1
+                or x.shape[-1] != self.in_features or x.device != self.weight_scale.device):
+            return ("kernel",)  # the op names the problem
+        return ("kernel", "dequant")
+
+    def _run_path(self, path: str, x: torch.Tensor) -> torch.Tensor:
+        if path == "kernel":
+            return self._kernel_forward(x)
+        b = self.bias
+        if b is not None and b.dtype != x.dtype:
+            b = b.to(x.dtype)
+        return F.linear(x, self.dequantized_weight(x.dtype), b)
+
+    def _dequant_sources(self) -> tuple:
+        w = self._buffers.get("weight")
+        return (w if w is not None else self.weight_packed, self.weight_scale)
+
+    @torch.no_grad()
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``w_q * weight_scale`` (times the group scales) as a ``[out, in]`` tensor of ``dtype``: cached while the
+        "dequant" path is chosen for ``dtype`` (see above), else made per call."""
+        cache = self._weight_cache
+        if torch.compiler.is_compiling():  # no state changes in a graph: the cached copy, or one made per call
+            w = cache.get(("dequant", dtype))
+            return w if w is not None else _dequantize(self.qweight, self.weight_scale, self.weight_group_scale).to(
+                dtype)
+        cache.sync(*self._dequant_sources())
+        w = cache.get(("dequant", dtype))
+        if w is None:
+            w = _dequantize(self.qweight, self.weight_scale, self.weight_group_scale).to(dtype).contiguous()
+            cache.set(("dequant", dtype), w)
+        return w
+
+    def _choice_released(self, kept: set) -> None:
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            if ("dequant", dtype) not in kept:
+                self._weight_cache.pop(("dequant", dtype))
+
+    def cache_bytes(self) -> int:
+        """Bytes of the dequantized weights held for the "dequant" path (0 while no bucket chose it)."""
+        cache = self._weight_cache
+        return sum(cache.get(k).numel() * cache.get(k).element_size() for k in cache.names()
+                   if isinstance(k, tuple) and k[0] == "dequant")
 
     def train(self, mode: bool = True):
         super().train(mode)
