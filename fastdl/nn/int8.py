@@ -162,6 +162,7 @@ class Int8Linear(RuntimeChoice, VersionedModule):
 
     def _set_quantized(self, q: torch.Tensor, s: torch.Tensor, g: torch.Tensor | None = None) -> None:
         """Inference layers: hold ``q`` plainly, or only its VNNI packing on the CPU when the C++ kernel reads it."""
+        self._weight_cache.clear()  # the dequantized weights of the "dequant" path belong to the old weights
         self._buffers["weight_scale"] = s.float()
         self._buffers["weight_group_scale"] = g
         packed, comp = self._pack(q)
@@ -223,8 +224,12 @@ class Int8Linear(RuntimeChoice, VersionedModule):
             k = self.in_features
             key = ((x.numel() // k if k else 0).bit_length(), x.dtype)
             path = self._choice_local.get(key) or self._choose(x, key)
-            if path != "kernel":
-                return self._run_path(path, x)
+            if path == "dequant":  # inlined: this is the path of tiny shapes, where ~1 us per call shows
+                w = self._weight_cache.get(("dequant", x.dtype))
+                if w is None:
+                    w = self.dequantized_weight(x.dtype)
+                b = self.bias
+                return F.linear(x, w, b if b is None or b.dtype == x.dtype else b.to(x.dtype))
         return self._kernel_forward(x)
 
     def _kernel_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -268,23 +273,18 @@ class Int8Linear(RuntimeChoice, VersionedModule):
             b = b.to(x.dtype)
         return F.linear(x, self.dequantized_weight(x.dtype), b)
 
-    def _dequant_sources(self) -> tuple:
-        w = self._buffers.get("weight")
-        return (w if w is not None else self.weight_packed, self.weight_scale)
-
-    @torch.no_grad()
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``w_q * weight_scale`` (times the group scales) as a ``[out, in]`` tensor of ``dtype``: cached while the
-        "dequant" path is chosen for ``dtype`` (see above), else made per call."""
+        "dequant" path is chosen for ``dtype`` (see above), else made per call. The cache is dropped whenever the
+        quantized weights are replaced (``load_state_dict``, a device move); int8 buffers changed in place by hand
+        are not seen: call ``release_caches()`` after doing that."""
         cache = self._weight_cache
-        if torch.compiler.is_compiling():  # no state changes in a graph: the cached copy, or one made per call
-            w = cache.get(("dequant", dtype))
-            return w if w is not None else _dequantize(self.qweight, self.weight_scale, self.weight_group_scale).to(
-                dtype)
-        cache.sync(*self._dequant_sources())
         w = cache.get(("dequant", dtype))
-        if w is None:
+        if w is not None:
+            return w
+        with torch.no_grad():
             w = _dequantize(self.qweight, self.weight_scale, self.weight_group_scale).to(dtype).contiguous()
+        if not torch.compiler.is_compiling():  # no state changes inside a graph: made per call there
             cache.set(("dequant", dtype), w)
         return w
 
