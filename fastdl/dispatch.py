@@ -10,14 +10,16 @@ the CPU or GPU, the dtype and the layer's shape, so the layer decides per **buck
 How a decision is made
   The first call at a new bucket that runs without autograd (``torch.no_grad()`` / ``torch.inference_mode()``),
   outside ``torch.compile`` and outside autocast, times every path the layer's weights allow on that very input,
-  calls interleaved: one warm-up call each, then rounds of one call each until each path has had ``MIN_REPS`` (3)
-  timed calls and the rounds have taken ``BUDGET_S`` (2 ms) per path, or ``MAX_REPS`` (15) rounds. A path's time is
-  the fastest of its calls (interference from other processes only adds time). So a new bucket costs about
-  ``max(2 ms, 4 calls)`` per path, once (2 or 3 paths); later calls pay a dictionary lookup (~0.3 us). The layer
+  calls interleaved: one warm-up call each, then rounds of one call each, at least ``MIN_REPS`` (3), until the rounds
+  have taken ``BUDGET_S`` (2 ms) per path and two calls of each path agree within 3 % on its fastest time, or
+  ``MAX_BUDGET_S`` (10 ms) per path, or ``MAX_REPS`` (15) rounds. A path's time is the fastest of its calls
+  (interference from other processes only adds time). So a new bucket costs 2-10 ms per path (4 calls of each when
+  a call takes longer than that), once, for 2 or 3 paths; later calls pay a dictionary lookup (~0.3 us). The layer
   keeps its default path unless another one is faster by more than ``MARGIN`` (2 %). Calls with autograd
   (training), inside ``torch.compile`` and under autocast never time anything: they use a decision made earlier for
   their bucket, or the default path. ``fastdl.convert(model, ..., workload=...)`` makes the decisions of the
-  workload's buckets while it converts.
+  workload's buckets while it converts. Decide on a quiet machine: timings taken while other processes compete for
+  the cores can pick the slower path (then save the good decisions, or clear them and let the layers decide again).
 
 What a decision is keyed by
   ``(machine, device, dtype, layer, bucket)``: the machine is the CPU model, the ISA level fastdl's kernels run at
@@ -78,6 +80,11 @@ FORMAT_VERSION = 1
 MIN_REPS = 3
 MAX_REPS = 15
 BUDGET_S = 2e-3
+# ... and, past BUDGET_S, until two calls of each path agree on its fastest time within SETTLED, at most MAX_BUDGET_S
+# per path (or MIN_REPS calls). On the 2-core development machine under load 6 (other builds), an A/A test (one call
+# timed as two paths) gave |a/b - 1| above 30 % in 10 % of the decisions at M = 1 with the fixed budget alone.
+SETTLED = 0.03
+MAX_BUDGET_S = 10e-3
 # Another path replaces the default only when its median is more than 2 % faster: run-to-run noise of the medians
 # on the 2-core development machine is ~1-2 %, and the default path is what earlier versions always ran.
 MARGIN = 0.02
@@ -338,11 +345,23 @@ def time_calls(calls: dict[str, Callable[[], object]], device: torch.device, inf
                 if sync:
                     sync()
                 times[n].append(time.perf_counter() - t0)
-            if rep + 1 >= MIN_REPS and time.perf_counter() - start >= BUDGET_S * len(names):
+            if rep + 1 < MIN_REPS:
+                continue
+            spent = time.perf_counter() - start
+            if spent >= MAX_BUDGET_S * len(names) or (spent >= BUDGET_S * len(names) and _settled(times)):
                 break
     # The minimum, not the median: interference from other processes only ever adds time, and on a busy 2-core
     # machine (load 6-8) a third of the calls of a 10 us layer took 15-30 ms - enough to flip a median of 3-5.
     return {n: min(v) for n, v in times.items()}
+
+
+def _settled(times: dict[str, list[float]]) -> bool:
+    """Every path's fastest call is matched within SETTLED by another of its calls (two calls agree on it)."""
+    for v in times.values():
+        a, b = sorted(v)[:2]
+        if b > a * (1.0 + SETTLED):
+            return False
+    return True
 
 
 def pick(times: dict[str, float], default: str) -> str:

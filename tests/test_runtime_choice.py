@@ -467,3 +467,24 @@ def test_fixed_policy_with_a_workload_decides_now_and_reports_buckets(timer):
     assert _paths(model[0]) == {5: "kernel", 8: "dequant"}
     text = str(fastdl.report(model))
     assert "M 16-31" in text and "kernel 1e+03" in text and "dequant" in text
+
+
+def test_real_timer_orders_calls_and_bounds_its_cost():
+    import time
+
+    counts = {"fast": 0, "slow": 0}
+
+    def call(name, seconds):
+        def f():
+            counts[name] += 1
+            time.sleep(seconds)
+
+        return f
+
+    t0 = time.perf_counter()
+    times = dispatch.time_calls({"fast": call("fast", 0.001), "slow": call("slow", 0.004)}, torch.device("cpu"))
+    wall = time.perf_counter() - t0
+    assert times["fast"] < times["slow"] and times["fast"] >= 0.001
+    # one warm-up, then MIN_REPS..MAX_REPS rounds; past MAX_BUDGET_S per path it stops after the round
+    assert 1 + dispatch.MIN_REPS <= counts["fast"] == counts["slow"] <= 1 + dispatch.MAX_REPS
+    assert wall < 2 * (dispatch.MAX_BUDGET_S * 2 + 2 * (0.001 + 0.004)) + 0.5
