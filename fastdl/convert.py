@@ -432,6 +432,7 @@ def _choose_policy(site: _Site, entry: dict, max_error: float, noise: float) -> 
             "dtype": str(bk["dtype"]).removeprefix("torch."), "input_shape": bk["input_shape"],
             "orig_ms": bk["orig_s"] * 1e3, "time_ms": t * 1e3, "speedup": bk["orig_s"] / t,
             "path": r["path"] if r else "original",
+            "times": ", ".join(f"{p} {v['ms']:.3g}" for p, v in r["paths"].items()) if r else "",
         })
     candidates = {kind: {"ms": [bk["kinds"][kind]["s"] * 1e3 for bk in buckets if kind in bk["kinds"]],
                          "error": max((bk["kinds"][kind]["error"] for bk in buckets if kind in bk["kinds"]),
