@@ -324,9 +324,11 @@ def set_timer(fn: Callable | None) -> Callable | None:
     return prev
 
 
-def time_calls(calls: dict[str, Callable[[], object]], device: torch.device, info: dict | None = None) -> dict:
+def time_calls(calls: dict[str, Callable[[], object]], device: torch.device, info: dict | None = None, *,
+               budget_s: float = BUDGET_S, max_budget_s: float = MAX_BUDGET_S, max_reps: int = MAX_REPS) -> dict:
     """Seconds per call of each callable (the fastest of its timed calls), calls interleaved (a slow spell of the
-    machine hits all of them), bounded as the module docstring says. Uses the replacement timer when one is set."""
+    machine hits all of them), bounded as the module docstring says (``fastdl.convert`` passes larger bounds: it runs
+    once, when asked). Uses the replacement timer when one is set."""
     if _STATE.timer is not None:
         return dict(_STATE.timer(calls, device, info or {}))
     sync = torch.cuda.synchronize if device.type == "cuda" else None
@@ -338,7 +340,7 @@ def time_calls(calls: dict[str, Callable[[], object]], device: torch.device, inf
         if sync:
             sync()
         start = time.perf_counter()
-        for rep in range(MAX_REPS):
+        for rep in range(max_reps):
             for n in names:
                 t0 = time.perf_counter()
                 calls[n]()
@@ -348,7 +350,7 @@ def time_calls(calls: dict[str, Callable[[], object]], device: torch.device, inf
             if rep + 1 < MIN_REPS:
                 continue
             spent = time.perf_counter() - start
-            if spent >= MAX_BUDGET_S * len(names) or (spent >= BUDGET_S * len(names) and _settled(times)):
+            if spent >= max_budget_s * len(names) or (spent >= budget_s * len(names) and _settled(times)):
                 break
     # The minimum, not the median: interference from other processes only ever adds time, and on a busy 2-core
     # machine (load 6-8) a third of the calls of a 10 us layer took 15-30 ms - enough to flip a median of 3-5.

@@ -398,7 +398,7 @@ def test_convert_auto_over_a_workload_picks_per_layer_consistently(timer):
         out = {}
         for name in calls:
             kind, _, path = name.partition("/")
-            out[name] = 1.0 if name == "original" else tables[info["layer"]](kind, path, info["rows"] < 64)
+            out[name] = 1.0 if name.startswith("original") else tables[info["layer"]](kind, path, info["rows"] < 64)
         return out
 
     dispatch.set_timer(fake)
@@ -431,7 +431,7 @@ def test_convert_auto_over_a_workload_picks_per_layer_consistently(timer):
 
 def test_convert_auto_never_slower_by_more_than_noise(timer):
     # fused 2x faster at 16 rows, 5 % slower at 128 rows with both paths: over the 3 % noise -> rejected
-    timer.fn = lambda name, rows: 1.0 if name == "original" else (0.5 if rows < 64 else 1.05)
+    timer.fn = lambda name, rows: 1.0 if name.startswith("original") else (0.5 if rows < 64 else 1.05)
     model = _mlp()
     fastdl.convert(model, "auto", workload=[torch.randn(1, 16, 64), torch.randn(8, 16, 64)], candidates=("fused",))
     assert all(type(m) is nn.Linear for m in (model[0], model[2], model[3]))
@@ -439,6 +439,16 @@ def test_convert_auto_never_slower_by_more_than_noise(timer):
     fastdl.convert(model, "auto", workload=[torch.randn(1, 16, 64), torch.randn(8, 16, 64)], candidates=("fused",),
                    noise=0.1)
     assert isinstance(model[0], FusedLinear)
+    # the noise measured at a bucket (the original timed twice: 1.0 and 1.04) widens the tolerance there
+    import importlib
+
+    importlib.import_module("fastdl.convert")._DECISIONS.clear()
+    dispatch.clear_decisions()
+    timer.fn = lambda name, rows: {"original": 1.0, "original#2": 1.04}.get(name, 0.5 if rows < 64 else 1.07)
+    model = _mlp()
+    fastdl.convert(model, "auto", workload=[torch.randn(1, 16, 64), torch.randn(8, 16, 64)], candidates=("fused",))
+    assert isinstance(model[0], FusedLinear)
+    assert fastdl.report(model)[0]["buckets"][1]["noise"] == pytest.approx(0.04)
 
 
 def test_batch_sizes_make_the_workload():
