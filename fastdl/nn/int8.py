@@ -15,6 +15,14 @@ of the fp32 layer's bytes). On the CPU, when the C++ kernels are available, a dy
 *once*, in the VNNI-packed layout of the kernel (``weight_packed``/``weight_comp``, non-persistent buffers made at
 construction, load and device move - never per call); ``weight`` is then None and ``qweight`` unpacks it.
 
+Paths (inference layers): per bucket of input rows (``fastdl.dispatch``: measured on the first no-grad call at the
+bucket, cached, saved with ``fastdl.save_decisions``) the layer runs its int8 op (``"kernel"``, the default) or
+``"dequant"``: ``F.linear`` on the dequantized weight, which wins where the layer is compute-bound (large M) or where
+the op's per-call cost shows (M = 1, tiny layers). The dequantized weight (``out x in`` in x's dtype: in fp32 4x the
+int8 weight, what the original ``nn.Linear`` held) is kept only while a bucket of that dtype chooses ``"dequant"``
+(``cache_bytes()``, ``memory_bytes()`` count it; ``release_caches()`` drops it). ``runtime_choice = False`` pins the
+op.
+
 QAT (``trainable=True``) holds fp32 master weights (``weight``, a Parameter, like ``nn.Linear``): in training mode the
 forward runs the int8 GEMM on the quantized weight and activations and the backward is straight-through in the float
 dtype (``fastdl.ops.int8_linear_qat``), so a standard (DDP) loop fine-tunes it; in eval mode it serves inference from
