@@ -96,6 +96,12 @@ class WeightCache:
     def set(self, name, value) -> None:
         self._items[name] = value
 
+    def pop(self, name, default=None):
+        return self._items.pop(name, default)
+
+    def names(self) -> list:
+        return list(self._items)
+
     def clear(self) -> None:
         self._items.clear()
         self._key = None
@@ -129,6 +135,9 @@ class VersionedModule(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self._weight_cache = WeightCache()
+        init_choice = getattr(self, "_init_choice", None)  # modules that choose a path per input (fastdl.dispatch)
+        if init_choice is not None:
+            init_choice()
 
     # ------------------------------------------------------------------------------------------ extra state
     def _record_fields(self) -> dict:
@@ -172,4 +181,7 @@ class VersionedModule(nn.Module):
 
     def _apply(self, fn, recurse=True):  # .to() / .cuda() / .half(): the caches belong to the old tensors
         self._weight_cache.clear()
+        reset = getattr(self, "_choice_reset", None)  # and run-time decisions to the old device / dtype
+        if reset is not None:
+            reset()
         return super()._apply(fn, recurse)

@@ -15,6 +15,14 @@ of the fp32 layer's bytes). On the CPU, when the C++ kernels are available, a dy
 *once*, in the VNNI-packed layout of the kernel (``weight_packed``/``weight_comp``, non-persistent buffers made at
 construction, load and device move - never per call); ``weight`` is then None and ``qweight`` unpacks it.
 
+Paths (inference layers): per bucket of input rows (``fastdl.dispatch``: measured on the first no-grad call at the
+bucket, cached, saved with ``fastdl.save_decisions``) the layer runs its int8 op (``"kernel"``, the default) or
+``"dequant"``: ``F.linear`` on the dequantized weight, which wins where the layer is compute-bound (large M) or where
+the op's per-call cost shows (M = 1, tiny layers). The dequantized weight (``out x in`` in x's dtype: in fp32 4x the
+int8 weight, what the original ``nn.Linear`` held) is kept only while a bucket of that dtype chooses ``"dequant"``
+(``cache_bytes()``, ``memory_bytes()`` count it; ``release_caches()`` drops it). ``runtime_choice = False`` pins the
+op.
+
 QAT (``trainable=True``) holds fp32 master weights (``weight``, a Parameter, like ``nn.Linear``): in training mode the
 forward runs the int8 GEMM on the quantized weight and activations and the backward is straight-through in the float
 dtype (``fastdl.ops.int8_linear_qat``), so a standard (DDP) loop fine-tunes it; in eval mode it serves inference from
@@ -43,9 +51,11 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .. import backends
+from ..dispatch import RuntimeChoice
 from ..ops import int8 as int8_ops
 from ._base import VersionedModule, is_dtensor, not_a_view
 
@@ -107,7 +117,7 @@ def _cpu_packing_available() -> bool:
     return backends.available("cpp", "int8_linear", "cpu")[0]
 
 
-class Int8Linear(VersionedModule):
+class Int8Linear(RuntimeChoice, VersionedModule):
     """Drop-in for ``nn.Linear(in_features, out_features, bias)`` with int8 weights. See the module docstring.
 
     ``Int8Linear(in, out)`` is initialised like ``nn.Linear`` (then quantized); usually it is made with
@@ -160,6 +170,7 @@ class Int8Linear(VersionedModule):
 
     def _set_quantized(self, q: torch.Tensor, s: torch.Tensor, g: torch.Tensor | None = None) -> None:
         """Inference layers: hold ``q`` plainly, or only its VNNI packing on the CPU when the C++ kernel reads it."""
+        self._weight_cache.clear()  # the dequantized weights of the "dequant" path belong to the old weights
         self._buffers["weight_scale"] = s.float()
         self._buffers["weight_group_scale"] = g
         packed, comp = self._pack(q)
@@ -217,6 +228,19 @@ class Int8Linear(VersionedModule):
         return not_a_view(self._forward(x))
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.trainable:
+            k = self.in_features
+            key = ((x.numel() // k if k else 0).bit_length(), x.dtype)
+            path = self._choice_local.get(key) or self._choose(x, key)
+            if path == "dequant":  # inlined: this is the path of tiny shapes, where ~1 us per call shows
+                w = self._weight_cache.get(("dequant", x.dtype))
+                if w is None:
+                    w = self.dequantized_weight(x.dtype)
+                b = self.bias
+                return F.linear(x, w, b if b is None or b.dtype == x.dtype else b.to(x.dtype))
+        return self._kernel_forward(x)
+
+    def _kernel_forward(self, x: torch.Tensor) -> torch.Tensor:
         weight_only = self.mode == "weight_only"
         if self.trainable:
             if self.training:
@@ -229,6 +253,59 @@ class Int8Linear(VersionedModule):
         if weight_only:
             return int8_ops.int8_weight_only_linear(x, w_q, w_scale, self.bias, w_group)
         return int8_ops.int8_linear(x, w_q, w_scale, self.bias, w_packed, w_comp)
+
+    # ------------------------------------------------------------------------------ run-time choice (dispatch)
+    # Inference layers choose per bucket of input rows between "kernel" (the int8 op of their mode, the default) and
+    # "dequant": F.linear on the dequantized weight w_q * scales (* group scales), made once per dtype and held in
+    # the weight cache ONLY while "dequant" is the decision of at least one bucket of that dtype (and while a new
+    # bucket is timed): N x K x itemsize bytes, in fp32 4x the int8 weight, i.e. what the original nn.Linear held.
+    # Compute-bound shapes (large M) are faster as a GEMM than through an int8 kernel that converts weights tile by
+    # tile. Trainable (QAT) layers always run their op.
+    def _choice_layer(self) -> tuple:
+        return ("Int8Linear", self.mode, self.group_size, self.in_features, self.out_features, self.bias is not None)
+
+    def _choice_default(self, x) -> str:
+        return "kernel"
+
+    def _choice_paths(self, x: torch.Tensor) -> tuple[str, ...]:
+        if (self.trainable or x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or x.dim() < 1
+                or x.shape[-1] != self.in_features or x.device != self.weight_scale.device):
+            return ("kernel",)  # the op names the problem
+        return ("kernel", "dequant")
+
+    def _run_path(self, path: str, x: torch.Tensor) -> torch.Tensor:
+        if path == "kernel":
+            return self._kernel_forward(x)
+        b = self.bias
+        if b is not None and b.dtype != x.dtype:
+            b = b.to(x.dtype)
+        return F.linear(x, self.dequantized_weight(x.dtype), b)
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``w_q * weight_scale`` (times the group scales) as a ``[out, in]`` tensor of ``dtype``: cached while the
+        "dequant" path is chosen for ``dtype`` (see above), else made per call. The cache is dropped whenever the
+        quantized weights are replaced (``load_state_dict``, a device move); int8 buffers changed in place by hand
+        are not seen: call ``release_caches()`` after doing that."""
+        cache = self._weight_cache
+        w = cache.get(("dequant", dtype))
+        if w is not None:
+            return w
+        with torch.no_grad():
+            w = _dequantize(self.qweight, self.weight_scale, self.weight_group_scale).to(dtype).contiguous()
+        if not torch.compiler.is_compiling():  # no state changes inside a graph: made per call there
+            cache.set(("dequant", dtype), w)
+        return w
+
+    def _choice_released(self, kept: set) -> None:
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            if ("dequant", dtype) not in kept:
+                self._weight_cache.pop(("dequant", dtype))
+
+    def cache_bytes(self) -> int:
+        """Bytes of the dequantized weights held for the "dequant" path (0 while no bucket chose it)."""
+        cache = self._weight_cache
+        return sum(cache.get(k).numel() * cache.get(k).element_size() for k in cache.names()
+                   if isinstance(k, tuple) and k[0] == "dequant")
 
     def train(self, mode: bool = True):
         super().train(mode)

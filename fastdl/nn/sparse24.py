@@ -16,12 +16,17 @@ the bytes of the dense layer in the same dtype. ``forward`` runs one of three pa
             Inference only: while the values need gradients the module uses the dense path (decompressed per call,
             differentiable) instead of the caches.
 
-``mode="auto"`` (default) chooses per call by the number of rows M of x: CPU: ``sparse`` below ``dense_threshold``
-(default 256; the two meet around M = 512 on the development machine), else ``dense``; CUDA: ``semi`` from
-``semi_min_rows`` (default 1024; cuSPARSELt pads small batches and loses to cuBLAS there) when supported, else
-``dense``. ``mode="sparse"`` / ``"dense"`` force a path (``sparse`` on CUDA means ``semi`` when supported, else
-the fastdl op). Under ``torch.compile`` no cache is built inside the graph: call ``prepare(x_example)`` first (or
-the dense path decompresses per call).
+``mode="auto"`` (default) chooses per bucket of input rows M (powers of two) among the paths that apply, measured
+on the first no-grad call at the bucket (``fastdl.dispatch``: the decision is cached per process, keyed by CPU/GPU,
+dtype, shape and bucket, and can be saved). Without a decision (calls with autograd or inside ``torch.compile`` at
+a new bucket, ``FASTDL_CHOICE=off``, ``runtime_choice = False``) it uses the fixed rule: CPU: ``sparse`` below
+``dense_threshold`` (default 256; the two meet around M = 512 on the development machine), else ``dense``; CUDA:
+``semi`` from ``semi_min_rows`` (default 1024; cuSPARSELt pads small batches and loses to cuBLAS there) when
+supported, else ``dense``. The dense cache is kept only while a bucket uses the dense path (or the fixed rule
+needs it). ``mode="sparse"`` / ``"dense"`` force a path (``sparse`` on CUDA means ``semi`` when supported, else the
+fastdl op). Under ``torch.compile`` no cache is built and nothing is timed inside the graph: call
+``prepare(x_example)`` first (it decides the path for that shape and builds its cache), or the dense path
+decompresses per call.
 
 State dict: ``values``, ``meta``, ``bias`` and an extra state, the record ``{"format": "fastdl.sparse24",
 "version": 2, "in_features": ..., "out_features": ..., "meta_layout": ...}`` stored as a uint8 tensor of its JSON
@@ -39,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..dispatch import RuntimeChoice
 from ..ops import sparse24 as sp_ops
 from ..ops.fused_linear import activation_fn, check_activation
 from ._base import VersionedModule, not_a_view
@@ -95,7 +101,7 @@ def semi_structured_support(weight_shape, dtype: torch.dtype, device: torch.devi
     return cls, ""
 
 
-class Sparse24Linear(VersionedModule):
+class Sparse24Linear(RuntimeChoice, VersionedModule):
     """Drop-in for ``nn.Linear(in_features, out_features, bias)`` with a 2:4-compressed weight. An inference
     module by default; with ``trainable=True`` the values and bias train (the sparsity pattern is fixed by ``meta``).
 
@@ -296,7 +302,14 @@ class Sparse24Linear(VersionedModule):
         """Build the cache the path for ``x`` needs (before ``torch.compile``, or to move the cost out of the first
         call) and return the path. Without ``x``, builds what ``mode`` implies for ``dtype`` (default: values')."""
         dtype = dtype or (x.dtype if x is not None else self.values.dtype)
-        path = self.path_for(x) if x is not None else {"dense": "dense", "sparse": "sparse"}.get(self.mode, "sparse")
+        if x is not None:
+            if self.input_permutation is not None:
+                x = x.index_select(-1, self.input_permutation)
+            with torch.no_grad():  # decide (measure) the path of x's bucket now, outside any graph
+                key = self._choice_key(x)
+                path = self._choice_local.get(key) or self._choose(x, key)
+        else:
+            path = {"dense": "dense", "sparse": "sparse"}.get(self.mode, "sparse")
         if path == "dense":
             self._dense_for(dtype)
         elif path == "semi":
@@ -305,12 +318,20 @@ class Sparse24Linear(VersionedModule):
 
     # ------------------------------------------------------------------------------------------ forward
     def path_for(self, x: torch.Tensor) -> str:
-        """Which path ``forward(x)`` takes: ``"sparse"``, ``"dense"`` or ``"semi"``."""
+        """Which path ``forward(x)`` takes now: ``"sparse"``, ``"dense"`` or ``"semi"`` (the decision of x's bucket if
+        one was made, else the fixed rule; nothing is timed)."""
+        path = self.known_path(x) if self.mode == "auto" else None
+        path = path or self._fixed_path(x)
+        if path == "semi" and self._training_values():
+            path = "dense"
+        return path
+
+    def _fixed_path(self, x: torch.Tensor) -> str:
+        """The path of the fixed rule (thresholds) for x."""
         rows = x.numel() // max(self.in_features, 1)
         if x.device.type == "cuda":
             # the semi-structured cache is an inference copy: with gradients for the values, stay on dense/sparse
-            semi_ok = (self._semi_support(x.dtype)[0] is not None and self._weight_cache.get("semi_reason") is None
-                       and not self._training_values())
+            semi_ok = self._semi_ok(x.dtype)
             if self.mode == "dense":
                 return "dense"
             if self.mode == "sparse":
@@ -322,10 +343,40 @@ class Sparse24Linear(VersionedModule):
             return "dense"  # no CPU kernel for this dtype: the op would run the (slow) reference
         return "sparse" if rows < self.dense_threshold else "dense"
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        if self.input_permutation is not None:  # from fastdl.sparsity.prune(..., permute=True)
-            x = x.index_select(-1, self.input_permutation)
-        path = self.path_for(x)
+    def _semi_ok(self, dtype: torch.dtype) -> bool:
+        return (self._semi_support(dtype)[0] is not None and self._weight_cache.get("semi_reason") is None
+                and not self._training_values())
+
+    # ------------------------------------------------------------------------------ run-time choice (dispatch)
+    def _choice_key(self, x: torch.Tensor) -> tuple:
+        k = self.in_features
+        return ((x.numel() // k if k else 0).bit_length(), x.dtype)
+
+    def _choice_layer(self) -> tuple:
+        return ("Sparse24Linear", self.in_features, self.out_features, self.bias is not None, self.activation,
+                str(self.values.dtype).removeprefix("torch."))
+
+    def _choice_default(self, x) -> str:
+        return self._fixed_path(x)
+
+    def _choice_paths(self, x: torch.Tensor) -> tuple[str, ...]:
+        default = self._fixed_path(x)
+        if self.mode != "auto" or x.dim() < 1 or x.shape[-1] != self.in_features:
+            return (default,)
+        if x.device.type == "cuda":
+            paths = ("semi", "dense", "sparse") if self._semi_ok(x.dtype) else ("dense", "sparse")
+        elif x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
+            paths = ("sparse", "dense")
+        else:
+            paths = ("dense",)
+        return (default,) + tuple(p for p in paths if p != default)
+
+    def _choice_released(self, kept: set) -> None:
+        # the dense copy (1.78x the compressed bytes) stays only while a bucket's decision needs it
+        if not any(p == "dense" for p, _ in kept) and self.mode != "dense":
+            self._weight_cache.pop("dense")
+
+    def _run_path(self, path: str, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         out = None
         if path == "semi":
             semi = self._semi_for(x.dtype)
@@ -348,7 +399,17 @@ class Sparse24Linear(VersionedModule):
             )
         if residual is not None:
             out = out + residual
-        return not_a_view(out)
+        return out
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if self.input_permutation is not None:  # from fastdl.sparsity.prune(..., permute=True)
+            x = x.index_select(-1, self.input_permutation)
+        k = self.in_features
+        key = ((x.numel() // k if k else 0).bit_length(), x.dtype)
+        path = self._choice_local.get(key) or self._choose(x, key)
+        if path == "semi" and self._training_values():
+            path = "dense"
+        return not_a_view(self._run_path(path, x, residual))
 
     # ------------------------------------------------------------------------------------------ state dict
     def _record_fields(self) -> dict:
