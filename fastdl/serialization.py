@@ -23,11 +23,12 @@ arguments (``recipe(model)``), so that ``load`` can convert an unconverted skele
   of a ``transformers`` model sets ``model.config.quantization_config`` to an object that computes the recipe from
   the model when the config is written, so it always describes the model as it is saved.
 
-Without fastdl, ``ModelClass.from_pretrained(dir)`` of such a directory cannot rebuild the fastdl layers: transformers
-(4.45 and later) logs "Unknown quantization type, got fastdl ... we will skip the quantization" and loads the plain
-architecture; the layers whose stored form is not a float weight (int8, 2:4-compressed) then do not hold their
-weights. Load with ``fastdl.load_pretrained``. Directories of ``"fused"`` models load correctly either way (the
-weights are plain float ``nn.Linear`` weights).
+Without fastdl, ``ModelClass.from_pretrained(dir)`` cannot rebuild int8 or 2:4-compressed layers. For such a
+model ``config.json``'s ``quantization_config`` has no ``quant_method`` (see ``hf_quantization_config``), so
+transformers stops with "The model's quantization config ... has no `quant_method` attribute" instead of loading
+those layers with random weights; ``load_with`` beside it names ``fastdl.load_pretrained``. A ``"fused"`` or pruned
+model keeps float ``nn.Linear`` weights and loads correctly either way (transformers logs "Unknown quantization type,
+got fastdl ... we will skip the quantization").
 """
 
 from __future__ import annotations
@@ -177,7 +178,7 @@ class _HFRecipe:
     def to_dict(self) -> dict:
         m = self._model()
         rec = recipe(m) if m is not None else {}
-        return {"quant_method": QUANT_METHOD, "load_with": "fastdl.load_pretrained(ModelClass, path)", **rec}
+        return hf_quantization_config(rec)
 
     def to_json_string(self, use_diff: bool = True) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
@@ -193,6 +194,30 @@ class _HFRecipe:
 
     def __repr__(self) -> str:
         return f"_HFRecipe(quant_method={QUANT_METHOD!r}, model={type(self._model()).__name__})"
+
+
+_NEEDS_FASTDL = ("Int8Linear", "Sparse24Linear")  # stored form is not a float nn.Linear weight
+
+
+def hf_quantization_config(rec: dict) -> dict:
+    """What ``save_pretrained`` writes as ``quantization_config``. When every layer keeps a float ``nn.Linear``
+    weight (``"fused"``, pruned models) it carries ``quant_method: "fastdl"``: transformers alone logs that it skips
+    an unknown method and loads the float weights correctly. When a layer is int8 or 2:4-compressed, transformers
+    alone would load the architecture with those layers left at their random initialisation; so ``quant_method`` is
+    left out, which makes ``ModelClass.from_pretrained(dir)`` stop at once (transformers: "The model's quantization
+    config ... has no `quant_method` attribute"), and ``load_with`` beside it names the way to load it."""
+    needs = sorted({e.get("type") for e in rec.get("layers", {}).values()} & set(_NEEDS_FASTDL))
+    head = {"load_with": "fastdl.load_pretrained(ModelClass, path)"}
+    if needs:
+        head["note"] = (f"written by fastdl: the {' and '.join(needs)} layers can only be loaded with "
+                        "fastdl.load_pretrained; transformers alone stops because quant_method is left out on purpose")
+    else:
+        head["quant_method"] = QUANT_METHOD
+    return {**head, **rec}
+
+
+def is_fastdl_quantization_config(qc: Any) -> bool:
+    return isinstance(qc, dict) and (qc.get("quant_method") == QUANT_METHOD or qc.get("format") == RECIPE_FORMAT)
 
 
 def _hf_config(model: nn.Module):
@@ -213,7 +238,7 @@ def note_conversion(model: nn.Module) -> nn.Module:
         owner = existing._model()
         if owner is not None and any(m is model for m in owner.modules()):
             return model  # already recorded for this model or the model it is part of (configs are shared)
-    elif existing is not None and not (isinstance(existing, dict) and existing.get("quant_method") == QUANT_METHOD):
+    elif existing is not None and not is_fastdl_quantization_config(existing):
         return model  # another quantization method's config: leave it
     config.quantization_config = _HFRecipe(model)
     return model
@@ -302,7 +327,7 @@ def _read_hf_dir(path: str, map_location) -> tuple[dict[str, torch.Tensor], dict
     if os.path.isfile(cfg):
         with open(cfg) as f:
             qc = json.load(f).get("quantization_config")
-        if isinstance(qc, dict) and qc.get("quant_method") == QUANT_METHOD:
+        if is_fastdl_quantization_config(qc):
             rec = qc
     return sd, rec
 
@@ -357,7 +382,7 @@ def load_pretrained(model_class, path: str | os.PathLike, **kwargs) -> nn.Module
         raise TypeError(f"fastdl.load_pretrained: unsupported arguments {sorted(unused)} (supported: "
                         f"{', '.join(_LOAD_ARGS)} and config attributes)")  # fmt: skip
     qc = getattr(config, "quantization_config", None)
-    if not (isinstance(qc, dict) and qc.get("quant_method") == QUANT_METHOD):
+    if not is_fastdl_quantization_config(qc):
         return model_class.from_pretrained(path, **kwargs)
     del config.quantization_config
     build_kwargs = {k: kwargs[k] for k in ("dtype", "torch_dtype", "attn_implementation") if k in kwargs}
