@@ -498,3 +498,35 @@ def test_real_timer_orders_calls_and_bounds_its_cost():
     # one warm-up, then MIN_REPS..MAX_REPS rounds; past MAX_BUDGET_S per path it stops after the round
     assert 1 + dispatch.MIN_REPS <= counts["fast"] == counts["slow"] <= 1 + dispatch.MAX_REPS
     assert wall < 2 * (dispatch.MAX_BUDGET_S * 2 + 2 * (0.001 + 0.004)) + 0.5
+
+
+def test_an_unsettled_timing_is_provisional_and_timed_again_at_most_retries_times(timer, monkeypatch):
+    # each timing stopped before two calls of each path agreed: the decision is provisional, the next no-grad calls
+    # at the bucket time again (each path keeps its fastest time over the timings), RETRIES more times at most
+    results = iter([{"fused": 3e-3, "aten": 5e-3}, {"fused": 3e-3, "aten": 1e-3}, {"fused": 3e-3, "aten": 4e-3}])
+    timings = []
+
+    def unsettled(calls, device, info, *a, **k):
+        timings.append(info["rows"])
+        return next(results), False
+
+    monkeypatch.setattr(dispatch, "_time_calls", unsettled)
+    f = FusedLinear.from_linear(_linear(), "gelu")
+    x = torch.randn(5, 64)
+    with torch.no_grad():
+        ref = f(x)
+        [d] = dispatch.decisions()
+        assert (d["path"], d["source"]) == ("fused", "provisional")
+        with torch.enable_grad():
+            f(x)  # a call that may not time uses the provisional decision and does not time
+        assert len(timings) == 1
+        f(x)
+        [d] = dispatch.decisions()
+        assert (d["path"], d["source"], d["times_ms"]) == ("aten", "provisional", {"fused": 3.0, "aten": 1.0})
+        out = f(x)
+        [d] = dispatch.decisions()
+        assert (d["path"], d["source"]) == ("aten", "measured")  # the last retry decides for good
+        f(x)
+        f(torch.randn(7, 64))
+    assert timings == [5, 5, 5] and len(timings) == 1 + dispatch.RETRIES
+    torch.testing.assert_close(out, ref)

@@ -23,8 +23,8 @@ Policies:
   int8_weight_only   ``fastdl.convert(model, "int8_weight_only")``
   sparse24           ``fastdl.sparsity.prune`` (every Linear but the LM head) then ``fastdl.sparsity.sparsify``; pruned
                      without fine-tuning, so its error is the pruning's, not the kernel's
-  auto               ``fastdl.convert(model, "auto", example_inputs=...)`` (encoder: one batch of 8; decoder: one
-                     decode step)
+  auto               ``fastdl.convert(model, "auto", workload=[...])``: encoder: one batch of every batch size and
+                     sequence length measured (other token ids); decoder: the prompt and one decode step
 
 Columns: ms (median; ``*``: a slow call timed 1-2 times), x fp32 (fp32 time / time, from the interleaved pair: > 1 is
 faster), x best (vs the fastest PyTorch policy at that shape: fp32, bf16_autocast or compile). A fastdl policy slower
@@ -247,7 +247,8 @@ def decoder_logits(model, hf: bool, ids: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------- policies
 def apply_policy(policy: str, original: nn.Module, example_inputs=None, decoder: bool = False):
-    """(model, autocast?) for ``policy``, built from a copy of ``original`` (fp32 and bf16_autocast use it as is)."""
+    """(model, autocast?) for ``policy``, built from a copy of ``original`` (fp32 and bf16_autocast use it as is);
+    ``example_inputs``: the workload of "auto" (a list of examples)."""
     import fastdl
     from fastdl import sparsity
 
@@ -267,7 +268,7 @@ def apply_policy(policy: str, original: nn.Module, example_inputs=None, decoder:
         sparsity.prune(m, filter_fn=lambda name, mod: not name.endswith("lm_head"))
         return sparsity.sparsify(m), False
     if policy == "auto":
-        return fastdl.convert(m, "auto", example_inputs=example_inputs), False
+        return fastdl.convert(m, "auto", workload=example_inputs), False
     raise ValueError(f"unknown policy {policy!r}")
 
 
@@ -316,9 +317,14 @@ def run_encoder(args, hf: bool, env: dict, budget: float) -> list[dict]:
     say(f"-- encoder: {'transformers BertModel' if hf else 'built-in encoder'}, hidden 384, 6 layers, MLP 1536, "
         f"{n_params / 1e6:.1f} M parameters; batch {batches}, sequence {seqs}")
     g = torch.Generator().manual_seed(1)
-    ex_ids = torch.randint(1000, 30000, (8, seqs[0]), generator=g)
-    ex_mask = torch.ones_like(ex_ids)
-    example = {"input_ids": ex_ids, "attention_mask": ex_mask} if hf else (ex_ids, ex_mask)
+    # "auto" gets a workload of the shapes the model is run with (every batch size and sequence length timed below,
+    # on other token ids): convert picks per layer the policy best over all of them, never slower at any
+    example = []
+    for b in batches:
+        for s in seqs:
+            ex_ids = torch.randint(1000, 30000, (b, s), generator=g)
+            ex_mask = torch.ones_like(ex_ids)
+            example.append({"input_ids": ex_ids, "attention_mask": ex_mask} if hf else (ex_ids, ex_mask))
     shapes = []
     for b in batches:
         for s in seqs:
@@ -408,7 +414,8 @@ def run_decoder(args, hf: bool, env: dict, budget: float) -> list[dict]:
         ref_tokens = greedy(original, hf, prompt, T)
         seq = torch.cat([prompt, ref_tokens], 1)
         ref_logits = decoder_logits(original, hf, seq).float()
-    example = (prompt[:, :1],)  # "auto" is timed on one decode step (M = 1), what decoding runs T times
+    # "auto" is timed on the prompt (M = P) and one decode step (M = 1), the two shapes decoding runs
+    example = [(prompt,), (prompt[:, :1],)]
 
     def call(m, ac):
         def f():

@@ -156,17 +156,36 @@ class Int8Linear(RuntimeChoice, VersionedModule):
         self._init_weight(w)
 
     # ------------------------------------------------------------------------------------------ representation
+    # Two kinds of layer share this class, told apart by ``self.trainable`` once, at each entry point (construction,
+    # forward, device moves, loading), which then runs the named step of that kind:
+    #   frozen (inference)  int8 weight (or only its VNNI packing), fp32 scales: _set_quantized, _frozen_weights,
+    #                       _apply_frozen, _load_frozen_weight
+    #   trainable (QAT)     fp32 master weight, quantized copy cached for eval: _init_master, _qat_forward,
+    #                       _eval_weights, _apply_trainable, _load_master_weight
+    @classmethod
+    def _blank(cls, in_features: int, out_features: int, mode: str, trainable: bool, group_size) -> Int8Linear:
+        """A module with its configuration set and no tensors yet (``from_linear`` and ``freeze`` fill it)."""
+        _check_mode(mode)
+        mod = cls.__new__(cls)
+        VersionedModule.__init__(mod)
+        mod.in_features, mod.out_features = int(in_features), int(out_features)
+        mod.mode, mod.trainable = mode, bool(trainable)
+        mod.group_size = _resolve_group_size(mode, group_size, mod.trainable)
+        return mod
+
     def _init_weight(self, w: torch.Tensor) -> None:
         """Set the weight from a float ``[out, in]`` tensor (a copy is kept as master weight when trainable)."""
         self._weight_cache.clear()
         if self.trainable:
-            self.weight = nn.Parameter(w.detach().clone())
-            self.register_buffer("weight_scale", None, persistent=False)
-            self.register_buffer("weight_group_scale", None, persistent=False)
-            self.register_buffer("weight_packed", None, persistent=False)
-            self.register_buffer("weight_comp", None, persistent=False)
+            self._init_master(w)
         else:
             self._set_quantized(*_quantize_weight(w, self.group_size))
+
+    def _init_master(self, w: torch.Tensor) -> None:
+        """Trainable layers: ``weight`` is an fp32 Parameter (a copy of ``w``); the inference buffers are empty."""
+        self.weight = nn.Parameter(w.detach().clone())
+        for name in ("weight_scale", "weight_group_scale", "weight_packed", "weight_comp"):
+            self.register_buffer(name, None, persistent=False)
 
     def _set_quantized(self, q: torch.Tensor, s: torch.Tensor, g: torch.Tensor | None = None) -> None:
         """Inference layers: hold ``q`` plainly, or only its VNNI packing on the CPU when the C++ kernel reads it."""
@@ -195,18 +214,18 @@ class Int8Linear(RuntimeChoice, VersionedModule):
             return w
         return int8_ops.unpack_reference(self.weight_packed, self.out_features, self.in_features)
 
-    def _quantized(self):
-        """(w_q, w_scale, w_group_scale, w_packed, w_comp) for the inference ops. A weight held only packed is passed
-        as a stride-0 placeholder of shape [out, in] (made per call: 1 byte, and never copied by deepcopy/clone into a
-        dense tensor that would then be taken for the weight)."""
-        if self.trainable:
-            w, scale, group, packed, comp = self._weight_cache.get("quantized")
-        else:
-            w, scale, group = self._buffers.get("weight"), self.weight_scale, self.weight_group_scale
-            packed, comp = self.weight_packed, self.weight_comp
-        if w is None:
-            w = packed.new_zeros(()).expand(self.out_features, self.in_features)
-        return w, scale, group, packed, comp
+    def _frozen_weights(self):
+        """Frozen layers: (w_q or None, w_scale, w_group_scale, w_packed, w_comp) for ``_int8_op``."""
+        return (self._buffers.get("weight"), self.weight_scale, self.weight_group_scale, self.weight_packed,
+                self.weight_comp)
+
+    def _eval_weights(self):
+        """Trainable layers in eval mode: the quantized copy of the master weights (re-quantized first when they
+        changed, outside ``torch.compile``), the same tuple as ``_frozen_weights``; None when there is none (compiled
+        before any sync)."""
+        if not torch.compiler.is_compiling() and self._cache_stale():
+            self.sync_quantized()
+        return self._weight_cache.get("quantized")
 
     def _cache_stale(self) -> bool:
         return self._weight_cache.get("quantized") is None or not self._weight_cache.is_fresh(self.weight)
@@ -228,31 +247,44 @@ class Int8Linear(RuntimeChoice, VersionedModule):
         return not_a_view(self._forward(x))
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.trainable:
-            k = self.in_features
-            key = ((x.numel() // k if k else 0).bit_length(), x.dtype)
-            path = self._choice_local.get(key) or self._choose(x, key)
-            if path == "dequant":  # inlined: this is the path of tiny shapes, where ~1 us per call shows
-                w = self._weight_cache.get(("dequant", x.dtype))
-                if w is None:
-                    w = self.dequantized_weight(x.dtype)
-                b = self.bias
-                return F.linear(x, w, b if b is None or b.dtype == x.dtype else b.to(x.dtype))
-        return self._kernel_forward(x)
-
-    def _kernel_forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight_only = self.mode == "weight_only"
         if self.trainable:
-            if self.training:
-                return int8_ops.int8_linear_qat(x, self.weight, self.bias, weight_only)
-            if not torch.compiler.is_compiling() and self._cache_stale():
-                self.sync_quantized()
-            if self._weight_cache.get("quantized") is None:  # compiled before any sync: quantize on the fly
-                return int8_ops.int8_linear_qat(x, self.weight, self.bias, weight_only)
-        w_q, w_scale, w_group, w_packed, w_comp = self._quantized()
-        if weight_only:
+            return self._qat_forward(x)
+        k = self.in_features
+        key = ((x.numel() // k if k else 0).bit_length(), x.dtype)
+        path = self._choice_local.get(key) or self._choose(x, key)
+        if path == "dequant":  # inlined: this is the path of tiny shapes, where ~1 us per call shows
+            w = self._weight_cache.get(("dequant", x.dtype))
+            if w is None:
+                w = self.dequantized_weight(x.dtype)
+            b = self.bias
+            return F.linear(x, w, b if b is None or b.dtype == x.dtype else b.to(x.dtype))
+        return self._int8_op(x, *self._frozen_weights())
+
+    def _qat_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Trainable layers: in training mode the QAT op (int8 forward, straight-through backward); in eval mode the
+        inference op on the cached quantized master weights (the QAT op when there is no cache: compiled before any
+        sync, quantized on the fly)."""
+        if not self.training:
+            quantized = self._eval_weights()
+            if quantized is not None:
+                return self._int8_op(x, *quantized)
+        return int8_ops.int8_linear_qat(x, self.weight, self.bias, self.mode == "weight_only")
+
+    def _int8_op(self, x, w_q, w_scale, w_group, w_packed, w_comp) -> torch.Tensor:
+        """The inference op of this layer's mode. A weight held only packed (``w_q`` None) is passed as a stride-0
+        placeholder of shape [out, in] (made per call: 1 byte, and never copied by deepcopy/clone into a dense tensor
+        that would then be taken for the weight)."""
+        if w_q is None:
+            w_q = w_packed.new_zeros(()).expand(self.out_features, self.in_features)
+        if self.mode == "weight_only":
             return int8_ops.int8_weight_only_linear(x, w_q, w_scale, self.bias, w_group)
         return int8_ops.int8_linear(x, w_q, w_scale, self.bias, w_packed, w_comp)
+
+    def _kernel_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The int8 op path ("kernel") of either kind of layer."""
+        if self.trainable:
+            return self._qat_forward(x)
+        return self._int8_op(x, *self._frozen_weights())
 
     # ------------------------------------------------------------------------------ run-time choice (dispatch)
     # Inference layers choose per bucket of input rows between "kernel" (the int8 op of their mode, the default) and
@@ -314,13 +346,19 @@ class Int8Linear(RuntimeChoice, VersionedModule):
         return self
 
     def _apply(self, fn, recurse=True):
-        # Move/convert the plain int8 weight (never the packed copy or the placeholder), keep the scales fp32, then
-        # re-derive the packing for the new device.
         if self.trainable:
-            super()._apply(fn, recurse)  # drops the cache
-            if not self.training:
-                self.sync_quantized()
-            return self
+            return self._apply_trainable(fn, recurse)
+        return self._apply_frozen(fn, recurse)
+
+    def _apply_trainable(self, fn, recurse):
+        super()._apply(fn, recurse)  # drops the cache
+        if not self.training:
+            self.sync_quantized()
+        return self
+
+    def _apply_frozen(self, fn, recurse):
+        """Move/convert the plain int8 weight (never the packed copy or the placeholder), keep the scales fp32, then
+        re-derive the packing for the new device."""
         q = self.qweight
         scale = self.weight_scale
         self._buffers["weight"] = q
@@ -424,17 +462,25 @@ class Int8Linear(RuntimeChoice, VersionedModule):
                                       f"layer ({self.out_features},)")  # fmt: skip
         return b
 
-    @torch.no_grad()
     def _load_weight(self, w: torch.Tensor, s: torch.Tensor | None, g: torch.Tensor | None) -> None:
-        dev = self.weight_scale.device if not self.trainable else self.weight.device
+        """A checked checkpoint weight (float, or int8 with its scales) into this layer."""
         if self.trainable:
-            if w.dtype == torch.int8:
-                w = _dequantize(w, s, g)  # the dequantized weight becomes the master weight
-            self.weight.copy_(w)
-            self._weight_cache.clear()
-            if not self.training:
-                self.sync_quantized()
-            return
+            self._load_master_weight(w, s, g)
+        else:
+            self._load_frozen_weight(w, s, g)
+
+    @torch.no_grad()
+    def _load_master_weight(self, w, s, g) -> None:
+        if w.dtype == torch.int8:
+            w = _dequantize(w, s, g)  # the dequantized weight becomes the master weight
+        self.weight.copy_(w)
+        self._weight_cache.clear()
+        if not self.training:
+            self.sync_quantized()
+
+    @torch.no_grad()
+    def _load_frozen_weight(self, w, s, g) -> None:
+        dev = self.weight_scale.device
         if w.dtype == torch.int8:  # the checkpoint's quantization is kept as it is
             q, s = w.to(dev), s.to(dev)
             g = g.to(dev).contiguous() if g is not None else None
@@ -453,12 +499,7 @@ class Int8Linear(RuntimeChoice, VersionedModule):
         QAT master weights (the linear itself is not modified)."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"Int8Linear.from_linear expects an nn.Linear, got {type(linear).__name__}")
-        _check_mode(mode)
-        mod = cls.__new__(cls)
-        VersionedModule.__init__(mod)
-        mod.in_features, mod.out_features = linear.in_features, linear.out_features
-        mod.mode, mod.trainable = mode, bool(trainable)
-        mod.group_size = _resolve_group_size(mode, group_size, mod.trainable)
+        mod = cls._blank(linear.in_features, linear.out_features, mode, trainable, group_size)
         w = linear.weight.detach()
         if trainable:
             w = w.float()
@@ -491,10 +532,7 @@ class Int8Linear(RuntimeChoice, VersionedModule):
         if not self.trainable:
             return self
         q, s, g = _quantize_weight(self.weight, self.group_size, search=False)
-        mod = Int8Linear.__new__(Int8Linear)
-        VersionedModule.__init__(mod)
-        mod.in_features, mod.out_features, mod.mode, mod.trainable, mod.group_size = (
-            self.in_features, self.out_features, self.mode, False, self.group_size)  # fmt: skip
+        mod = Int8Linear._blank(self.in_features, self.out_features, self.mode, False, self.group_size)
         if self.bias is not None:
             mod.bias = nn.Parameter(self.bias.detach().clone(), requires_grad=False)
         else:
