@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import cpu_backends, rel_err, requires_cuda
+from conftest import cpu_backends, rel_err, requires_cuda, run_at_isa
 from torch import nn
 
 import fastdl
@@ -19,6 +19,7 @@ import fastdl.nn.int8 as nn_int8
 import fastdl.ops.int8 as int8_ops  # registers the int8 ops
 from fastdl import backends, quant
 from fastdl._distributed import finish_worker
+from fastdl.nn._base import decode_extra_state, encode_extra_state
 from fastdl.nn.int8 import FORMAT_VERSION, Int8Linear
 from fastdl.ops.int8 import (
     int8_linear,
@@ -438,7 +439,8 @@ def test_v1_per_channel_checkpoint_loads_into_weight_only_layer():
     x = torch.randn(3, 40)
     assert m.group_size is None and m.weight_group_scale is None
     assert same(m(x), int8_weight_only_linear(x, w_q, w_scale, lin.bias.detach()))
-    assert "weight_group_scale" not in m.state_dict() and m.state_dict()["_extra_state"]["group_size"] is None
+    assert "weight_group_scale" not in m.state_dict()
+    assert decode_extra_state(m.state_dict()["_extra_state"])["group_size"] is None
     per_channel = Int8Linear.from_linear(lin, mode="weight_only", group_size=None)
     assert same(per_channel(x), m(x))
     with pytest.raises(ValueError, match="group_size"):
@@ -769,7 +771,8 @@ def test_module_state_dict_round_trip(mode):
     assert set(sd) == {"weight", "weight_scale", "bias", "_extra_state"} | grouped
     assert sd["weight"].dtype == torch.int8 and sd["weight"].shape == (24, 40)
     assert sd["weight_scale"].dtype == torch.float32 and sd["weight_scale"].shape == (24,)
-    assert sd["_extra_state"]["version"] == FORMAT_VERSION and sd["_extra_state"]["mode"] == mode
+    record = decode_extra_state(sd["_extra_state"])  # a uint8 JSON tensor: the state dict holds only tensors
+    assert sd["_extra_state"].dtype == torch.uint8 and record["version"] == FORMAT_VERSION and record["mode"] == mode
     buf = io.BytesIO()
     torch.save(sd, buf)
     buf.seek(0)
@@ -794,7 +797,7 @@ def test_module_state_dict_round_trip(mode):
     with pytest.raises(RuntimeError, match="size mismatch"):
         Int8Linear(41, 24).load_state_dict(loaded)
     newer = dict(loaded)
-    newer["_extra_state"] = {**loaded["_extra_state"], "version": FORMAT_VERSION + 1}
+    newer["_extra_state"] = encode_extra_state({**record, "version": FORMAT_VERSION + 1})
     with pytest.raises(RuntimeError, match="newer"):
         Int8Linear(40, 24, mode=mode).load_state_dict(newer)
     missing = {k: v for k, v in loaded.items() if k != "weight_scale"}
@@ -863,7 +866,7 @@ def test_trainable_module_checkpoints_interchange():
     t = Int8Linear.from_linear(lin, trainable=True)
     sd = t.state_dict()
     assert set(sd) == {"weight", "bias", "_extra_state"} and sd["weight"].dtype == torch.float32
-    assert sd["_extra_state"]["trainable"] is True
+    assert decode_extra_state(sd["_extra_state"])["trainable"] is True
     inf = Int8Linear(30, 20)
     inf.load_state_dict(sd)  # master weights are quantized on load
     x = torch.randn(5, 30)
@@ -1027,3 +1030,111 @@ def test_cuda_module_same_checkpoint_and_compile():
     qat = Int8Linear.from_linear(lin, trainable=True).cuda()
     qat(x.cuda().bfloat16()).float().sum().backward()
     assert qat.weight.grad is not None and qat.weight.grad.dtype == torch.float32
+
+
+# ------------------------------------------------------------------------ CPU kernel families at every ISA level
+# Each level's kernels run in a subprocess (FASTDL_CPU_ISA is read once per process) against exact references:
+# these helpers are the subprocess's body (run_at_isa puts this directory on its path).
+ISA_LEVELS = ["scalar", "avx2", "avx512", "native"]
+
+
+def saturation_cases():
+    """int8 operands at the extremes of vpmaddubsw: pairs of +-127 products of one sign (pair sums 32258, the most a
+    pair of [-127, 127] values reaches), and -128 in A, in B and in both (int8_mm accepts the full int8 range)."""
+    K = 4096 + 4  # two K slices of the W8A8 driver (4096 + 4)
+    a = torch.full((6, K), 127, dtype=torch.int8)
+    a[1] = -127
+    a[2, ::2] = -127
+    a[3] = -128
+    a[4, 1::2] = -128
+    a[5, ::3] = -128
+    b = torch.full((7, K), 127, dtype=torch.int8)
+    b[1] = -127
+    b[2, ::2] = -127
+    b[3] = -128
+    b[4, ::3] = -128
+    b[5, 1::4] = 0
+    b[6] = torch.randint(-128, 128, (K,), dtype=torch.int8)
+    return a, b
+
+
+def check_w8a8_exact() -> str:
+    """int8_mm (int32 and float outputs) and int8_linear bit for bit against the exact references, at the saturation
+    extremes and on random data with odd shapes (register-tile and 16-column tails, K slices)."""
+    torch.manual_seed(0)
+    cases = [saturation_cases()]
+    for M, K, N in [(1, 33, 17), (5, 64, 33), (13, 4100, 20), (4, 7, 16), (9, 259, 70)]:
+        cases.append((rand_int8(M, K), rand_int8(N, K)))
+    for a, b in cases:
+        M, N = a.shape[0], b.shape[0]
+        packed, comp = int8_pack_weight(b)
+        sa, sb, bias = torch.rand(M), torch.rand(N), torch.randn(N)
+        with fastdl.use_backend("cpp"):
+            acc = int8_mm(a, b, sa, sb, None, torch.int32, packed, comp)
+            acc_np = int8_mm(a, b, sa, sb, None, torch.int32)  # packed inside the op
+            out = int8_mm(a, b, sa, sb, bias, torch.bfloat16, packed, comp)
+            out_nc = int8_mm(a.t().contiguous().t(), b, sa, sb, bias, torch.float32, packed, comp)  # column-major a
+        ref = acc_exact(a, b)
+        assert torch.equal(acc, ref) and torch.equal(acc_np, ref), (a.shape, b.shape)
+        assert same(out, dequant(ref, sa, sb, bias, torch.bfloat16))
+        assert same(out_nc, dequant(ref, sa, sb, bias, torch.float32))
+    # int8_linear: rows of +-1 quantise to +-127 everywhere, weights +-127: every pair sum at its maximum
+    K = 1000
+    x = torch.ones(5, K)
+    x[1] = -1
+    x[2, ::2] = -1
+    x[3:] = torch.randn(2, K)
+    w_q = torch.full((40, K), 127, dtype=torch.int8)
+    w_q[1::2, ::2] = -127
+    w_scale = torch.rand(40) * 0.01
+    packed, comp = int8_pack_weight(w_q)
+    for dt in FLOATS:
+        with fastdl.use_backend("cpp"):
+            out = int8_linear(x.to(dt), w_q, w_scale, None, packed, comp)
+        assert same(out, linear_exact(x.to(dt), w_q, w_scale, None)), dt
+    return fastdl.info(print_result=False)["int8_cpu_kernels"]
+
+
+def check_weight_only_paths() -> str:
+    """int8_weight_only_linear on the shapes that take every kernel path of a level (the dot form for few rows, the
+    GEMM on dequantised blocks for many: row blocks of 240, column blocks of 128, several K slices, K and N tails),
+    per channel and with group codes, fp32 / bf16 / fp16 x, non-contiguous x with leading dims, against float64."""
+    torch.manual_seed(0)
+    worst = 0.0
+    for M, K, N in [(1, 7, 5), (2, 100, 9), (7, 515, 33), (8, 33, 130), (16, 384, 20), (33, 1100, 7), (250, 70, 131)]:
+        w = torch.randn(N, K)
+        bias = torch.randn(N)
+        wq, ws = quantize_per_channel(w)
+        gq, gs, gg = quantize_per_group(w)
+        d_pc = wq.double() * ws.double()[:, None]
+        d_g = int8_ops.grouped_weight(gq, gg).double() * gs.double()[:, None]
+        for dt, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2), (torch.float16, 2e-3)):
+            base = torch.randn(3, M, K + 3).to(dt)
+            x = base[1:2, :, 1 : K + 1]  # [1, M, K], rows 1 element apart from their neighbours' ends
+            with fastdl.use_backend("cpp"):
+                o_pc = int8_weight_only_linear(x, wq, ws, bias)
+                o_g = int8_weight_only_linear(x, gq, gs, bias, gg)
+            for o, d in ((o_pc, d_pc), (o_g, d_g)):
+                assert o.shape == (1, M, N) and o.dtype == dt
+                e = rel_err(o, x.double() @ d.t() + bias.double())
+                worst = max(worst, e)
+                assert e <= tol, (M, K, N, dt, e)
+    return f"{fastdl.info(print_result=False)['int8_cpu_kernels']} worst {worst:.2e}"
+
+
+@pytest.mark.skipif(not backends.available("cpp", "int8_linear", "cpu")[0], reason="needs the compiled extension")
+@pytest.mark.parametrize("isa", ISA_LEVELS)
+def test_cpp_isa_levels_exact_w8a8_and_weight_only_paths(isa):
+    """Every int8 kernel family (scalar, AVX2 sign-trick W8A8 and panel GEMM, AVX-512) at its own level in a
+    subprocess: W8A8 exact at the vpmaddubsw saturation extremes (int8_mm with -128 too), weight-only on every path."""
+    out = run_at_isa(
+        isa,
+        "import test_int8 as t; print('w8a8', t.check_w8a8_exact()); print('weight_only', t.check_weight_only_paths())",
+    )
+    lines = dict(line.split(" ", 1) for line in out.strip().splitlines() if line.startswith(("w8a8", "weight_only")))
+    assert set(lines) == {"w8a8", "weight_only"}, out
+    kernels = lines["w8a8"].split()[0]
+    if isa == "scalar":
+        assert kernels == "scalar"
+    elif isa == "avx2" and fastdl.info(print_result=False)["int8_cpu_kernels"] != "scalar":
+        assert kernels == "avx2"

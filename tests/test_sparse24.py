@@ -18,7 +18,7 @@ import fastdl
 import fastdl.ops.sparse24 as sp  # registers the ops (until fastdl.ops imports it)
 from fastdl import backends, sparsity
 from fastdl._distributed import finish_worker
-from fastdl.nn import FusedLinear
+from fastdl.nn import FusedLinear, decode_extra_state
 from fastdl.nn.sparse24 import Sparse24Linear
 
 OPS = ("mask_2_4", "compress_2_4", "decompress_2_4", "sparse24_linear")
@@ -398,7 +398,8 @@ def test_module_state_dict_versioned_weights_only_and_linear_checkpoint():
     m = Sparse24Linear.from_linear(nn.Linear(32, 16), dtype=torch.bfloat16)
     sd = m.state_dict()
     assert set(sd) == {"values", "meta", "bias", "_extra_state"}
-    assert sd["_extra_state"]["format"] == "fastdl.sparse24" and sd["_extra_state"]["version"] == 1
+    record = decode_extra_state(sd["_extra_state"])  # a uint8 JSON tensor: the state dict holds only tensors
+    assert record["format"] == "fastdl.sparse24" and record["version"] == 2
     buf = io.BytesIO()
     torch.save(sd, buf)
     buf.seek(0)
@@ -419,7 +420,7 @@ def test_module_state_dict_versioned_weights_only_and_linear_checkpoint():
 def test_module_memory_is_at_most_0p6_of_dense_bf16():
     m = Sparse24Linear.from_linear(nn.Linear(1024, 512), dtype=torch.bfloat16)
     dense = 1024 * 512 * 2 + 512 * 2
-    held = sum(t.numel() * t.element_size() for t in m.state_dict().values() if isinstance(t, torch.Tensor))
+    held = sum(t.numel() * t.element_size() for k, t in m.state_dict().items() if k != "_extra_state")  # + record
     assert held == m.weight_bytes() and held <= 0.6 * dense, held / dense
     m(torch.randn(2, 1024, dtype=torch.bfloat16))  # the sparse path caches nothing
     assert m.cache_bytes() == 0

@@ -100,15 +100,6 @@ std::pair<int64_t, int64_t> split(int64_t total, int64_t parts, int64_t i, int64
     return {edge(i), edge(i + 1)};
 }
 
-// 64-byte aligned scratch memory of one thread.
-struct Scratch {
-    std::unique_ptr<uint8_t[]> mem;
-    uint8_t *base = nullptr;
-    explicit Scratch(int64_t bytes) : mem(new uint8_t[static_cast<size_t>(bytes) + 64]) {
-        base = mem.get() + ((64 - reinterpret_cast<uintptr_t>(mem.get()) % 64) % 64);
-    }
-};
-
 // 2-D view [rows, K] of x [..., K] with unit stride along K (a copy only when the strides do not allow a view).
 at::Tensor rows_view(const at::Tensor &x) {
     const int64_t K = x.size(-1);
@@ -234,11 +225,11 @@ void w8a8_rect(const W8A8 &p, int64_t m0, int64_t m1, int64_t j0, int64_t j1) {
     const int64_t a_bytes = round_up(mc * Kc * kr.a_bytes, 64);
     const int64_t f_bytes = round_up(2 * mc * 4, 64);
     const int64_t p_bytes = nkb > 1 ? mc * cols * 4 : 0;
-    Scratch s(a_bytes + f_bytes + p_bytes);
-    void *abuf = s.base;
-    float *scale = reinterpret_cast<float *>(s.base + a_bytes);
+    uint8_t *base = scratch_of<uint8_t>(kScratchA, a_bytes + f_bytes + p_bytes);
+    void *abuf = base;
+    float *scale = reinterpret_cast<float *>(base + a_bytes);
     float *inv = scale + mc;
-    int32_t *partial = nkb > 1 ? reinterpret_cast<int32_t *>(s.base + a_bytes + f_bytes) : nullptr;
+    int32_t *partial = nkb > 1 ? reinterpret_cast<int32_t *>(base + a_bytes + f_bytes) : nullptr;
     const bool float_a = p.a_dtype != DType::I8;
     const int64_t a_elem = p.a_dtype == DType::F32 ? 4 : p.a_dtype == DType::I8 ? 1 : 2;
     const int64_t o_elem = (p.out_dtype == DType::F32 || p.out_dtype == DType::I32) ? 4 : 2;
@@ -310,6 +301,21 @@ void run_w8a8(W8A8 &p) {
     } else {
         at::parallel_for(0, tm * tn, 1, body);
     }
+}
+
+// Whether the int8 rows a [M, K] (row stride lda) hold the value -128.
+bool holds_int8_min(const int8_t *a, int64_t M, int64_t K, int64_t lda) {
+    for (int64_t m = 0; m < M; ++m) {
+        const int8_t *row = a + m * lda;
+        int8_t lo = 0;
+        for (int64_t k = 0; k < K; ++k) {
+            lo = row[k] < lo ? row[k] : lo;
+        }
+        if (lo == -128) {
+            return true;
+        }
+    }
+    return false;
 }
 
 const float *fp32_ptr(const c10::optional<at::Tensor> &t, at::Tensor &holder) {
@@ -412,6 +418,32 @@ at::Tensor int8_mm(const at::Tensor &a_q, const at::Tensor &b_q, const at::Tenso
     p.bias = fp32_ptr(bias, bias_f);
     p.out = out.data_ptr();
     p.out_dtype = dtype_of(out_dtype);
+    if (p.kr->a_min > -128 && holds_int8_min(a.data_ptr<int8_t>(), M, K, p.lda)) {
+        // The AVX2 sign trick is exact for A in [-127, 127] only: A = A' + E with A' = max(A, -127) and E = -[A ==
+        // -128] (both in range), acc = A' B + E B in int32, then the contract's dequantisation as separate fp32 ops
+        // (the same roundings as the epilogue). Only a user's int8_mm can get here (quantised activations never hold
+        // -128); it costs a second GEMM.
+        at::Tensor acc = at::empty({M, N}, a_q.options().dtype(at::kInt));
+        at::Tensor acc_e = at::empty({M, N}, a_q.options().dtype(at::kInt));
+        const at::Tensor a1 = a.clamp_min(-127), e = a.eq(-128).to(at::kChar).neg_();
+        for (auto [src, dst] : {std::pair{&a1, &acc}, std::pair{&e, &acc_e}}) {
+            W8A8 q = p;
+            q.a = src->data_ptr();
+            q.lda = src->stride(0);
+            q.out = dst->data_ptr();
+            q.out_dtype = DType::I32;
+            run_w8a8(q);
+        }
+        acc = acc.to(at::kLong).add_(acc_e).to(at::kInt); // wraps like the int32 accumulator
+        if (out_dtype == at::kInt) {
+            return acc;
+        }
+        at::Tensor f = acc.to(at::kFloat).mul_(as.unsqueeze(1)).mul_(bs.unsqueeze(0));
+        if (bias.has_value()) {
+            f.add_(bias->to(at::kFloat).unsqueeze(0));
+        }
+        return f.to(out_dtype);
+    }
     run_w8a8(p);
     return out;
 }

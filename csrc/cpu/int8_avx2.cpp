@@ -1,11 +1,8 @@
 // AVX2 kernels of the int8 capability, for x86 CPUs without AVX512-VNNI. No torch headers; every function enables
 // AVX2 + FMA + F16C with a target attribute and int8.cpp checks cpuid before calling in.
 //
-// W8A8 without VNNI: vpmaddubsw (u8 x s8 -> s16 pairs) saturates when two products of a + 128 (up to 255) and a
-// weight exceed 32767, so it is not exact for every int8 input. This kernel sign-extends both operands to int16 and
-// uses vpmaddwd (s16 x s16 -> s32 pair sums, exact): A is packed as int16 (no +128 shift, no compensation), and the
-// VNNI-packed weights are widened 16 bytes at a time (vpmovsxbw: 4 columns x 4 k), each widened vector serving the
-// MR = 2 rows of the tile. A 32-bit lane holds a (column, k-pair) partial sum; the pairs are added at the end.
+// W8A8 without VNNI: vpmaddubsw (u8 x s8 -> s16 pair sums) with the sign trick (see avx2_tile), exact for every
+// activation in [-127, 127] and every weight; the per-token quantisation of float A is fused into the packing of A.
 #include "int8_kernels.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -24,6 +21,9 @@ namespace {
 
 inline int64_t imin(int64_t a, int64_t b) {
     return a < b ? a : b;
+}
+inline int64_t imax(int64_t a, int64_t b) {
+    return a > b ? a : b;
 }
 
 template <DType DT> constexpr int64_t elem_size() {
@@ -139,47 +139,29 @@ FDL_AVX2 inline __m256i quant8(__m256 x, __m256 inv) {
     return _mm256_andnot_si256(nan, q);
 }
 
-// 16 int32 lanes (two vectors) -> 16 int16 in order.
-FDL_AVX2 inline __m256i to_i16(__m256i q0, __m256i q1) {
-    return _mm256_permute4x64_epi64(_mm256_packs_epi32(q0, q1), 0xd8);
+// 16 int32 lanes (two vectors, each in [-127, 127]) -> 16 int8 in order.
+FDL_AVX2 inline __m128i to_i8(__m256i q0, __m256i q1) {
+    const __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi32(q0, q1), 0xd8);
+    return _mm_packs_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
 }
 
-// Quantise k in [k0, k1) of a row into 16-bit (Wide) or 8-bit values at dst.
-template <DType DT, bool Wide>
-FDL_AVX2 void quant_row(const void *row, int64_t k0, int64_t k1, float inv_s, void *dst) {
+// Quantise k in [k0, k1) of a row into int8 at dst.
+template <DType DT> FDL_AVX2 void quant_row(const void *row, int64_t k0, int64_t k1, float inv_s, int8_t *dst) {
     const char *p = static_cast<const char *>(row);
     const __m256 inv = _mm256_set1_ps(inv_s);
-    char *d = static_cast<char *>(dst);
-    for (int64_t k = k0; k < k1; k += 16) {
-        const int64_t n = imin(16, k1 - k);
-        __m256 x0, x1;
-        if (n == 16) {
-            x0 = load8<DT>(p + k * elem_size<DT>());
-            x1 = load8<DT>(p + (k + 8) * elem_size<DT>());
-        } else {
-            x0 = n >= 8 ? load8<DT>(p + k * elem_size<DT>()) : load8_tail<DT>(p + k * elem_size<DT>(), n);
-            x1 = n > 8 ? load8_tail<DT>(p + (k + 8) * elem_size<DT>(), n - 8) : _mm256_setzero_ps();
-        }
-        const __m256i w = to_i16(quant8(x0, inv), quant8(x1, inv));
-        char *o = d + (k - k0) * (Wide ? 2 : 1);
-        if (Wide) {
-            if (n == 16) {
-                _mm256_storeu_si256(reinterpret_cast<__m256i *>(o), w);
-            } else {
-                alignas(32) char buf[32];
-                _mm256_store_si256(reinterpret_cast<__m256i *>(buf), w);
-                std::memcpy(o, buf, static_cast<size_t>(2 * n));
-            }
-        } else {
-            const __m128i b = _mm_packs_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
-            if (n == 16) {
-                _mm_storeu_si128(reinterpret_cast<__m128i *>(o), b);
-            } else {
-                alignas(16) char buf[16];
-                _mm_store_si128(reinterpret_cast<__m128i *>(buf), b);
-                std::memcpy(o, buf, static_cast<size_t>(n));
-            }
-        }
+    int64_t k = k0;
+    for (; k + 16 <= k1; k += 16) {
+        const __m256 x0 = load8<DT>(p + k * elem_size<DT>());
+        const __m256 x1 = load8<DT>(p + (k + 8) * elem_size<DT>());
+        _mm_storeu_si128(reinterpret_cast<__m128i *>(dst + (k - k0)), to_i8(quant8(x0, inv), quant8(x1, inv)));
+    }
+    if (k < k1) {
+        const int64_t n = k1 - k;
+        const __m256 x0 = n >= 8 ? load8<DT>(p + k * elem_size<DT>()) : load8_tail<DT>(p + k * elem_size<DT>(), n);
+        const __m256 x1 = n > 8 ? load8_tail<DT>(p + (k + 8) * elem_size<DT>(), n - 8) : _mm256_setzero_ps();
+        alignas(16) int8_t buf[16];
+        _mm_store_si128(reinterpret_cast<__m128i *>(buf), to_i8(quant8(x0, inv), quant8(x1, inv)));
+        std::memcpy(dst + (k - k0), buf, static_cast<size_t>(n));
     }
 }
 
@@ -189,7 +171,7 @@ template <DType DT> FDL_AVX2 void quantize_rows_t(const QuantRows &a) {
         const void *row = src + r * a.ld * elem_size<DT>();
         float inv;
         a.scale[r] = row_scale(amax_bits<DT>(row, a.K), &inv);
-        quant_row<DT, false>(row, 0, a.K, inv, a.q + r * a.ldq);
+        quant_row<DT>(row, 0, a.K, inv, a.q + r * a.ldq);
     }
 }
 
@@ -204,11 +186,12 @@ void quantize_rows(const QuantRows &a) {
 }
 
 // ---------------------------------------------------------------------------------------------------- pack A
-// int16 A block, rows of kc values, padding (k >= K) 0.
-inline void pad_row(int16_t *d, int64_t k0, int64_t k1, int64_t kc) {
+// int8 A block (a as it is: the sign trick below needs no +128 shift and no compensation), rows of kc bytes,
+// padding (k >= K) 0. int8 A must not hold -128 (see Kernels::a_min; int8_mm splits such an A in two).
+inline void pad_row(int8_t *d, int64_t k0, int64_t k1, int64_t kc) {
     const int64_t from = k1 > k0 ? k1 - k0 : 0;
     if (kc > from) {
-        std::memset(d + from, 0, static_cast<size_t>(2 * (kc - from)));
+        std::memset(d + from, 0, static_cast<size_t>(kc - from));
     }
 }
 
@@ -220,27 +203,21 @@ template <DType DT> FDL_AVX2 void pack_a_float(const APack &p) {
         if (p.compute_scales) {
             p.scale[r] = row_scale(amax_bits<DT>(row, p.K), &p.inv[r]);
         }
-        int16_t *d = static_cast<int16_t *>(p.dst) + r * p.ldd;
+        int8_t *d = static_cast<int8_t *>(p.dst) + r * p.ldd;
         if (k1 > p.k0) {
-            quant_row<DT, true>(row, p.k0, k1, p.inv[r], d);
+            quant_row<DT>(row, p.k0, k1, p.inv[r], d);
         }
         pad_row(d, p.k0, k1, p.kc);
     }
 }
 
-FDL_AVX2 void pack_a_int8(const APack &p) {
+void pack_a_int8(const APack &p) {
     const int8_t *src = static_cast<const int8_t *>(p.src);
     const int64_t k1 = imin(p.K, p.k0 + p.kc);
     for (int64_t r = 0; r < p.rows; ++r) {
-        const int8_t *row = src + r * p.ld;
-        int16_t *d = static_cast<int16_t *>(p.dst) + r * p.ldd;
-        int64_t k = p.k0;
-        for (; k + 16 <= k1; k += 16) {
-            const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i *>(row + k)));
-            _mm256_storeu_si256(reinterpret_cast<__m256i *>(d + (k - p.k0)), w);
-        }
-        for (; k < k1; ++k) {
-            d[k - p.k0] = row[k];
+        int8_t *d = static_cast<int8_t *>(p.dst) + r * p.ldd;
+        if (k1 > p.k0) {
+            std::memcpy(d, src + r * p.ld + p.k0, static_cast<size_t>(k1 - p.k0));
         }
         pad_row(d, p.k0, k1, p.kc);
     }
@@ -263,54 +240,75 @@ void pack_a(const APack &p) {
 }
 
 // --------------------------------------------------------------------------------------------------------- GEMM
-// Tile: MR = 2 rows x 16 columns (one VNNI block). Per k-quad: 4 widened B vectors (64 bytes), 2 broadcasts of 4
-// int16, 8 vpmaddwd + 8 vpaddd: 8 accumulators + 2 A + 1-2 B of the 16 ymm.
-constexpr int kMR = 2;
+// Exact int8 x int8 with vpmaddubsw (u8 x s8 -> s16 pair sums, saturating) by the sign trick: for a weight vector b
+// and a broadcast activation quad a, u = |b| (vpabsb: an unsigned byte <= 128) and s = a * sign(b) (vpsignb: 0 where
+// b = 0), so u * s = a * b and each pair sum is at most 2 * 128 * 127 = 32512 < 32767 for a in [-127, 127]: never
+// saturates, for every weight including -128. vpmaddwd by ones then adds the two pairs of a column into int32.
+// |b| is taken once per weight vector and used by the MR rows of the tile. Per k-quad and row: 2 x (vpsignb,
+// vpmaddubsw, vpmaddwd, vpaddd) for 64 MACs, of which 2 x 2 multiplies.
+// Tile: MR = 4 rows x 16 columns (one VNNI block, two ymm of 8 columns x 4 k): 8 accumulators + 2 |b| + the
+// broadcast + temporaries + ones within the 16 ymm. Accumulator lanes are whole column sums (no horizontal add).
+constexpr int kMR = 4;
 
-template <int MR> FDL_AVX2 void avx2_tile(const GemmBlock &g, int64_t r0, int64_t c0) {
-    __m256i acc[MR][4];
-#pragma GCC unroll 2
-    for (int i = 0; i < MR; ++i) {
+// a * sign(*b) (vpsignb) with b read from memory: written in asm so that the compiler does not keep the two weight
+// vectors of a k-quad in registers for the MR rows (with them, 16 ymm were not enough and GCC spilled accumulators).
+FDL_AVX2 inline __m256i sign_by(__m256i a, const __m256i *b) {
+    __m256i r;
+    __asm__("vpsignb %2, %1, %0" : "=x"(r) : "x"(a), "m"(*b));
+    return r;
+}
+
+template <int MR> FDL_AVX2 void avx2_tile(const GemmBlock &g, int64_t r0, int64_t c0, const int8_t *pf) {
+    __m256i acc[MR][2];
+    if (g.first) {
 #pragma GCC unroll 4
-        for (int s = 0; s < 4; ++s) {
-            acc[i][s] = _mm256_setzero_si256();
+        for (int i = 0; i < MR; ++i) {
+            acc[i][0] = _mm256_setzero_si256();
+            acc[i][1] = _mm256_setzero_si256();
+        }
+    } else {
+#pragma GCC unroll 4
+        for (int i = 0; i < MR; ++i) {
+            const int32_t *part = g.partial + (r0 + i) * g.ldp + c0;
+            acc[i][0] = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(part));
+            acc[i][1] = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(part + 8));
         }
     }
-    const int16_t *a = static_cast<const int16_t *>(g.a) + r0 * g.lda;
+    const int8_t *a = static_cast<const int8_t *>(g.a) + r0 * g.lda;
     const int8_t *b = g.b + (c0 / 16) * g.b_stride;
+    const __m256i ones = _mm256_set1_epi16(1);
     const int64_t nq = g.kc / 4;
     for (int64_t q = 0; q < nq; ++q) {
-        __m256i av[MR];
-#pragma GCC unroll 2
-        for (int i = 0; i < MR; ++i) {
-            int64_t a4;
-            std::memcpy(&a4, a + i * g.lda + 4 * q, 8);
-            av[i] = _mm256_set1_epi64x(a4);
+        const __m256i *bq = reinterpret_cast<const __m256i *>(b + q * 64);
+        const __m256i u0 = _mm256_abs_epi8(_mm256_loadu_si256(bq)), u1 = _mm256_abs_epi8(_mm256_loadu_si256(bq + 1));
+        if (pf) {
+            _mm_prefetch(reinterpret_cast<const char *>(pf + q * 64), _MM_HINT_T0);
         }
 #pragma GCC unroll 4
-        for (int s = 0; s < 4; ++s) {
-            const __m256i bv =
-                _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i *>(b + q * 64 + 16 * s)));
-#pragma GCC unroll 2
-            for (int i = 0; i < MR; ++i) {
-                acc[i][s] = _mm256_add_epi32(acc[i][s], _mm256_madd_epi16(av[i], bv));
-            }
+        for (int i = 0; i < MR; ++i) {
+            int32_t a4;
+            std::memcpy(&a4, a + i * g.lda + 4 * q, 4);
+            const __m256i av = _mm256_set1_epi32(a4);
+            acc[i][0] = _mm256_add_epi32(acc[i][0], _mm256_madd_epi16(_mm256_maddubs_epi16(u0, sign_by(av, bq)), ones));
+            acc[i][1] =
+                _mm256_add_epi32(acc[i][1], _mm256_madd_epi16(_mm256_maddubs_epi16(u1, sign_by(av, bq + 1)), ones));
         }
     }
-#pragma GCC unroll 2
+    // The accumulators go to memory once, here: indexing them by a loop variable below would make GCC keep the whole
+    // array in memory during the k loop too.
+    alignas(32) int32_t res[MR][16];
+#pragma GCC unroll 4
+    for (int i = 0; i < MR; ++i) {
+        _mm256_store_si256(reinterpret_cast<__m256i *>(res[i]), acc[i][0]);
+        _mm256_store_si256(reinterpret_cast<__m256i *>(res[i] + 8), acc[i][1]);
+    }
     for (int i = 0; i < MR; ++i) {
         const int64_t r = r0 + i;
-        // (column, k-pair) lanes -> column sums, columns c0 .. c0 + 7 and c0 + 8 .. c0 + 15.
-        __m256i sum[2] = {_mm256_permute4x64_epi64(_mm256_hadd_epi32(acc[i][0], acc[i][1]), 0xd8),
-                          _mm256_permute4x64_epi64(_mm256_hadd_epi32(acc[i][2], acc[i][3]), 0xd8)};
         for (int h = 0; h < 2; ++h) {
             const int64_t col = c0 + 8 * h;
-            int32_t *part = g.partial + r * g.ldp + col;
-            if (!g.first) {
-                sum[h] = _mm256_add_epi32(sum[h], _mm256_loadu_si256(reinterpret_cast<const __m256i *>(part)));
-            }
+            const __m256i sum = _mm256_load_si256(reinterpret_cast<const __m256i *>(res[i] + 8 * h));
             if (!g.last) {
-                _mm256_storeu_si256(reinterpret_cast<__m256i *>(part), sum[h]);
+                _mm256_storeu_si256(reinterpret_cast<__m256i *>(g.partial + r * g.ldp + col), sum);
                 continue;
             }
             if (col >= g.n_valid) {
@@ -318,19 +316,29 @@ template <int MR> FDL_AVX2 void avx2_tile(const GemmBlock &g, int64_t r0, int64_
             }
             const int64_t n = imin(8, g.n_valid - col);
             if (g.out_dtype == DType::I32) {
-                store8(static_cast<int32_t *>(g.out) + r * g.ldo + col, _mm256_castsi256_ps(sum[h]), DType::F32, n);
+                store8(static_cast<int32_t *>(g.out) + r * g.ldo + col, _mm256_castsi256_ps(sum), DType::F32, n);
                 continue;
             }
-            alignas(32) float bs[8] = {}, bias[8] = {};
-            std::memcpy(bs, g.b_scale + col, static_cast<size_t>(4 * n));
-            if (g.bias) {
-                std::memcpy(bias, g.bias + col, static_cast<size_t>(4 * n));
+            __m256 bs, bias = _mm256_setzero_ps();
+            if (n == 8) {
+                bs = _mm256_loadu_ps(g.b_scale + col);
+                if (g.bias) {
+                    bias = _mm256_loadu_ps(g.bias + col);
+                }
+            } else {
+                alignas(32) float bsb[8] = {}, bb[8] = {};
+                std::memcpy(bsb, g.b_scale + col, static_cast<size_t>(4 * n));
+                if (g.bias) {
+                    std::memcpy(bb, g.bias + col, static_cast<size_t>(4 * n));
+                }
+                bs = _mm256_load_ps(bsb);
+                bias = _mm256_load_ps(bb);
             }
-            __m256 f = _mm256_cvtepi32_ps(sum[h]);
+            __m256 f = _mm256_cvtepi32_ps(sum);
             f = no_fma(_mm256_mul_ps(f, _mm256_set1_ps(g.a_scale[r])));
-            f = no_fma(_mm256_mul_ps(f, _mm256_load_ps(bs)));
-            if (g.bias) {
-                f = _mm256_add_ps(f, _mm256_load_ps(bias));
+            f = no_fma(_mm256_mul_ps(f, bs));
+            if (g.bias) { // no bias: no "+ 0", which would turn -0 into +0
+                f = _mm256_add_ps(f, bias);
             }
             const int64_t es = g.out_dtype == DType::F32 ? 4 : 2;
             store8(static_cast<char *>(g.out) + (r * g.ldo + col) * es, f, g.out_dtype, n);
@@ -340,13 +348,31 @@ template <int MR> FDL_AVX2 void avx2_tile(const GemmBlock &g, int64_t r0, int64_
 
 void gemm_block(const GemmBlock &g) {
     // 16-column block outer: its B slice (16 x kc bytes, 64 KiB at kc = 4096) is reused from L2 by every row tile.
+    // The first row tile also prefetches the next block's slice, one line per k-quad, so that the next block does
+    // not start with a wait for L3 / DRAM. Zen 4 capped at AVX2, one core, K = N = 4096, weights in L3, GMAC/s
+    // without -> with: M = 1 21.2 -> 25.5, M = 4 45.8 -> 47.9, M = 16 43.5 -> 55.5, M = 128 55.6 -> 56.3.
     for (int64_t c0 = 0; c0 < g.cols; c0 += 16) {
+        const int8_t *next = c0 + 16 < g.cols ? g.b + (c0 / 16 + 1) * g.b_stride : nullptr;
         int64_t r0 = 0;
         for (; r0 + kMR <= g.rows; r0 += kMR) {
-            avx2_tile<kMR>(g, r0, c0);
+            avx2_tile<kMR>(g, r0, c0, r0 == 0 ? next : nullptr);
         }
-        if (r0 < g.rows) {
-            avx2_tile<1>(g, r0, c0);
+        const int8_t *pf = r0 == 0 ? next : nullptr;
+        switch (g.rows - r0) {
+        case 1:
+            avx2_tile<1>(g, r0, c0, pf);
+            break;
+        case 2:
+            avx2_tile<2>(g, r0, c0, pf);
+            break;
+        case 3:
+            avx2_tile<3>(g, r0, c0, pf);
+            break;
+        case 4:
+            avx2_tile<4>(g, r0, c0, pf);
+            break;
+        default:
+            break;
         }
     }
 }
@@ -380,6 +406,30 @@ FDL_AVX2 inline void wo_step(const float *x, int64_t ldx, const int8_t *w, int64
     }
 }
 
+// Horizontal sums of 4 accumulators: lanes 0..3 of the result.
+FDL_AVX2 inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+// One row, one whole group (16 k from k, a multiple of 16) of NB w rows: the products of the group are summed first
+// and multiplied by the code once (t = x0 w0 + x1 w1, acc += t * code: 5 floating-point operations per 16 weights
+// instead of 6 with the code multiplied into each 8 converted weights; M = 1, one core, ms: K = N = 4096 1.60 ->
+// 1.55, 4096 -> 11008 4.67 -> 4.40, 11008 -> 4096 4.25 -> 3.90).
+template <int NB>
+FDL_AVX2 inline void wo_group1(const float *x, const int8_t *w, int64_t ldw, int64_t k, const float *c,
+                               __m256 (&acc)[NB]) {
+    const __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
+#pragma GCC unroll 8
+    for (int j = 0; j < NB; ++j) {
+        const __m128i w16 = _mm_loadu_si128(reinterpret_cast<const __m128i *>(w + j * ldw + k));
+        const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(w16));
+        const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(w16, w16)));
+        const __m256 t = _mm256_fmadd_ps(x1, w1, _mm256_mul_ps(x0, w0));
+        acc[j] = _mm256_fmadd_ps(t, _mm256_broadcast_ss(c + j * kCodeChunk), acc[j]);
+    }
+}
+
 template <int MB, int NB, bool Grouped>
 FDL_AVX2 void wo_tile(const WeightOnly &p, int64_t m0, int64_t n0, const float *codes) {
     __m256 acc[MB][NB];
@@ -394,6 +444,11 @@ FDL_AVX2 void wo_tile(const WeightOnly &p, int64_t m0, int64_t n0, const float *
     const int8_t *w = p.w + n0 * p.ldw;
     int64_t k = 0;
     if constexpr (Grouped) {
+        if constexpr (MB == 1) {
+            for (; k + 16 <= p.K; k += 16) {
+                wo_group1<NB>(x, w, p.ldw, k, code_at(codes, k >> 4), acc[0]);
+            }
+        }
         for (; k + 8 <= p.K; k += 8) {
             wo_step<MB, NB, true>(x, p.ldx, w, p.ldw, k, code_at(codes, k >> 4), acc);
         }
@@ -402,21 +457,30 @@ FDL_AVX2 void wo_tile(const WeightOnly &p, int64_t m0, int64_t n0, const float *
             wo_step<MB, NB, false>(x, p.ldx, w, p.ldw, k, nullptr, acc);
         }
     }
-    // unrolled: with constant indices acc stays in registers (else it lives in memory too, and with groups every
-    // float load of a code, which might alias it, made GCC store the accumulators first)
+    // Horizontal sums 4 accumulators at a time (vhaddps), then the K tail in scalar code. Unrolled: with constant
+    // indices acc stays in registers (else it lives in memory too, and with groups every float load of a code, which
+    // might alias it, made GCC store the accumulators first).
     alignas(32) float s[MB][8] = {};
+    const __m256 zero = _mm256_setzero_ps();
 #pragma GCC unroll 2
     for (int i = 0; i < MB; ++i) {
-#pragma GCC unroll 8
-        for (int j = 0; j < NB; ++j) {
-            alignas(32) float v[8];
-            _mm256_store_ps(v, acc[i][j]);
-            float t = ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
-            for (int64_t kk = k; kk < p.K; ++kk) { // K tail
-                const float wf = static_cast<float>(w[j * p.ldw + kk]);
-                t += x[i * p.ldx + kk] * (Grouped ? wf * code_at(codes, kk / 16)[j * kCodeChunk] : wf);
+#pragma GCC unroll 2
+        for (int j0 = 0; j0 < NB; j0 += 4) {
+            const __m256 a0 = acc[i][j0];
+            const __m256 a1 = j0 + 1 < NB ? acc[i][j0 + 1 < NB ? j0 + 1 : 0] : zero;
+            const __m256 a2 = j0 + 2 < NB ? acc[i][j0 + 2 < NB ? j0 + 2 : 0] : zero;
+            const __m256 a3 = j0 + 3 < NB ? acc[i][j0 + 3 < NB ? j0 + 3 : 0] : zero;
+            _mm_store_ps(s[i] + j0, hsum4(a0, a1, a2, a3));
+        }
+        if (k < p.K) {
+            for (int j = 0; j < NB; ++j) {
+                float t = s[i][j];
+                for (int64_t kk = k; kk < p.K; ++kk) { // K tail
+                    const float wf = static_cast<float>(w[j * p.ldw + kk]);
+                    t += x[i * p.ldx + kk] * (Grouped ? wf * code_at(codes, kk / 16)[j * kCodeChunk] : wf);
+                }
+                s[i][j] = t;
             }
-            s[i][j] = t;
         }
     }
     alignas(32) float ws[8] = {}, bias[8] = {};
@@ -457,8 +521,7 @@ template <bool Grouped> void weight_only_t(const WeightOnly &p) {
     const int64_t row_bytes = (p.K > 0 ? p.K : 1) * 4;
     int64_t mc = kXBlockBytes / row_bytes;
     mc = mc < 2 ? 2 : mc / 2 * 2;
-    std::unique_ptr<float[]> buf(Grouped ? new float[code_buffer_floats(p.K)] : nullptr);
-    float *codes = buf.get();
+    float *codes = Grouped ? scratch_of<float>(kScratchA, code_buffer_floats(p.K)) : nullptr;
     for (int64_t mb0 = 0; mb0 < p.rows; mb0 += mc) {
         const int64_t mb1 = imin(p.rows, mb0 + mc);
         for (int64_t g0 = 0; g0 < p.cols; g0 += kWoCols) {
@@ -483,8 +546,210 @@ template <bool Grouped> void weight_only_t(const WeightOnly &p) {
     }
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// Weight-only, many rows: a GEMM on dequantised blocks. A block of kPanelNc w rows x kPanelKc k is converted once (per
+// row block of x) into fp32 in its own row-major order (d = w, or w * code: exact), so each weight is converted
+// ceil(rows / kPanelMc) times instead of once per row tile. Tile: MB = 3 x rows by NB = 4 w rows, 8 k per step (12
+// FMAs for 3 x and 4 w loads; 12 accumulators + 3 x + 1 w vector = 16 ymm), reduced at the end of the K slice into
+// an fp32 block of partial sums. Loops: x row block (kPanelMc rows) > w column block (kPanelNc) > K slice > groups of
+// kPanelJb w rows (16 KiB of fp32: L1) > x row tiles (their slice of x: L2) > w tiles. A stand-alone 6 x 16 FMA
+// loop runs at 15.5 MAC/cycle here (Zen 4 at AVX2, one core; peak 16), ATen's fp32 GEMM (MKL) at ~9.5.
+// Sizes: one core, K = N = 4096, M = 128 / 512, MAC/cycle within noise (+-5 % on this shared machine) for kPanelKc
+// 256 / 512, kPanelNc 128 / 256, kPanelMc 120 / 240 / 510; kPanelKc 128 lost 20 %.
+constexpr int64_t kPanelKc = 512;      // longest K slice; K is cut into near-equal slices (multiples of kWeightGroup)
+constexpr int64_t kPanelNc = 128;      // w rows per converted block (128 x 256 fp32 = 128 KiB: L2)
+constexpr int64_t kPanelL1 = 16 << 10; // bytes of converted w rows per L1 group
+constexpr int64_t kPanelMc = 240;      // x rows per row block (their slice 240 KiB, partial sums 120 KiB: L2)
+// The conversion prefetches the slice of the w row kPanelPfRows ahead: its kc bytes are too short a run for the
+// hardware prefetcher. One core, K = N = 4096, ms, without -> with: M = 2 4.11 -> 3.69, M = 16 11.4 -> 9.5.
+constexpr int64_t kPanelPfRows = 8;
+constexpr int kPanelMB = 3, kPanelNB = 4;
+
+// w rows [n0, n0 + nr) x k in [k0, k0 + kc) as fp32: row j at buf + j * ldb, zero from kc to the next multiple
+// of 8 and in the rows nr .. round_up(nr, 4) - 1.
+template <bool Grouped>
+FDL_AVX2 void panel_convert(const WeightOnly &p, int64_t n0, int64_t nr, int64_t k0, int64_t kc, float *buf,
+                            int64_t ldb) {
+    const int64_t kc8 = (kc + 7) / 8 * 8;
+    const int64_t nr4 = (nr + 3) / 4 * 4;
+    for (int64_t j = 0; j < nr4; ++j) {
+        float *dst = buf + j * ldb;
+        if (j >= nr) {
+            std::memset(dst, 0, static_cast<size_t>(4 * kc8));
+            continue;
+        }
+        const int8_t *src = p.w + (n0 + j) * p.ldw + k0;
+        const uint8_t *codes = Grouped ? p.w_group + (n0 + j) * p.ldg + k0 / kWeightGroup : nullptr;
+        if (j + kPanelPfRows < nr) { // the rows' kc bytes are too short a run for the hardware prefetcher
+            const int8_t *ahead = src + kPanelPfRows * p.ldw;
+            for (int64_t kk = 0; kk < kc; kk += 64) {
+                _mm_prefetch(reinterpret_cast<const char *>(ahead + kk), _MM_HINT_T0);
+            }
+        }
+        for (int64_t kk = 0; kk < kc8; kk += 8) {
+            __m128i w8;
+            if (kk + 8 <= kc) {
+                w8 = _mm_loadl_epi64(reinterpret_cast<const __m128i *>(src + kk));
+            } else { // tail: no byte past the row is read
+                alignas(16) int8_t t[16] = {};
+                std::memcpy(t, src + kk, static_cast<size_t>(kc - kk));
+                w8 = _mm_load_si128(reinterpret_cast<const __m128i *>(t));
+            }
+            __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(w8));
+            if constexpr (Grouped) { // 8 k of one group: k0 and kk are multiples of 8, groups of 16
+                v = _mm256_mul_ps(v, _mm256_set1_ps(static_cast<float>(codes[kk / kWeightGroup])));
+            }
+            _mm256_storeu_ps(dst + kk, v);
+        }
+    }
+}
+
+// MB x rows (x + i * ldx: the kc values of the slice) times the 4 converted w rows at w (row stride ldb).
+// part: the partial sums of these outputs, row stride kPanelNc. After the last slice: the outputs at columns n .. n + 3
+// (those < p.cols) of rows m0 .. m0 + MB - 1.
+template <int MB>
+FDL_AVX2 void panel_tile(const WeightOnly &p, const float *x, const float *w, int64_t ldb, int64_t kc, float *part,
+                         bool first, bool last, int64_t m0, int64_t n) {
+    __m256 acc[MB][kPanelNB];
+#pragma GCC unroll 3
+    for (int i = 0; i < MB; ++i) {
+#pragma GCC unroll 4
+        for (int j = 0; j < kPanelNB; ++j) {
+            acc[i][j] = _mm256_setzero_ps();
+        }
+    }
+    const int64_t kfull = kc / 8 * 8;
+    int64_t k = 0;
+    for (; k < kfull; k += 8) {
+        __m256 xv[MB];
+#pragma GCC unroll 3
+        for (int i = 0; i < MB; ++i) {
+            xv[i] = _mm256_loadu_ps(x + i * p.ldx + k);
+        }
+#pragma GCC unroll 4
+        for (int j = 0; j < kPanelNB; ++j) {
+            const __m256 wv = _mm256_loadu_ps(w + j * ldb + k);
+#pragma GCC unroll 3
+            for (int i = 0; i < MB; ++i) {
+                acc[i][j] = _mm256_fmadd_ps(xv[i], wv, acc[i][j]);
+            }
+        }
+    }
+    if (k < kc) { // K tail: x read under a mask (nothing past the row), the converted w is zero there
+        const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(kc - k)), lane);
+        __m256 xv[MB];
+#pragma GCC unroll 3
+        for (int i = 0; i < MB; ++i) {
+            xv[i] = _mm256_maskload_ps(x + i * p.ldx + k, m);
+        }
+#pragma GCC unroll 4
+        for (int j = 0; j < kPanelNB; ++j) {
+            const __m256 wv = _mm256_loadu_ps(w + j * ldb + k);
+#pragma GCC unroll 3
+            for (int i = 0; i < MB; ++i) {
+                acc[i][j] = _mm256_fmadd_ps(xv[i], wv, acc[i][j]);
+            }
+        }
+    }
+    __m128 sum[MB];
+#pragma GCC unroll 3
+    for (int i = 0; i < MB; ++i) {
+        sum[i] = hsum4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
+        if (!first) {
+            sum[i] = _mm_add_ps(sum[i], _mm_loadu_ps(part + i * kPanelNc));
+        }
+    }
+    if (!last) {
+#pragma GCC unroll 3
+        for (int i = 0; i < MB; ++i) {
+            _mm_storeu_ps(part + i * kPanelNc, sum[i]);
+        }
+        return;
+    }
+    const int64_t nv = imin(kPanelNB, p.cols - n);
+    alignas(16) float ws[4] = {}, bias[4] = {};
+    std::memcpy(ws, p.w_scale + n, static_cast<size_t>(4 * nv));
+    if (p.bias) {
+        std::memcpy(bias, p.bias + n, static_cast<size_t>(4 * nv));
+    }
+    const int64_t es = p.out_dtype == DType::F32 ? 4 : 2;
+#pragma GCC unroll 3
+    for (int i = 0; i < MB; ++i) {
+        __m128 f = _mm_mul_ps(sum[i], _mm_load_ps(ws));
+        if (p.bias) {
+            f = _mm_add_ps(f, _mm_load_ps(bias));
+        }
+        char *o = static_cast<char *>(p.out) + ((m0 + i) * p.ldo + n) * es;
+        if (nv == 4 && p.out_dtype == DType::F32) { // the common case without store8's copy through a buffer
+            _mm_storeu_ps(reinterpret_cast<float *>(o), f);
+        } else if (nv == 4) {
+            const __m256 f8 = _mm256_castps128_ps256(f);
+            const __m128i h = p.out_dtype == DType::BF16 ? to_bf16(f8) : _mm256_cvtps_ph(f8, _MM_FROUND_TO_NEAREST_INT);
+            _mm_storel_epi64(reinterpret_cast<__m128i *>(o), h);
+        } else {
+            store8(o, _mm256_castps128_ps256(f), p.out_dtype, nv);
+        }
+    }
+}
+
+template <bool Grouped> void weight_only_panels(const WeightOnly &p) {
+    // K slices: one when K <= kPanelKc (no partial sums: K = 384 at M = 4096 took 0.86x the time of ATen's fp32
+    // GEMM with slices of 256, ...), else near-equal slices, multiples of 16 so that groups do not straddle two.
+    const int64_t nks = p.K > kPanelKc ? (p.K + kPanelKc - 1) / kPanelKc : 1;
+    const int64_t kcs = nks == 1 ? p.K : ((p.K + nks - 1) / nks + kWeightGroup - 1) / kWeightGroup * kWeightGroup;
+    const int64_t ldb = (kcs + 7) / 8 * 8 + 8; // converted row stride (+8: rows 4 KiB apart share L1 sets)
+    const int64_t jb_rows = imax(kPanelNB, kPanelL1 / (ldb * 4) / kPanelNB * kPanelNB);
+    float *wb = scratch_of<float>(kScratchA, kPanelNc * ldb);
+    float *pt = scratch_of<float>(kScratchB, kPanelMc * kPanelNc);
+    for (int64_t m0 = 0; m0 < p.rows; m0 += kPanelMc) {
+        const int64_t mr = imin(kPanelMc, p.rows - m0);
+        for (int64_t n0 = 0; n0 < p.cols; n0 += kPanelNc) {
+            const int64_t nr = imin(kPanelNc, p.cols - n0);
+            for (int64_t ks = 0; ks < nks; ++ks) {
+                const int64_t k0 = ks * kcs, kc = imin(kcs, p.K - k0);
+                panel_convert<Grouped>(p, n0, nr, k0, kc, wb, ldb);
+                const bool first = ks == 0, last = ks == nks - 1;
+                const float *xs = static_cast<const float *>(p.x) + m0 * p.ldx + k0;
+                for (int64_t jb = 0; jb < nr; jb += jb_rows) {
+                    const int64_t je = imin(nr, jb + jb_rows);
+                    for (int64_t i0 = 0; i0 < mr; i0 += kPanelMB) {
+                        const int mb = static_cast<int>(imin(kPanelMB, mr - i0));
+                        const float *xi = xs + i0 * p.ldx;
+                        for (int64_t j = jb; j < je; j += kPanelNB) {
+                            const float *wj = wb + j * ldb;
+                            float *pp = pt + i0 * kPanelNc + j;
+                            if (mb == 3) {
+                                panel_tile<3>(p, xi, wj, ldb, kc, pp, first, last, m0 + i0, n0 + j);
+                            } else if (mb == 2) {
+                                panel_tile<2>(p, xi, wj, ldb, kc, pp, first, last, m0 + i0, n0 + j);
+                            } else {
+                                panel_tile<1>(p, xi, wj, ldb, kc, pp, first, last, m0 + i0, n0 + j);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
 void weight_only_f32(const WeightOnly &p) {
-    if (p.w_group) {
+    // The panel GEMM converts each weight once per call; the dot form converts it once per 2-row tile (and with group
+    // codes multiplies it by its code there too), but reads int8 instead of fp32 in its inner loop. One core, ms, dot
+    // form vs panels: per channel, K = N = 384: M = 8 0.046 vs 0.045, 16 0.079 vs 0.069, 32 0.143 vs 0.115; 384 ->
+    // 1536 M = 4 0.082 vs 0.102, 16 0.280 vs 0.242; 2048 -> 5504 M = 8 3.35 vs 4.29, 16 5.99 vs 6.38; K = N = 4096
+    // M = 16 8.0 vs 10.1, 32 15.6 vs 15.9, 64 31.3 vs 27.5. Grouped, K = N = 384: M = 4 0.050 vs 0.057, 8 0.058 vs
+    // 0.052, 16 0.103 vs 0.075; 2048 -> 5504 M = 8 4.32 vs 4.25, 16 7.94 vs 6.25; K = N = 4096 M = 8 6.31 vs 6.26.
+    // Hence panels from 8 rows with groups, else from 16 rows when the thread's weights fit in L2 and 32 otherwise.
+    const int64_t from = p.w_group ? 8 : p.cols * p.K <= (int64_t(1) << 20) ? 16 : 32;
+    if (p.rows >= from) {
+        if (p.w_group) {
+            weight_only_panels<true>(p);
+        } else {
+            weight_only_panels<false>(p);
+        }
+    } else if (p.w_group) {
         weight_only_t<true>(p);
     } else {
         weight_only_t<false>(p);
@@ -494,7 +759,8 @@ void weight_only_f32(const WeightOnly &p) {
 Kernels make() {
     Kernels k;
     k.name = "avx2";
-    k.a_bytes = 2;
+    k.a_bytes = 1;
+    k.a_min = -127;
     k.mr = kMR;
     k.quantize_rows = &quantize_rows;
     k.pack_a = &pack_a;

@@ -680,8 +680,7 @@ template <bool BF16, bool Grouped> void weight_only(const WeightOnly &p) {
     const int64_t row_bytes = (p.K > 0 ? p.K : 1) * (BF16 ? 2 : 4);
     int64_t mc = kXBlockBytes / row_bytes;
     mc = mc < kMB ? kMB : mc / kMB * kMB;
-    std::unique_ptr<float[]> buf(Grouped ? new float[code_buffer_floats(p.K)] : nullptr);
-    float *codes = buf.get();
+    float *codes = Grouped ? scratch_of<float>(kScratchA, code_buffer_floats(p.K)) : nullptr;
     for (int64_t mb0 = 0; mb0 < p.rows; mb0 += mc) {
         const int64_t mb1 = imin(p.rows, mb0 + mc);
         for (int64_t g0 = 0; g0 < p.cols; g0 += kWoCols) {
@@ -894,8 +893,8 @@ WoPanelFn wo_panel_fn(int mr, int nv) {
 }
 
 void weight_only_bf16_panels(const WeightOnly &p) {
-    std::unique_ptr<uint16_t[]> buf(new uint16_t[kWoKc * 64 + 32]);
-    std::unique_ptr<float[]> part(new float[p.rows * 64 + 16]);
+    uint16_t *buf = scratch_of<uint16_t>(kScratchA, kWoKc * 64 + 32);
+    float *part = scratch_of<float>(kScratchB, p.rows * 64 + 16);
     const int64_t ntiles = (p.rows + kMR - 1) / kMR;
     const int64_t base = p.rows / ntiles, taller = p.rows % ntiles;
     for (int64_t n0 = 0; n0 < p.cols; n0 += 64) {
@@ -904,15 +903,15 @@ void weight_only_bf16_panels(const WeightOnly &p) {
             const int64_t kc = imin(kWoKc, p.K - k0 > 0 ? p.K - k0 : 0);
             const int64_t kc4 = (kc + 63) / 64 * 64; // converted k (zero beyond K)
             if (p.w_group) {
-                wo_convert_panel<true>(p, n0, k0, kc4, buf.get());
+                wo_convert_panel<true>(p, n0, k0, kc4, buf);
             } else {
-                wo_convert_panel<false>(p, n0, k0, kc4, buf.get());
+                wo_convert_panel<false>(p, n0, k0, kc4, buf);
             }
             const bool first = k0 == 0, last = k0 + kWoKc >= p.K;
             int64_t r0 = 0;
             for (int64_t t = 0; t < ntiles; ++t) {
                 const int h = static_cast<int>(base + (t < taller ? 1 : 0));
-                wo_panel_fn(h, nv)(p, buf.get(), k0, kc, r0, n0, part.get(), first, last);
+                wo_panel_fn(h, nv)(p, buf, k0, kc, r0, n0, part, first, last);
                 r0 += h;
             }
         }

@@ -35,8 +35,8 @@ struct QuantRows {
 // j * Kp * 16 and its k-quad q at byte q * 64 within it).
 
 // Pack rows [0, rows) x k in [k0, k0 + kc) of A into dst (row stride ldd elements), in the element type of the ISA
-// (Kernels::a_bytes): the int8 value a (scalar), a as int16 (AVX2), or a + 128 as uint8 (AVX512-VNNI takes u8 x s8;
-// the compensation 128 * sum_k B[n, k] is removed in the epilogue). k >= K is padded with a = 0. A is int8 (copied)
+// (Kernels::a_bytes): the int8 value a (scalar, AVX2), or a + 128 as uint8 (AVX512-VNNI takes u8 x s8; the
+// compensation 128 * sum_k B[n, k] is removed in the epilogue). k >= K is padded with a = 0. A is int8 (copied)
 // or float (quantised per token; the row scales are computed first when compute_scales, else read from scale).
 struct APack {
     const void *src = nullptr; // element (r, k) at src + r * ld + k
@@ -122,6 +122,16 @@ inline int64_t code_buffer_floats(int64_t K) {
 }
 
 // ---------------------------------------------------------------------------------------------------------------
+// Scratch memory of the calling thread, 64-byte aligned, at least `bytes`: one buffer per slot, kept and grown across
+// calls (a fresh multi-100-KiB buffer per call came from mmap and paid a page fault per 4 KiB, every call: 17 % of a
+// W8A8 call at M = 512, K = N = 1024). Contents are undefined. The slots of one call must differ.
+enum ScratchSlot : int { kScratchA = 0, kScratchB, kScratchC, kScratchD, kScratchSlots };
+void *thread_scratch(int slot, int64_t bytes); // int8_scalar.cpp
+template <class T> T *scratch_of(int slot, int64_t count) {
+    return static_cast<T *>(thread_scratch(slot, count * static_cast<int64_t>(sizeof(T))));
+}
+
+// ---------------------------------------------------------------------------------------------------------------
 // int8_pack_weight for the 16-row blocks [jb0, jb1) of w [N, K] (row stride ldw): packed is the whole [Np, Kp] output
 // (VNNI layout above, zero padding), comp[n] = 128 * sum_k w[n, k] in int32 arithmetic (0 for padded rows).
 struct PackB {
@@ -137,7 +147,10 @@ void pack_b_portable(const PackB &p); // int8_scalar.cpp, also used by the AVX2 
 struct Kernels {
     const char *name = "scalar";
     int a_bytes = 1; // bytes per packed A element
-    int mr = 1;      // rows of the W8A8 register tile (threads get row ranges in multiples of it)
+    // The least int8 A value the GEMM is exact for: -128, or -127 for the AVX2 sign trick (quantised activations
+    // never hold -128; int8_mm splits a user A that does into two products, see int8.cpp).
+    int a_min = -128;
+    int mr = 1; // rows of the W8A8 register tile (threads get row ranges in multiples of it)
     void (*quantize_rows)(const QuantRows &) = nullptr;
     void (*pack_a)(const APack &) = nullptr;
     void (*gemm_block)(const GemmBlock &) = nullptr;

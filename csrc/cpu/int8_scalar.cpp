@@ -2,7 +2,10 @@
 // plainest statement of what the SIMD kernels compute. Same interfaces and bit-exact results as int8_avx512.cpp for
 // quantisation and W8A8 (the weight-only sums are fp32 in another order). Reads the same packed weight layout.
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <memory>
+#include <new>
 
 #include "int8_kernels.h"
 
@@ -301,6 +304,30 @@ Kernels make() {
 const Kernels *kernels_scalar() {
     static const Kernels k = make();
     return &k;
+}
+
+namespace {
+struct FreeDeleter {
+    void operator()(void *p) const { std::free(p); }
+};
+struct ThreadScratch {
+    std::unique_ptr<void, FreeDeleter> mem[kScratchSlots];
+    int64_t size[kScratchSlots] = {};
+};
+} // namespace
+
+void *thread_scratch(int slot, int64_t bytes) {
+    thread_local ThreadScratch s;
+    if (bytes > s.size[slot]) {
+        const int64_t want = (bytes + 4095) / 4096 * 4096;
+        void *p = std::aligned_alloc(64, static_cast<size_t>(want));
+        if (!p) {
+            throw std::bad_alloc();
+        }
+        s.mem[slot].reset(p);
+        s.size[slot] = want;
+    }
+    return s.mem[slot].get();
 }
 
 } // namespace int8
