@@ -6,8 +6,8 @@
 
 // The kernel family each CPU capability runs in this process (chosen once from cpu_isa.h's level).
 const char *fastdl_int8_isa();                 // csrc/cpu/int8.cpp
-const char *fastdl_fused_linear_cpu_kernels(); // csrc/cpu/fused_linear_avx512.cpp
-const char *fastdl_sparse24_cpu_kernels();     // csrc/cpu/sparse24_avx512.cpp
+const char *fastdl_fused_linear_cpu_kernels(); // csrc/cpu/fused_linear.cpp
+const char *fastdl_sparse24_cpu_kernels();     // csrc/cpu/sparse24.cpp
 
 namespace {
 

@@ -19,6 +19,7 @@ if not _os.path.isdir(_os.path.join(_os.path.dirname(__file__), "kernels")) and 
 from . import (  # noqa: E402
     _extension,  # noqa: E402
     backends,
+    dispatch,
     nn,
     ops,
 )
@@ -26,18 +27,30 @@ from ._extension import load_extension  # noqa: E402
 from ._info import info  # noqa: E402
 from .backends import BackendUnavailableError, use_backend  # noqa: E402
 from .convert import convert, report  # noqa: E402
+from .dispatch import clear_decisions, load_decisions, save_decisions, set_choice_mode  # noqa: E402
+from .nn import CheckpointError  # noqa: E402
+from .serialization import load, load_pretrained, save  # noqa: E402
 
 _extension.warn_if_missing()
 
 __all__ = [
     "BackendUnavailableError",
+    "CheckpointError",
     "backends",
+    "clear_decisions",
     "convert",
+    "dispatch",
     "info",
+    "load",
+    "load_decisions",
     "load_extension",
+    "load_pretrained",
     "nn",
     "ops",
     "report",
+    "save",
+    "save_decisions",
+    "set_choice_mode",
     "use_backend",
     "__version__",
 ]

@@ -37,7 +37,7 @@ def _truthy(name: str) -> bool:
 
 
 def cpp_sources(root: str = ROOT) -> list[str]:
-    pats = ["csrc/*.cpp", "csrc/cpu/*.cpp", "csrc/loader/*.cpp"]
+    pats = ["csrc/*.cpp", "csrc/cpu/*.cpp"]
     return sorted(p for pat in pats for p in glob.glob(os.path.join(root, pat)))
 
 

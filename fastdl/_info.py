@@ -54,7 +54,8 @@ def collect() -> dict:
     from .data import loader_info
 
     li = loader_info()
-    loader_mode = f"{li['mode']} (copy: {li['copy_backend']}" + (f"; {li['reason']}" if li.get("reason") else "") + ")"
+    why = li["copy_backend_reason"]
+    loader_mode = f"{li['mode']} (copy: {li['copy_backend']}" + (f"; {why}" if why else "") + ")"
     return {
         "fastdl": __version__,
         "torch": torch.__version__,

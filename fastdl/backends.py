@@ -62,10 +62,26 @@ def use_backend(name: str):
         stack.pop()
 
 
+# The oldest triton the Triton kernels are tested with (CI's second job: torch 2.11 + triton 3.6). Older versions
+# miss language features they use (e.g. tl.dot's out_dtype handling, libdevice under triton.language.extra).
+MIN_TRITON = (3, 6)
+
+
 @functools.cache
 def _triton_importable() -> tuple[bool, str]:
     if importlib.util.find_spec("triton") is None:
         return False, "triton is not installed"
+    try:
+        from importlib.metadata import version as _dist_version
+
+        version = _dist_version("triton")
+        have = tuple(int(v) for v in version.split("+")[0].split(".")[:2])
+    except Exception:  # an unusual install (source build without metadata): do not block it
+        return True, ""
+    if have < MIN_TRITON:
+        need = ".".join(map(str, MIN_TRITON))
+        why = f"triton {version} is older than {need}, the oldest version fastdl's Triton kernels are tested with"
+        return False, f"{why} (pip install 'triton>={need}')"
     return True, ""
 
 

@@ -2,9 +2,11 @@
 
 A background thread pulls batches from the wrapped iterable and copies their tensors into a ring of host buffers
 that are allocated once and reused (grown only when a batch is larger, bounded by ``max_ring_bytes``). The copy is
-done by C++ (``csrc/loader/loader.cpp``, ``torch.ops.fastdl_cpp.loader_fill``) with the GIL released, so the Python
-consumer keeps running while it copies; without the compiled extension the same copy is done with
-``Tensor.copy_`` (which also releases the GIL), and ``loader.copy_backend`` says ``"torch"``.
+done by the op ``fastdl.ops.loader_fill`` (defined in fastdl/ops/loader.py like every fastdl op): its C++ kernel
+(csrc/cpu/loader.cpp) runs with the GIL released, so the Python consumer keeps running while it copies; the torch
+backend does the same copy with ``Tensor.copy_`` (which also releases the GIL). The backend is chosen like every other
+op's (``FASTDL_BACKEND``, ``fastdl.use_backend`` in the thread that starts a pass, or ``copy_backend=``), and
+``loader.copy_backend`` says which one a pass uses.
 
 Modes (``loader.mode``):
 
@@ -26,111 +28,56 @@ Modes (``loader.mode``):
 Page-locking without a GPU driver (``mlock``) is not done: with no device DMA it buys nothing but a risk of hitting
 RLIMIT_MEMLOCK, and the reuse of the ring already avoids the page faults of fresh allocations.
 
-Import cost: this module imports torch only; it does not initialise CUDA, load or compile the extension until a
-loader is built.
+Import cost: this module needs only what ``import fastdl`` loads anyway (torch and the op definitions); it does not
+initialise CUDA or compile anything.
 """
 
 from __future__ import annotations
 
 import atexit
 import collections
-import os
+import copy
+import dataclasses
 import queue
 import threading
 import time
 import warnings
 import weakref
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 
 import torch
 
-__all__ = ["PrefetchLoader", "loader_info"]
+from . import backends
+from .ops.loader import contiguous_strides, dense, loader_fill, loader_use_count
 
-# Schemas of the loader's private C++ ops (name -> schema without the name), defined under ``fastdl_cpp`` from
-# Python; csrc/loader/loader.cpp registers their CPU kernels with TORCH_LIBRARY_IMPL(fastdl_cpp, CPU, m).
-_SCHEMAS: dict[str, str] = {
-    # Copy src[i] into dst[offsets[i] : offsets[i] + nbytes_i]. keep_strides[i] = 1: src[i] is non-overlapping
-    # and dense and its memory span is copied verbatim (its strides stay valid, e.g. channels_last);
-    # 0: copied as a C-contiguous tensor. num_threads > 1 splits large copies across helper threads.
-    "loader_fill": "(Tensor[] src, Tensor(a!) dst, int[] offsets, int[] keep_strides, int num_threads) -> ()",
-    # References to the storage of t (tensors/views sharing it): 1 when only the ring holds a slot.
-    "loader_use_count": "(Tensor t) -> int",
-}
+__all__ = ["PrefetchLoader", "loader_info"]
 
 _ALIGN = 256  # byte alignment of every tensor in a slot (GPU kernels want >= 16 B; 256 = CUDA allocator's min)
 _CUDA_COPY_THREADS = 4  # helper threads of the host staging copy for GPU targets (a core copies ~10 GB/s)
 DEFAULT_MAX_RING_BYTES = 4 << 30
 _THREAD_NAME = "fastdl-prefetch"
 
-_lib = None
-_lib_lock = threading.Lock()
-_backend_cache: dict = {}
-
-
 # ----------------------------------------------------------------------------------------------------------------
-# extension / backend
-
-
-def _op_defined(name: str) -> bool:
-    try:
-        torch._C._dispatch_find_schema_or_throw(f"fastdl_cpp::{name}", "")
-        return True
-    except RuntimeError:
-        return False
-
-
-def _define_schemas() -> None:
-    """Define the loader's ``fastdl_cpp`` schemas once (skipping any that another module already defined)."""
-    global _lib
-    with _lib_lock:
-        if _lib is not None:
-            return
-        lib = torch.library.Library("fastdl_cpp", "FRAGMENT")
-        for name, schema in _SCHEMAS.items():
-            if not _op_defined(name):
-                lib.define(name + schema)
-        _lib = lib
-
-
-def _cpp_status() -> tuple[bool, str]:
-    """(available, reason): are the loader's C++ kernels registered (loading the extension on first call)?"""
-    if "cpp" in _backend_cache:
-        return _backend_cache["cpp"]
-    reason = ""
-    try:
-        from . import _extension
-    except ImportError:
-        _extension = None
-        reason = "fastdl._extension not found"
-    if _extension is not None:
-        try:
-            if not _extension.ensure_loaded():
-                reason = "compiled extension fastdl._C not available"
-        except Exception as exc:  # a failed JIT build must not break the loader: fall back to torch copies
-            reason = f"loading fastdl._C failed: {exc}"
-    _define_schemas()
-    ok = all(torch._C._dispatch_has_kernel_for_dispatch_key(f"fastdl_cpp::{n}", "CPU") for n in _SCHEMAS)
-    result = (ok, "" if ok else (reason or "loader kernels not registered"))
-    if ok or _extension is not None:  # cache unless a standalone build may still register the kernels later
-        _backend_cache["cpp"] = result
-    return result
+# copy backend
 
 
 def _resolve_copy_backend(copy_backend: str) -> str:
-    choice = copy_backend
-    if choice == "auto":
-        env = os.environ.get("FASTDL_BACKEND", "auto").strip().lower()
-        choice = env if env in ("cpp", "torch") else "auto"
-    if choice not in ("auto", "cpp", "torch"):
+    """The backend of the loader's copy ops (fastdl/ops/loader.py) for a pass started now in this thread.
+
+    "auto" follows ``fastdl.use_backend`` / ``FASTDL_BACKEND`` like every other op (auto: C++ when the extension is
+    built, else torch); "cpp" or "torch" is this loader's own explicit choice. An explicit choice that cannot be
+    honoured raises ``fastdl.BackendUnavailableError``."""
+    if copy_backend not in ("auto", "cpp", "torch"):
         raise ValueError(f"copy_backend must be 'auto', 'cpp' or 'torch', got {copy_backend!r}")
-    if choice == "torch":
-        return "torch"
-    ok, reason = _cpp_status()
-    if ok:
-        return "cpp"
-    if choice == "cpp":
-        raise RuntimeError(f"fastdl PrefetchLoader: copy_backend='cpp' requested but unavailable: {reason}")
-    return "torch"
+    if copy_backend == "auto":
+        return backends.select("loader_fill", "cpu")
+    ok, why = backends.available(copy_backend, "loader_fill", "cpu")
+    if not ok:
+        raise backends.BackendUnavailableError(
+            f"fastdl PrefetchLoader: copy_backend={copy_backend!r} was requested but cannot serve the host copies: "
+            f"{why}. Use copy_backend='auto' to fall back automatically."
+        )
+    return copy_backend
 
 
 def _default_device() -> torch.device:
@@ -143,11 +90,15 @@ def loader_info() -> dict:
     """What ``PrefetchLoader()`` would use here, for ``fastdl info``: mode, copy backend (and why not C++).
 
     Does not initialise CUDA (``torch.cuda.is_available()`` only)."""
-    ok, reason = _cpp_status()
-    cuda = torch.cuda.is_available()
+    try:
+        backend, reason = _resolve_copy_backend("auto"), ""
+    except backends.BackendUnavailableError as exc:  # FASTDL_BACKEND names a backend the copies do not have
+        backend, reason = "unavailable", str(exc)
+    if backend != "cpp" and not reason:
+        reason = next((why for b, ok, why in backends.explain("loader_fill", "cpu") if b == "cpp" and not ok), "")
     return {
-        "mode": "cuda-pinned" if cuda else "cpu",
-        "copy_backend": "cpp" if ok else "torch",
+        "mode": "cuda-pinned" if torch.cuda.is_available() else "cpu",
+        "copy_backend": backend,
         "copy_backend_reason": reason,
         "gil_released_during_copy": True,
     }
@@ -157,67 +108,108 @@ def loader_info() -> dict:
 # nested batches: flatten to a list of tensors and rebuild
 
 
-def _flatten(obj, out: list):
+def _flatten(obj, out: list, path: str = "batch"):
     """Append the tensors of ``obj`` to ``out``; return a spec to rebuild it. Containers without tensors and
     non-tensor leaves are kept by identity; containers with tensors are not referenced (the spec must not keep the
-    source batch alive while the staged copy waits in the queue)."""
+    source batch alive while the staged copy waits in the queue): a Mapping or list subclass is rebuilt from an
+    emptied shallow copy (so a defaultdict keeps its factory, a transformers BatchEncoding its other attributes).
+    A leaf that is none of these but holds tensors (a dataclass, a set, an object with tensor attributes) raises
+    TypeError naming it: the loader could not move those tensors and would hand out the object unchanged."""
     if isinstance(obj, torch.Tensor):
         out.append(obj)
         return None
     n = len(out)
     if isinstance(obj, Mapping):
         keys = list(obj.keys())
-        specs = [_flatten(obj[k], out) for k in keys]
-        return ("o", obj) if len(out) == n else ("d", type(obj), keys, specs)
-    if isinstance(obj, (list, tuple)):
-        specs = [_flatten(x, out) for x in obj]
+        specs = [_flatten(obj[k], out, f"{path}[{k!r}]") for k in keys]
         if len(out) == n:
             return ("o", obj)
-        return ("n" if isinstance(obj, tuple) and hasattr(obj, "_fields") else "s", type(obj), specs)
+        if type(obj) in (dict, collections.OrderedDict) or not isinstance(obj, MutableMapping):
+            return ("d", type(obj), keys, specs, path)
+        return ("m", _emptied_copy(obj, path), keys, specs, path)
+    if isinstance(obj, (list, tuple)):
+        specs = [_flatten(x, out, f"{path}[{i}]") for i, x in enumerate(obj)]
+        if len(out) == n:
+            return ("o", obj)
+        if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+            return ("n", type(obj), specs, path)
+        if isinstance(obj, list) and type(obj) is not list:
+            return ("l", _emptied_copy(obj, path), specs, path)
+        return ("s", type(obj), specs, path)
+    where = _tensor_inside(obj)
+    if where is not None:
+        raise TypeError(
+            f"fastdl PrefetchLoader: {path} is a {type(obj).__module__}.{type(obj).__qualname__} that holds tensors "
+            f"({where}); the loader moves tensors that are batch leaves or inside Mappings, lists and tuples only, and "
+            "would hand this object out unchanged. Return its tensors in a dict or tuple (e.g. "
+            "dataclasses.asdict), or move them yourself."
+        )
     return ("o", obj)
+
+
+def _emptied_copy(obj, path: str):
+    try:
+        c = copy.copy(obj)
+        c.clear()
+        return c
+    except Exception as exc:
+        raise TypeError(
+            f"fastdl PrefetchLoader: cannot rebuild {path}, a {type(obj).__qualname__} holding tensors "
+            f"(copy.copy + clear() failed: {exc}); return a dict or list instead"
+        ) from exc
+
+
+def _tensor_inside(obj) -> str | None:
+    """Where a non-container leaf holds a tensor (one level deep: its fields, attributes or set elements)."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        values = {f.name: getattr(obj, f.name, None) for f in dataclasses.fields(obj)}
+    elif isinstance(obj, (set, frozenset)):
+        values = {"element": next((x for x in obj if isinstance(x, torch.Tensor)), None)}
+    elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+        values = vars(obj)
+    else:
+        return None
+    for name, v in values.items():
+        if isinstance(v, torch.Tensor):
+            return f"{name}: Tensor"
+        if isinstance(v, (list, tuple, Mapping)):
+            inner = v.values() if isinstance(v, Mapping) else v
+            if any(isinstance(x, torch.Tensor) for x in inner):
+                return f"{name}: {type(v).__name__} of tensors"
+    return None
 
 
 def _unflatten(spec, it: Iterator):
     if spec is None:
         return next(it)
-    kind, typ = spec[0], spec[1]
+    kind = spec[0]
     if kind == "o":
-        return typ
-    if kind == "d":
+        return spec[1]
+    if kind in ("d", "m"):
         items = [(k, _unflatten(s, it)) for k, s in zip(spec[2], spec[3])]
-        try:
-            return typ(items)
-        except Exception:  # a mapping type whose constructor takes other arguments (e.g. defaultdict)
-            return dict(items)
+        if kind == "m":
+            rebuilt = spec[1]
+            for k, v in items:
+                rebuilt[k] = v
+            return rebuilt
+        return _construct(spec[1], items, spec[4])
     items = [_unflatten(s, it) for s in spec[2]]
     if kind == "n":  # namedtuple
-        return typ(*items)
+        return spec[1](*items)
+    if kind == "l":
+        spec[1].extend(items)
+        return spec[1]
+    return _construct(spec[1], items, spec[3])
+
+
+def _construct(typ, items, path: str):
     try:
         return typ(items)
-    except Exception:
-        return list(items) if issubclass(typ, list) else tuple(items)
-
-
-def _dense(t: torch.Tensor) -> bool:
-    """Non-overlapping and dense (same rule as c10): its elements fill exactly numel * itemsize bytes."""
-    if t.is_contiguous():
-        return True
-    expected = 1
-    for size, stride in sorted(zip(t.shape, t.stride()), key=lambda p: p[1]):
-        if size == 1:
-            continue
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def _contiguous_strides(shape) -> tuple:
-    strides, acc = [], 1
-    for size in reversed(shape):
-        strides.append(acc)
-        acc *= max(size, 1)
-    return tuple(reversed(strides))
+    except Exception as exc:
+        raise TypeError(
+            f"fastdl PrefetchLoader: cannot rebuild {path}, a {typ.__qualname__} holding tensors ({typ.__qualname__}"
+            f"(items) failed: {exc}); return a dict, list or tuple instead"
+        ) from exc
 
 
 def _align(n: int, a: int = _ALIGN) -> int:
@@ -228,27 +220,17 @@ def _align(n: int, a: int = _ALIGN) -> int:
 # ring of host buffers
 
 
-def _use_count_fn(copy_backend: str):
-    if copy_backend == "cpp":
-        return torch.ops.fastdl_cpp.loader_use_count
-    raw = getattr(torch._C, "_storage_Use_Count", None)
-    if raw is None:
-        return None
-    return lambda t: raw(t.untyped_storage()._cdata)
-
-
 class _Ring:
     """``nslots`` uint8 host buffers, reused round-robin. Only the producer thread touches it while an iteration
     runs (the consumer reads the counters)."""
 
-    def __init__(self, nslots: int, pinned: bool, max_slot_bytes: int, handed_out: bool, use_count):
+    def __init__(self, nslots: int, pinned: bool, max_slot_bytes: int, handed_out: bool):
         self.slots: list[torch.Tensor | None] = [None] * nslots
         self.baseline = [0] * nslots
         self.events: list = [None] * nslots  # CUDA: event of the last device copy out of the slot
         self.pinned = pinned
         self.handed_out = handed_out  # CPU target: the consumer gets views of the slots
         self.max_slot_bytes = max_slot_bytes
-        self.use_count = use_count
         self.next = 0
         self.allocs = 0
         self.replaced = 0
@@ -274,7 +256,7 @@ class _Ring:
         if slot is not None and self.handed_out:
             # CPU target: batches handed out are views of the slot; if the consumer still holds one, leave that
             # memory to it and allocate a new slot.
-            if self.use_count is None or self.use_count(slot) > self.baseline[j]:
+            if loader_use_count(slot) > self.baseline[j]:
                 slot = None
                 self.slots[j] = None
                 self.replaced += 1
@@ -284,7 +266,7 @@ class _Ring:
             slot = torch.empty(cap, dtype=torch.uint8, pin_memory=self.pinned)
             self.allocs += 1
             self.slots[j] = slot
-            self.baseline[j] = self.use_count(slot) if self.use_count is not None else 0
+            self.baseline[j] = loader_use_count(slot)
         return j, slot
 
 
@@ -415,8 +397,8 @@ def _stage(sh: _Shared, batch) -> _Item:
             continue
         if t.requires_grad:
             t = t.detach()
-        keep = _dense(t) and not t.is_conj() and not t.is_neg()
-        strides = t.stride() if keep else _contiguous_strides(t.shape)
+        keep = dense(t) and not t.is_conj() and not t.is_neg()
+        strides = t.stride() if keep else contiguous_strides(t.shape)
         nbytes = t.numel() * t.element_size()
         off = _align(off)
         staged.append((i, t, off, nbytes, keep, strides))
@@ -432,19 +414,11 @@ def _stage(sh: _Shared, batch) -> _Item:
     event, record = None, []
     if staged:
         j, slot = ring.acquire(total)
-        if cfg["copy_backend"] == "cpp":
-            torch.ops.fastdl_cpp.loader_fill(
-                [s[1] for s in staged], slot, [s[2] for s in staged], [int(s[4]) for s in staged], cfg["threads"]
-            )
-            if not cuda:
-                for i, t, o, _, _, strides in staged:
-                    out[i] = slot.view(t.dtype).as_strided(t.shape, strides, o // t.element_size())
-        else:
+        # the backend of the pass (the producer thread runs under use_backend(cfg["copy_backend"]))
+        loader_fill([s[1] for s in staged], slot, [s[2] for s in staged], [int(s[4]) for s in staged], cfg["threads"])
+        if not cuda:
             for i, t, o, _, _, strides in staged:
-                v = slot.view(t.dtype).as_strided(t.shape, strides, o // t.element_size())
-                v.copy_(t)
-                if not cuda:
-                    out[i] = v
+                out[i] = slot.view(t.dtype).as_strided(t.shape, strides, o // t.element_size())
         if cuda:
             stream = cfg["stream"]
             dbuf = torch.empty(_align(total), dtype=torch.uint8, device=device)  # on the side stream
@@ -510,7 +484,8 @@ def _produce(sh: _Shared) -> None:
             except StopIteration:
                 break
             stats.produce_s += time.perf_counter() - t0
-            item = _stage(sh, batch)
+            with backends.use_backend(cfg["copy_backend"]):  # the pass's copy backend, for the copy ops only
+                item = _stage(sh, batch)
             del batch
             if not sh.put(item):
                 return
@@ -674,8 +649,8 @@ def _make_bar(loader: PrefetchLoader, skip: int):
 
 class PrefetchLoader:
     """Wrap ``loader`` (any iterable of tensors or nested tuples/lists/dicts of tensors; other leaves pass
-    through) and prefetch ``depth`` batches ahead on a background thread, staged through a reused host ring and,
-    on a GPU, copied to ``device`` on a side stream.
+    through untouched, see below) and prefetch ``depth`` batches ahead on a background thread, staged through a
+    reused host ring and, on a GPU, copied to ``device`` on a side stream.
 
     Args:
         loader: the wrapped iterable, e.g. a ``torch.utils.data.DataLoader``. ``len()``, ``sampler``,
@@ -686,8 +661,10 @@ class PrefetchLoader:
             gives mode "cpu-pinned".
         max_ring_bytes: bound on the ring's total size; a batch larger than one slot's share is not staged
             (copied directly, counted as ``oversize_batches``).
-        copy_backend: "auto" (C++ when the extension is built, else torch; ``FASTDL_BACKEND`` can force it),
-            "cpp" or "torch".
+        copy_backend: the backend of the host copies (the ops ``fastdl.ops.loader_fill`` / ``loader_use_count``):
+            "auto" follows ``fastdl.use_backend`` / ``FASTDL_BACKEND`` like every other fastdl op, read in the
+            thread that starts each pass (C++ when the extension is built, else torch); "cpp" or "torch" fixes it
+            for this loader.
         copy_threads: threads of one host copy (default 1 on a CPU target, 4 for a GPU target).
         progress: show a tqdm bar (True or a description string); needs tqdm.
         timeout: seconds to wait for one batch before raising TimeoutError (0: forever).
@@ -696,6 +673,15 @@ class PrefetchLoader:
     The batches of a CPU target are views into the ring: they stay valid as long as you hold them (a slot still
     referenced is never reused). Tensors are detached; tensors that share memory in the source batch are copied
     separately (aliasing is not preserved).
+
+    What a batch may hold: tensors (any shapes: a list of ragged tensors is moved tensor by tensor; sparse, nested
+    and quantized tensors are moved with ``.to(device)`` without the ring), nested in Mappings, lists and tuples
+    (rebuilt as the same type: dict subclasses such as ``defaultdict`` or a transformers ``BatchEncoding`` keep
+    their type and attributes, namedtuples their fields). Any other leaf that holds no tensor (numbers, strings,
+    None, numpy arrays, arbitrary objects) is passed through untouched: the consumer gets the same object. A leaf
+    that holds tensors the loader cannot reach (a dataclass, a set, an object with tensor attributes) raises
+    ``TypeError`` naming the element (e.g. ``batch['meta']``) and its type, as does a container type that cannot be
+    rebuilt; the error is raised by the iteration step that would have returned the batch.
     """
 
     def __init__(
@@ -734,7 +720,9 @@ class PrefetchLoader:
                           RuntimeWarning, stacklevel=2)
             pin_memory = False
         self.pin_memory = bool(pin_memory)
-        self.copy_backend = _resolve_copy_backend(copy_backend)
+        self._copy_backend_arg = copy_backend
+        # an explicit choice is checked here; "auto" is resolved when each pass starts (_cfg)
+        self._pass_backend = None if copy_backend == "auto" else _resolve_copy_backend(copy_backend)
         self.copy_threads = int(copy_threads) if copy_threads else (_CUDA_COPY_THREADS if cuda else 1)
         if self.copy_threads < 1:
             raise ValueError(f"copy_threads must be >= 1, got {copy_threads}")
@@ -763,6 +751,12 @@ class PrefetchLoader:
             return "cuda-pinned" if self.pin_memory else "cuda-pageable"
         return "cpu-pinned" if self.pin_memory else "cpu"
 
+    @property
+    def copy_backend(self) -> str:
+        """The backend of the host copies, "cpp" or "torch": the current (or last) pass's; before the first pass,
+        the one a pass started now in this thread would use."""
+        return self._pass_backend or _resolve_copy_backend(self._copy_backend_arg)
+
     def _cfg(self) -> dict:
         cuda = self.device.type == "cuda"
         if cuda and self._stream is None:
@@ -771,7 +765,7 @@ class PrefetchLoader:
             "cuda": cuda,
             "device": self.device,
             "stream": self._stream,
-            "copy_backend": self.copy_backend,
+            "copy_backend": self._pass_backend,
             "threads": self.copy_threads,
             "intra_op_threads": torch.get_num_threads(),  # of the thread that starts the pass
         }
@@ -783,13 +777,15 @@ class PrefetchLoader:
                 self.pin_memory,
                 max(self.max_ring_bytes // self._nslots, 1),
                 self.device.type == "cpu",
-                _use_count_fn(self.copy_backend),
             )
         return self._ring
 
     # -- iteration -------------------------------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator:
+        # the pass's copy backend, chosen in the thread that starts it (use_backend / FASTDL_BACKEND): before
+        # anything changes, so a backend that cannot be honoured leaves the loader as it was
+        self._pass_backend = _resolve_copy_backend(self._copy_backend_arg)
         self._close_active()  # one pass at a time: the ring belongs to it
         skip, self._skip = self._skip, 0
         self._consumed = skip
@@ -872,7 +868,7 @@ class PrefetchLoader:
         return {
             "mode": self.mode,
             "device": str(self.device),
-            "copy_backend": self.copy_backend,
+            "copy_backend": self._pass_backend or self._copy_backend_arg,
             "depth": self.depth,
             "batches": s.batches,
             "bytes": s.bytes,
@@ -902,5 +898,5 @@ class PrefetchLoader:
     def __repr__(self) -> str:
         return (
             f"PrefetchLoader(mode={self.mode!r}, device={str(self.device)!r}, depth={self.depth}, "
-            f"copy_backend={self.copy_backend!r}, loader={type(self.loader).__name__})"
+            f"copy_backend={self._pass_backend or self._copy_backend_arg!r}, loader={type(self.loader).__name__})"
         )

@@ -16,8 +16,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from ._layers import find_layers, replace_layers
 from .nn.int8 import MODES, Int8Linear
 from .ops.int8 import quantize_per_channel, quantize_per_group, quantize_per_token
+from .serialization import note_conversion
 
 __all__ = [
     "dequantize",
@@ -50,27 +52,16 @@ def quantize_model(
 
     mode: ``"dynamic"`` (W8A8) or ``"weight_only"``; trainable: keep fp32 master weights for quantization-aware
     training; filter_fn(qualified_name, linear) -> bool: convert only the layers it accepts (e.g. skip the
-    output head). Returns the converted model."""
+    output head). Layers are matched as ``fastdl.convert`` matches them (exactly ``nn.Linear``: subclasses are left
+    alone, see ``fastdl._layers``). Returns the converted model."""
     if mode not in MODES:
         raise ValueError(f"quantize_model: mode must be one of {MODES}, got {mode!r}")
-    if type(model) is nn.Linear:
-        if filter_fn is None or filter_fn("", model):
-            return Int8Linear.from_linear(model, mode=mode, trainable=trainable)
-        return model
-    for name, child in list(model.named_modules()):
-        for cname, sub in list(child.named_children()):
-            qual = f"{name}.{cname}" if name else cname
-            if type(sub) is nn.Linear and (filter_fn is None or filter_fn(qual, sub)):
-                setattr(child, cname, Int8Linear.from_linear(sub, mode=mode, trainable=trainable))
-    return model
+    sites = find_layers(model, filter_fn=filter_fn, where="quantize_model")
+    model = replace_layers(model, sites, lambda s: Int8Linear.from_linear(s.module, mode=mode, trainable=trainable))
+    return note_conversion(model)
 
 
 def freeze_model(model: nn.Module) -> nn.Module:
     """Replace every trainable ``Int8Linear`` by its inference form (``Int8Linear.freeze()``), in place."""
-    if isinstance(model, Int8Linear):
-        return model.freeze()
-    for _, child in list(model.named_modules()):
-        for cname, sub in list(child.named_children()):
-            if isinstance(sub, Int8Linear) and sub.trainable:
-                setattr(child, cname, sub.freeze())
-    return model
+    sites = find_layers(model, types=(Int8Linear,), filter_fn=lambda name, m: m.trainable, where="freeze_model")
+    return note_conversion(replace_layers(model, sites, lambda s: s.module.freeze()))

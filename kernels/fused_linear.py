@@ -64,7 +64,9 @@ _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 # --------------------------------------------------------------------------------------------------------------
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages).  The large tiles are the Hopper/Ampere sweet spots for 16-bit
 # operands; the 32-deep ones keep fp32 operands (and fp32 master weights) inside shared memory.  Configs that cannot
-# work well for a launch are pruned before autotuning (see _prune_*): they would only cost compile time.
+# work for a launch are pruned before autotuning (see _prune_*): they would spill registers, overflow shared memory,
+# or only cost compile time.  Every config and every limit below is checked by tests/test_triton_aot.py, which
+# compiles them for sm_80 and sm_90a with ptxas (0 spills, shared memory within the per-block limit).
 _FWD_TILES = [
     (128, 256, 64, 8, 3),
     (256, 128, 64, 8, 3),
@@ -72,15 +74,19 @@ _FWD_TILES = [
     (128, 128, 64, 4, 3),
     (128, 64, 64, 4, 4),
     (64, 128, 64, 4, 4),
+    (128, 128, 32, 8, 4),  # fp32 'ieee' (FMA units): the largest tile that does not spill there
     (128, 128, 32, 4, 4),
     (64, 64, 32, 4, 4),
 ]
 # The backward GEMM also holds the A tile (g, preact and act' in fp32) in registers: with an activation, 8-warp
-# configs and 32-deep tiles keep it out of local memory (checked with ptxas for sm_90 / sm_80).
-_BWD_TILES = _FWD_TILES + [
-    (128, 256, 32, 8, 4),
-    (128, 128, 32, 8, 4),
-]
+# configs and 32-deep tiles keep it out of local memory. 64x128x64 with 4 warps is left out: it spills 8 bytes on
+# sm_80 even without an activation (ptxas 12.9, at 168 registers).
+_BWD_TILES = [t for t in _FWD_TILES if t != (64, 128, 64, 4, 4)] + [(128, 256, 32, 8, 4)]
+# fp32 'ieee' (FMA units) backward on Ampere: the only tile ptxas compiles without spills there (sm_80, with and
+# without an activation, dpre store and bias row sums) is 32x64x32 with 3 stages (64x64x32 spills 236-356 bytes,
+# 128x128x32 with 8 warps 20-352, 32x64x32 with 4 stages 8-12). It is used for nothing else.
+_BWD_SMALL = (32, 64, 32, 4, 3)
+_BWD_TILES.append(_BWD_SMALL)
 # The interpreter executes programs one after another in numpy: few, mid-sized tiles are fastest there.
 _INTERP_TILES = [(32, 32, 32, 4, 1)]
 _GROUP = 8
@@ -121,29 +127,47 @@ def _device_index(tensor):
     return tensor.device.index if tensor.device.index is not None else torch.cuda.current_device()
 
 
-def _prune(configs, tensor, smem_of, regs_of, reg_limit):
-    """Keep the configs whose pipelined operand buffers fit in shared memory and whose per-thread register tiles
-    (fp32 values) stay under reg_limit (above it ptxas spills inside the main loop). Keeps at least one config."""
+def _prune(configs, tensor, smem_of, regs_of, reg_limit, max_k=None):
+    """Keep the configs whose pipelined operand buffers fit in shared memory, whose per-thread register tiles
+    (fp32 values) stay under reg_limit (above it ptxas spills) and whose K depth is at most max_k. Keeps at least
+    one config (the lightest)."""
     if tensor.device.type != "cuda":
         return configs
     try:
         fitting = [c for c in configs if smem_of(c) <= _max_smem(_device_index(tensor))]
         if not fitting:
             return [min(configs, key=smem_of)]
-        light = [c for c in fitting if regs_of(c) <= reg_limit]
+        light = [c for c in fitting if regs_of(c) <= reg_limit and (max_k is None or _depth(c) <= max_k)]
         return light or [min(fitting, key=regs_of)]
     except Exception:  # pruning is an optimisation only: never let it break a launch
         return configs
+
+
+def _depth(c):
+    return c.kwargs.get("BLOCK_K", c.kwargs.get("BLOCK_R", 0))
 
 
 def _per_thread(c, *elems):
     return sum(elems) / (32 * c.num_warps)
 
 
+# Register limits (fp32 values per thread: accumulator + what the epilogue or prologue holds next to it), from
+# ptxas on sm_80 and sm_90a (tests/test_triton_aot.py prints the registers of every config):
+# * forward, tensor cores: 128 accumulators per thread (128x256 / 256x128 with 8 warps, 128x128 with 4) compile
+#   without spills for a bias-only epilogue, but an activation with the pre-activation store, or a residual (a
+#   second [BLOCK_M, BLOCK_N] tile), spills 24-830 bytes on both targets: then 64 per thread (128x128 with 8 warps:
+#   234 registers, no spill, with gelu + bias + residual + pre-activation).
+#   On Ampere 64 in every case: with triton 3.6 (ptxas 12.8) 128x256 and 256x128 spill 20-32 bytes on sm_80 even
+#   with a bias-only epilogue.
+# * fp32 'ieee' (FMA units): at most 64 per thread and at most 32 deep; a 64-deep FMA tile spills kilobytes on sm_80.
+_FWD_LIMIT, _FWD_LIMIT_HEAVY, _FMA_LIMIT, _FMA_MAX_K = 128, 64, 64, 32
+
+
 def _prune_fwd(configs, named_args, **kwargs):
     xs = named_args["x_ptr"].element_size()
     ws = named_args["w_ptr"].element_size()
     fma = kwargs.get("CDT") == 0 and kwargs.get("IN_PREC") == "ieee"  # fp32 'ieee' dot runs on the FMA units
+    heavy = kwargs.get("ACT", 1) != 0 or bool(kwargs.get("HAS_RES", True))
 
     def smem(c):
         kw = c.kwargs
@@ -152,7 +176,20 @@ def _prune_fwd(configs, named_args, **kwargs):
     def regs(c):
         return _per_thread(c, c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])
 
-    return _prune(configs, named_args["x_ptr"], smem, regs, 64 if fma else 128)
+    x = named_args["x_ptr"]
+    if fma:
+        return _prune(configs, x, smem, regs, _FMA_LIMIT, max_k=_FMA_MAX_K)
+    light = not heavy and x.device.type == "cuda" and _capability_major(_device_index(x)) >= 9
+    return _prune(configs, x, smem, regs, _FWD_LIMIT if light else _FWD_LIMIT_HEAVY)
+
+
+# Backward GEMM, per thread: the accumulator, plus with an activation g and act'(preact) of the A tile in fp32.
+# Without an activation: 128 on Hopper's tensor cores, 64 on Ampere's (triton 3.6: 128x128x64 with 4 warps spills
+# 76 bytes on sm_80) and on the FMA units (at most 32 deep) like the forward. With one (ptxas, gelu
+# with the dpre store and the bias row sums): Hopper 96 (128x128x32 with 8 warps: 179 registers; 128 spills 4-12
+# bytes), Ampere 64 on tensor cores (64x64x32: 229 registers; 96 spills 130-180 bytes). FMA on Ampere: see
+# _BWD_FMA_SM80.
+_BWD_LIMIT, _BWD_LIMIT_ACT_SM90, _BWD_LIMIT_ACT_SM80 = 128, 96, 64
 
 
 def _prune_bwd(configs, named_args, **kwargs):
@@ -170,15 +207,25 @@ def _prune_bwd(configs, named_args, **kwargs):
 
     def regs(c):
         kw = c.kwargs
-        # accumulator + (with an activation) g and act'(preact) of the A tile in fp32
         return _per_thread(c, kw["BLOCK_P"] * kw["BLOCK_Q"], 2 * kw["BLOCK_P"] * kw["BLOCK_R"] if act else 0)
 
-    limit = 64 if fma else 128
-    if act:
-        # Hopper's wgmma reads the computed A tile once from shared memory; Ampere's mma.sync keeps it in registers
-        # in the dot-operand layout, which spills above ~96 values per thread (ptxas, sm_80).
-        limit += 32 if _capability_major(_device_index(named_args["g_ptr"])) >= 9 else -32
-    return _prune(configs, named_args["g_ptr"], smem, regs, limit)
+    g = named_args["g_ptr"]
+    if g.device.type != "cuda" or len(configs) <= 1:
+        return configs
+    hopper = _capability_major(_device_index(g)) >= 9
+    if fma and not hopper:
+        return [c for c in configs if _tile(c) == _BWD_SMALL] or configs
+    configs = [c for c in configs if _tile(c) != _BWD_SMALL] or configs
+    if not act:
+        limit = _FMA_LIMIT if fma else (_BWD_LIMIT if hopper else _BWD_LIMIT_ACT_SM80)
+    else:
+        limit = _BWD_LIMIT_ACT_SM90 if hopper else _BWD_LIMIT_ACT_SM80
+    return _prune(configs, g, smem, regs, limit, max_k=_FMA_MAX_K if fma else None)
+
+
+def _tile(c):
+    kw = c.kwargs
+    return (kw["BLOCK_P"], kw["BLOCK_Q"], kw["BLOCK_R"], c.num_warps, c.num_stages)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -381,7 +428,9 @@ def _dact_gemm_kernel(
             row_sum += tl.sum(d, axis=1)  # fp32 dpre, before rounding
         a = _to_compute(d, CDT)
         if STORE_D:
-            tl.store(d_ptrs, a, mask=mask_pr & is_first)
+            # tl.where, not mask_pr & is_first: triton 3.9's interpreter gives a block & scalar of bools an int32
+            # handle and then rejects it as a mask ("mask has unsupported dtype"); the GPU code is the same.
+            tl.store(d_ptrs, a, mask=tl.where(is_first, mask_pr, False))
         b = tl.load(b_ptrs, mask=mask_r[:, None] & mask_q[None, :], other=0.0)
         b = _to_compute(b, CDT)
         if UPCAST:
@@ -396,7 +445,7 @@ def _dact_gemm_kernel(
     c_ptrs = c_ptr + pid_s * stride_cs + offs_p[:, None] * stride_cp + offs_q[None, :] * stride_cq
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_p[:, None] & mask_q[None, :])
     if ROW_SUM:
-        tl.store(s_ptr + pid_s * P + offs_p, row_sum, mask=mask_p & is_first)
+        tl.store(s_ptr + pid_s * P + offs_p, row_sum, mask=tl.where(is_first, mask_p, False))
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -634,7 +683,7 @@ def _dbias(g, p, act):
     _launchable(_dbias_kernel)[(n_blocks, chunks)](
         g, p, part, M, N, m_chunk,
         g.stride(0), g.stride(1), p.stride(0), p.stride(1),
-        ACT=act, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4,
+        ACT=act, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=8,  # 4 warps: a 4-byte spill on sm_90a with silu
     )  # fmt: skip
     return part.sum(0) if chunks > 1 else part[0]
 

@@ -113,6 +113,15 @@ _WO_GPU = [
     (16, 128, 128, 4, 4),
     (16, 32, 256, 4, 4),
 ]
+# fp32 activations: the weight tile is converted to fp32 and the dot runs as tf32 or on the FMA units ('ieee'),
+# which need 32-deep tiles (ptxas: every 64- to 256-deep tile above spills kilobytes with fp32 operands).
+_WO_FP32 = [
+    (128, 128, 32, 8, 4),
+    (64, 128, 32, 4, 4),
+    (64, 64, 32, 4, 4),
+    (32, 64, 32, 4, 4),
+    (16, 64, 32, 4, 4),
+]
 # GEMV: (BLOCK_N, BLOCK_K, num_warps, num_stages)
 _GEMV_GPU = [(16, 512, 4, 3), (32, 256, 4, 4), (64, 128, 4, 4), (32, 512, 8, 3), (64, 256, 8, 3)]
 _MM_INTERP = [(32, 32, 32, 4, 1)]
@@ -142,42 +151,117 @@ def _max_smem(device_index):
         return 1 << 30
 
 
-def _prune(configs, named_args, a_name, b_name, M, b_extra=0):
-    """Keep the tiles that suit M (small-M tiles for decode, big tiles for large M) and fit in shared memory;
-    fewer candidates also means less autotuning time. Always keeps at least one config. ``b_extra``: bytes per B
-    element loaded besides B itself (the group-scale codes of the weight-only kernel, counted as if pipelined)."""
+@functools.cache
+def _capability_major(device_index):
+    try:
+        return int(torch.cuda.get_device_capability(device_index)[0])
+    except Exception:
+        return 0
+
+
+def _tile(c):
+    return (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages)
+
+
+def _m_band(c, M):
+    """The tiles that suit M: small-M tiles for decode, big tiles for large M."""
+    bm = c.kwargs["BLOCK_M"]
+    if M <= 16:
+        return bm == 16
+    if M <= 64:
+        return 16 < bm <= 64
+    if M <= 256:
+        return 32 <= bm <= 128
+    return bm >= 64
+
+
+def _prune(configs, a, M, smem_of, regs_of, reg_limit):
+    """Keep the configs that fit in shared memory and whose per-thread register estimate stays under reg_limit
+    (above it ptxas spills), preferring the tiles that suit M; fewer candidates also means less autotuning time.
+    Always keeps at least one config (the lightest)."""
     if len(configs) <= 1:
         return configs
-    if M <= 16:
-        by_m = [c for c in configs if c.kwargs["BLOCK_M"] == 16]
-    elif M <= 64:
-        by_m = [c for c in configs if 16 < c.kwargs["BLOCK_M"] <= 64]
-    elif M <= 256:
-        by_m = [c for c in configs if 32 <= c.kwargs["BLOCK_M"] <= 128]
-    else:
-        by_m = [c for c in configs if c.kwargs["BLOCK_M"] >= 64]
-    configs = by_m or configs
-    a, b = named_args[a_name], named_args[b_name]
     if a.device.type != "cuda":
+        return [c for c in configs if _m_band(c, M)] or configs
+    try:
+        limit = _max_smem(a.device.index if a.device.index is not None else torch.cuda.current_device())
+        fitting = [c for c in configs if smem_of(c) <= limit]
+        if not fitting:
+            return [min(configs, key=smem_of)]
+        light = [c for c in fitting if regs_of(c) <= reg_limit]
+        if not light:
+            return [min(fitting, key=regs_of)]
+        return [c for c in light if _m_band(c, M)] or light
+    except Exception:  # pruning is an optimisation only: never let it break a launch
         return configs
-    limit = _max_smem(a.device.index if a.device.index is not None else torch.cuda.current_device())
+
+
+def _device_major(t):
+    return _capability_major(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
+def _smem_of(a, b, b_extra=0):
+    """Pipelined operand buffers of a config; b_extra: bytes loaded per B element besides B (group-scale codes)."""
+    a_bytes, b_bytes = a.element_size(), b.element_size() + b_extra
 
     def smem(c):
         kw = c.kwargs
-        b_bytes = b.element_size() + b_extra
-        return c.num_stages * kw["BLOCK_K"] * (kw["BLOCK_M"] * a.element_size() + kw["BLOCK_N"] * b_bytes)
+        return c.num_stages * kw["BLOCK_K"] * (kw["BLOCK_M"] * a_bytes + kw["BLOCK_N"] * b_bytes)
 
-    fitting = [c for c in configs if smem(c) <= limit]
-    return fitting or [min(configs, key=smem)]
+    return smem
+
+
+# int8 GEMM: int32 accumulators per thread. Hopper's wgmma takes 128 (128x256 with 8 warps: 172 registers); on
+# Ampere mma.sync also keeps the int8 fragments of the 128-deep tiles in registers and 128 accumulators spill
+# 720-860 bytes (ptxas, sm_80), so 64 there (128x128x128 with 8 warps: 242 registers). With the quantization fused
+# (QUANT_A) the float x tile is in registers too: at most 96 (64x128x128 with 4 warps, 128, spills 4 bytes on
+# sm_90a with triton 3.6).
+_MM_LIMIT_SM90, _MM_LIMIT_SM80, _MM_LIMIT_QUANT_A = 128, 64, 96
 
 
 def _prune_mm(configs, named_args, **kwargs):
-    return _prune(configs, named_args, "a_ptr", "b_ptr", named_args["M"])
+    a, b = named_args["a_ptr"], named_args["b_ptr"]
+    quant_a = bool(kwargs.get("QUANT_A", False))
+
+    def regs(c):
+        kw = c.kwargs
+        x_tile = kw["BLOCK_M"] * kw["BLOCK_K"] if quant_a else 0
+        return (kw["BLOCK_M"] * kw["BLOCK_N"] + x_tile) / (32 * c.num_warps)
+
+    limit = _MM_LIMIT_SM90 if a.device.type == "cuda" and _device_major(a) >= 9 else _MM_LIMIT_SM80
+    if quant_a:
+        limit = max(min(limit, _MM_LIMIT_QUANT_A), _MM_LIMIT_SM80)
+    return _prune(configs, a, named_args["M"], _smem_of(a, b), regs, limit)
+
+
+# Weight-only, per thread: the fp32 accumulator plus the converted weight tile in fp32 (twice with group scales:
+# the codes too). ptxas on sm_80 and sm_90a: 16-bit activations are clean up to 192 (16x128x128, 272, spills on
+# sm_90a), and on Ampere only with at most 64 accumulators (128x256x64 and 128x128x64 with 4 warps, 128, spill
+# 24-350 bytes on sm_80); fp32 activations up to 128 with tf32 (32x64x128, 144, spills) and, on the FMA units
+# ('ieee'), at most 16 accumulators (32x64x32 with group scales: 203 registers; 64x64x32 spills 430-700 bytes).
+_WO_LIMIT_16BIT, _WO_ACC_SM80, _WO_LIMIT_TF32, _WO_ACC_FMA = 192, 64, 128, 16
+_WO_FP32_SET = set(_WO_FP32)
 
 
 def _prune_wo(configs, named_args, **kwargs):
     groups = bool(kwargs.get("HAS_GROUPS", named_args.get("HAS_GROUPS", False)))
-    return _prune(configs, named_args, "x_ptr", "w_ptr", named_args["M"], b_extra=1 if groups else 0)
+    x, w = named_args["x_ptr"], named_args["w_ptr"]
+    fp32 = x.dtype == torch.float32
+    if not _INTERPRET:  # each activation dtype has its own tile list
+        configs = [c for c in configs if (_tile(c) in _WO_FP32_SET) == fp32] or configs
+
+    fma = fp32 and kwargs.get("IN_PREC") == "ieee"
+    acc_limit = _WO_ACC_FMA if fma else (_WO_ACC_SM80 if x.device.type == "cuda" and _device_major(x) < 9 else None)
+
+    def regs(c):  # a config over the accumulator limit counts as over the register limit
+        kw = c.kwargs
+        threads = 32 * c.num_warps
+        acc = kw["BLOCK_M"] * kw["BLOCK_N"] / threads
+        b_tile = kw["BLOCK_K"] * kw["BLOCK_N"] * (2 if groups else 1) / threads
+        return acc + b_tile + (1 << 20 if acc_limit is not None and acc > acc_limit else 0)
+
+    limit = _WO_LIMIT_TF32 if fp32 else _WO_LIMIT_16BIT
+    return _prune(configs, x, named_args["M"], _smem_of(x, w, 1 if groups else 0), regs, limit)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -330,7 +414,9 @@ def _int8_mm_kernel(
         else:
             a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0)
         b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0)
-        acc = tl.dot(a, b, acc)  # int8 x int8 -> int32, exact
+        # int8 x int8 -> int32, exact. out_dtype must be given: it defaults to fp32, and triton <= 3.6 then rejects
+        # the int32 accumulator (semantic.dot asserts acc.type.element_ty == out_dtype, on the GPU too).
+        acc = tl.dot(a, b, acc, out_dtype=tl.int32)
         a_ptrs += a_step
         b_ptrs += b_step
 
@@ -353,7 +439,7 @@ def _int8_mm_kernel(
 # weight-only int8: float activations, int8 weight converted in registers, fp32 accumulation
 # --------------------------------------------------------------------------------------------------------------
 @triton.autotune(
-    configs=_configs(_WO_GPU, _MM_INTERP),
+    configs=_configs(_WO_GPU + _WO_FP32, _MM_INTERP),
     key=["M", "N", "K", "HAS_GROUPS"],
     prune_configs_by={"early_config_prune": _prune_wo},
 )
@@ -437,7 +523,9 @@ def _wo_gemv_kernel(
             code = tl.load(g_rows + (k_abs // 16)[None, :] * stride_gk, mask=mask_w, other=0)
             w = w * code.to(tl.float32)
         for m in tl.static_range(BLOCK_M):  # each weight tile is used by every token
-            xm = tl.load(x_ptrs + m * stride_xm, mask=mask_k & (m < M), other=0.0).to(tl.float32)
+            # tl.where, not mask_k & (m < M): triton 3.9's interpreter gives a block & scalar of bools an int32
+            # handle and then rejects it as a load mask ("mask has unsupported dtype"); the GPU code is the same.
+            xm = tl.load(x_ptrs + m * stride_xm, mask=tl.where(m < M, mask_k, False), other=0.0).to(tl.float32)
             part = tl.sum(w * xm[None, :], axis=1)  # [BN]
             acc = tl.where(arange_m[:, None] == m, acc + part[None, :], acc)
         w_ptrs += w_step

@@ -50,55 +50,67 @@ def test_filter_fn_and_unknown_policy():
         fastdl.convert(_model(), "auto")
 
 
-def test_auto_never_picks_a_slower_candidate(monkeypatch):
-    """With a timer that makes every candidate slower than the original, auto keeps every original layer."""
+@pytest.fixture
+def timer():
+    """Install a fake timer: ``timer.set(fn)`` with ``fn(name, info) -> seconds``; records every timed name."""
+    from fastdl import dispatch
+
+    class T:
+        calls: list = []
+
+        def set(self, fn):
+            def fake(calls, device, info):
+                self.calls.extend(calls)
+                return {name: fn(name, info) for name in calls}
+
+            dispatch.set_timer(fake)
+
+    convert_mod._DECISIONS.clear()
+    dispatch.clear_decisions()
+    t = T()
+    t.calls = []
+    yield t
+    dispatch.set_timer(None)
+    dispatch.clear_decisions()
+    convert_mod._DECISIONS.clear()
+
+
+def test_auto_never_picks_a_slower_candidate(timer):
+    """With a timer that makes every candidate path slower than the original, auto keeps every original layer."""
     model = _model()
     x = torch.randn(8, 64)
     ref = model(x)
-    convert_mod._DECISIONS.clear()
-
-    def fake_time(fn, inp, device, reps=15):
-        # the original closure is named "original"; candidates are "run"
-        return 1.0 if fn.__name__ == "original" else 2.0
-
-    monkeypatch.setattr(convert_mod, "_time", fake_time)
+    timer.set(lambda name, info: 1.0 if name.startswith("original") else 2.0)
     fastdl.convert(model, "auto", example_inputs=(x,), candidates=("fused",))
     assert all(type(model[i]) is nn.Linear for i in (0, 2, 4, 6))
     torch.testing.assert_close(model(x), ref)
     assert all(r["kernel"] == "original" for r in fastdl.report(model))
 
 
-def test_auto_takes_faster_candidate_within_error_and_caches(monkeypatch):
+def test_auto_takes_faster_candidate_within_error_and_caches(timer):
     model = _model()
     x = torch.randn(8, 64)
     ref = model(x)
-    convert_mod._DECISIONS.clear()
-    calls = []
-
-    def fake_time(fn, inp, device, reps=15):
-        calls.append(fn.__name__)
-        return 1.0 if fn.__name__ == "original" else 0.5
-
-    monkeypatch.setattr(convert_mod, "_time", fake_time)
+    timer.set(lambda name, info: 1.0 if name.startswith("original") else 0.5)
     fastdl.convert(model, "auto", example_inputs=(x,), candidates=("fused",))
     assert all(isinstance(model[i], FusedLinear) for i in (0, 2, 4, 6))
     torch.testing.assert_close(model(x), ref, rtol=1e-5, atol=1e-5)
     rep = fastdl.report(model)
     assert all(r["speedup"] == pytest.approx(2.0) and r["error"] < 1e-5 for r in rep)
-    n_calls = len(calls)
+    n_calls = len(timer.calls)
     model2 = fastdl.convert(_model(), "auto", example_inputs=(x,), candidates=("fused",))
-    assert len(calls) == n_calls, "second conversion of the same shapes must not re-measure"
-    assert all(r["note"] == "cached decision" for r in fastdl.report(model2))
+    assert len(timer.calls) == n_calls, "second conversion of the same shapes must not re-time"
+    assert all(r["note"] == "cached timings" for r in fastdl.report(model2))
 
 
-def test_auto_rejects_candidates_over_the_error_bound(monkeypatch):
+def test_auto_rejects_candidates_over_the_error_bound(timer, monkeypatch):
     model = _model()
     x = torch.randn(8, 64)
-    convert_mod._DECISIONS.clear()
-    monkeypatch.setattr(convert_mod, "_time", lambda fn, inp, dev, reps=15: 1.0 if fn.__name__ == "original" else 0.1)
+    timer.set(lambda name, info: 1.0 if name.startswith("original") else 0.1)
     monkeypatch.setattr(convert_mod, "_rel_err", lambda out, ref: 0.5)
     fastdl.convert(model, "auto", example_inputs=(x,), candidates=("fused",), max_error=0.01)
     assert all(type(model[i]) is nn.Linear for i in (0, 2, 4, 6))
+    assert all("error" in r["candidates"]["fused"]["rejected"] for r in fastdl.report(model))
 
 
 def test_auto_real_timing_is_no_slower_than_original():

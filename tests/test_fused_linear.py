@@ -7,7 +7,7 @@ import tempfile
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import cpu_backends, rel_err, requires_cuda, skip_unsupported
+from conftest import cpu_backends, rel_err, requires_cuda, run_at_isa, skip_unsupported
 from torch import nn
 
 import fastdl
@@ -171,6 +171,74 @@ def test_cpp_dispatch_regions_forward_backward(dtype, threads, M, K, N):
         check_close(plain, x, w.to(dtype), None, "none", None)
     finally:
         torch.set_num_threads(old_threads)
+
+
+# Shapes (M, K, N) on every side of the C++ kernels' rules at every ISA level: weight streaming (M <= 4), broadcast
+# kernels (M <= 32: 1-4 vectors of x rows, partial row tiles, odd K), packed-panel GEMMs (several K blocks, strips,
+# super blocks, threads split by columns or by rows), K not a multiple of 8 / 16 / 32, N not a multiple of 16 / 48.
+LEVEL_SHAPES = [(1, 7, 33), (2, 300, 17), (4, 33, 50), (5, 1, 9), (7, 33, 7), (16, 127, 53), (24, 257, 48),
+                (32, 64, 65), (33, 520, 70), (127, 40, 130), (500, 19, 33), (61, 4095, 20)]
+
+
+def check_cpp_levels_match() -> str:
+    """Run in a process capped by FASTDL_CPU_ISA (test below): the C++ kernels of that level against float64, forward
+    and backward, every activation, residual, fp32 and bf16, fp32 master weights with bf16 x, non-contiguous inputs,
+    NaN propagation. Returns the fused_linear kernel family the process ran."""
+    torch.manual_seed(0)
+    configs = [(torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, torch.float32)]
+    with fastdl.use_backend("cpp"):
+        for i, (M, K, N) in enumerate(LEVEL_SHAPES):
+            act = ACTIVATIONS[i % len(ACTIVATIONS)]
+            for dtype, w_dtype in configs:
+                x, w, b, r = make(M, K, N, dtype, bias=i % 3 != 1, res=i % 2 == 0, w_dtype=w_dtype)
+                g = torch.randn(M, N).to(dtype)
+                leaves = [t.detach().clone().requires_grad_() if t is not None else None for t in (x, w, b, r)]
+                out = fused_linear(*leaves[:3], act, leaves[3])
+                check_close(out.detach(), x, w, b, act, r)
+                out.backward(g)
+                refs = [t.detach().double().requires_grad_() if t is not None else None
+                        for t in (x, w.to(dtype), b, r)]
+                ref64(refs[0], refs[1], refs[2], act, refs[3]).backward(g.double())
+                tol = 2e-5 if dtype == torch.float32 else 2e-2
+                for name, got, want in zip("xwbr", leaves, refs):
+                    if got is not None:
+                        assert got.grad.dtype == got.dtype, (name, M, K, N, dtype)
+                        err = rel_err(got.grad, want.grad)
+                        assert err <= tol, (name, err, M, K, N, dtype, w_dtype, act)
+        # fp32 master weights are rounded to bf16 like autocast: the same outputs as with the rounded weight (up to
+        # the fp32 summation order; a kernel that skipped the rounding would change ~1/4 of the bf16 outputs)
+        for M, K, N in [(1, 512, 64), (16, 512, 64), (64, 512, 64)]:
+            x = torch.randn(M, K, dtype=torch.bfloat16)
+            w = torch.randn(N, K) / K**0.5
+            a, b_ = fused_linear(x, w), fused_linear(x, w.bfloat16())
+            assert (a != b_).float().mean().item() < 0.02, (M, K, N)
+        # non-contiguous x / weight / bias / residual
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(4, 3, 40, 2)[..., 0].transpose(0, 1).to(dtype)
+            w = torch.randn(50, 80)[:, ::2].to(dtype)
+            b = torch.randn(100)[::2].to(dtype)
+            res = torch.randn(3, 50, 4).transpose(1, 2).to(dtype)
+            check_close(fused_linear(x, w, b, "gelu_tanh", res), x, w, b, "gelu_tanh", res)
+        # NaN in one row of x reaches exactly that row of the output
+        for dtype in (torch.float32, torch.bfloat16):
+            for M in (1, 8, 40):
+                x = torch.randn(M, 64).to(dtype)
+                x[M // 2, 3] = float("nan")
+                out = fused_linear(x, torch.randn(24, 64).to(dtype), None, "gelu")
+                assert out[M // 2].isnan().all() and not out[torch.arange(M) != M // 2].isnan().any(), (dtype, M)
+    return fastdl.info(print_result=False)["cpu"]["kernels"]["fused_linear"]
+
+
+@pytest.mark.skipif(not HAS_CPP, reason="needs the compiled extension fastdl._C (C++ kernels)")
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512", "avx512_bf16"])
+def test_cpp_isa_levels_match(isa):
+    """FASTDL_CPU_ISA caps the kernels' instruction set (once per process): every level gives the contract's results,
+    and the process runs the kernel family of the level it was capped at (the CPU's own level where that is lower)."""
+    out = run_at_isa(isa, "import test_fused_linear as t; print('kernels', t.check_cpp_levels_match())")
+    family = out.split()[-1]
+    native = fastdl.info(print_result=False)["cpu"]["kernels"]["fused_linear"]
+    levels = ["scalar", "avx2", "avx512", "avx512_bf16"]
+    assert family == levels[min(levels.index(isa), levels.index(native))], (isa, out)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

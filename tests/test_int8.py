@@ -19,6 +19,7 @@ import fastdl.nn.int8 as nn_int8
 import fastdl.ops.int8 as int8_ops  # registers the int8 ops
 from fastdl import backends, quant
 from fastdl._distributed import finish_worker
+from fastdl.nn._base import decode_extra_state, encode_extra_state
 from fastdl.nn.int8 import FORMAT_VERSION, Int8Linear
 from fastdl.ops.int8 import (
     int8_linear,
@@ -438,7 +439,8 @@ def test_v1_per_channel_checkpoint_loads_into_weight_only_layer():
     x = torch.randn(3, 40)
     assert m.group_size is None and m.weight_group_scale is None
     assert same(m(x), int8_weight_only_linear(x, w_q, w_scale, lin.bias.detach()))
-    assert "weight_group_scale" not in m.state_dict() and m.state_dict()["_extra_state"]["group_size"] is None
+    assert "weight_group_scale" not in m.state_dict()
+    assert decode_extra_state(m.state_dict()["_extra_state"])["group_size"] is None
     per_channel = Int8Linear.from_linear(lin, mode="weight_only", group_size=None)
     assert same(per_channel(x), m(x))
     with pytest.raises(ValueError, match="group_size"):
@@ -769,7 +771,8 @@ def test_module_state_dict_round_trip(mode):
     assert set(sd) == {"weight", "weight_scale", "bias", "_extra_state"} | grouped
     assert sd["weight"].dtype == torch.int8 and sd["weight"].shape == (24, 40)
     assert sd["weight_scale"].dtype == torch.float32 and sd["weight_scale"].shape == (24,)
-    assert sd["_extra_state"]["version"] == FORMAT_VERSION and sd["_extra_state"]["mode"] == mode
+    record = decode_extra_state(sd["_extra_state"])  # a uint8 JSON tensor: the state dict holds only tensors
+    assert sd["_extra_state"].dtype == torch.uint8 and record["version"] == FORMAT_VERSION and record["mode"] == mode
     buf = io.BytesIO()
     torch.save(sd, buf)
     buf.seek(0)
@@ -794,7 +797,7 @@ def test_module_state_dict_round_trip(mode):
     with pytest.raises(RuntimeError, match="size mismatch"):
         Int8Linear(41, 24).load_state_dict(loaded)
     newer = dict(loaded)
-    newer["_extra_state"] = {**loaded["_extra_state"], "version": FORMAT_VERSION + 1}
+    newer["_extra_state"] = encode_extra_state({**record, "version": FORMAT_VERSION + 1})
     with pytest.raises(RuntimeError, match="newer"):
         Int8Linear(40, 24, mode=mode).load_state_dict(newer)
     missing = {k: v for k, v in loaded.items() if k != "weight_scale"}
@@ -863,7 +866,7 @@ def test_trainable_module_checkpoints_interchange():
     t = Int8Linear.from_linear(lin, trainable=True)
     sd = t.state_dict()
     assert set(sd) == {"weight", "bias", "_extra_state"} and sd["weight"].dtype == torch.float32
-    assert sd["_extra_state"]["trainable"] is True
+    assert decode_extra_state(sd["_extra_state"])["trainable"] is True
     inf = Int8Linear(30, 20)
     inf.load_state_dict(sd)  # master weights are quantized on load
     x = torch.randn(5, 30)

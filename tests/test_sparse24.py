@@ -18,7 +18,7 @@ import fastdl
 import fastdl.ops.sparse24 as sp  # registers the ops (until fastdl.ops imports it)
 from fastdl import backends, sparsity
 from fastdl._distributed import finish_worker
-from fastdl.nn import FusedLinear
+from fastdl.nn import FusedLinear, decode_extra_state
 from fastdl.nn.sparse24 import Sparse24Linear
 
 OPS = ("mask_2_4", "compress_2_4", "decompress_2_4", "sparse24_linear")
@@ -196,39 +196,67 @@ def test_sparse_linear_leading_dims_noncontiguous_mixed_dtypes(backend):
         assert rel_err(out, ref) <= 2 * eager_err(xb, values, meta, bias.bfloat16(), ref) + 1e-4
 
 
+LEVEL_LINEAR_SHAPES = [(1, 68, 9), (2, 4, 5), (3, 100, 25), (4, 12, 7), (5, 132, 17), (7, 1028, 26), (9, 520, 3),
+                       (33, 260, 10), (200, 36, 5), (250, 268, 50), (24, 4, 17)]
+
+
 def check_cpp_levels_match() -> str:
-    """Run in a process capped by FASTDL_CPU_ISA (test below): the C++ kernels at that level against the contract."""
+    """Run in a process capped by FASTDL_CPU_ISA (test below): the C++ kernels at that level against the contract:
+    masks / compress / decompress bit for bit (ties, NaN, inf, K % 8 == 4 tails), the sparse linear on both sides of
+    every kernel switch (direct M <= 4, blocked, K blocks, M blocks, dense route), fp32 and bf16 x with values of
+    either dtype, bias, non-contiguous x."""
     torch.manual_seed(0)
-    for dtype in (torch.float32, torch.bfloat16):
-        for M, K, N in [(1, 68, 9), (3, 100, 25), (9, 132, 17), (33, 260, 10)]:
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for N, K in SHAPES + [(24, 1028), (5, 4100)]:
             w = random_weight(N, K, dtype)
             with fastdl.use_backend("cpp"):
                 m = sp.mask_2_4(w)
                 values, meta = sp.compress_2_4(w)
                 dense = sp.decompress_2_4(values, meta)
-                x = torch.randn(M, K).to(dtype)
-            assert torch.equal(m, sp._mask_reference(w))
-            assert bits_equal(dense, torch.where(m, w, torch.zeros_like(w)))
-            values_r, meta_r = sp._compress_reference(torch.randn(N, K).to(dtype))
-            with fastdl.use_backend("cpp"):
-                out = sp.sparse24_linear(x, values_r, meta_r, None)
-            ref = dense_ref(x, values_r, meta_r, None)
-            bound = 2e-5 if dtype == torch.float32 else 2 * eager_err(x, values_r, meta_r, None, ref) + 1e-4
-            assert rel_err(out, ref) <= bound, (dtype, M, K, N)
+            assert torch.equal(m, sp._mask_reference(w)), (dtype, N, K)
+            rv, rm = sp._compress_reference(w)
+            assert bits_equal(values, rv) and torch.equal(meta, rm), (dtype, N, K)
+            assert bits_equal(dense, torch.where(m, w, torch.zeros_like(w))), (dtype, N, K)
+    for xdt in (torch.float32, torch.bfloat16):
+        for vdt in (torch.float32, torch.bfloat16):
+            for i, (M, K, N) in enumerate(LEVEL_LINEAR_SHAPES):
+                values, meta = sp._compress_reference(torch.randn(N, K).to(vdt))
+                x = torch.randn(M, 2 * K).to(xdt)[:, ::2] if i % 2 else torch.randn(M, K).to(xdt)
+                bias = torch.randn(N) if i % 3 == 0 else None
+                with fastdl.use_backend("cpp"):
+                    out = sp.sparse24_linear(x, values, meta, bias)
+                ref = dense_ref(x, values, meta, bias)
+                assert out.dtype == xdt and out.shape == (M, N)
+                bound = 2e-5 if xdt == torch.float32 else 2 * eager_err(x, values, meta, bias, ref) + 1e-4
+                assert rel_err(out, ref) <= bound, (xdt, vdt, M, K, N, rel_err(out, ref))
     return fastdl.info(print_result=False)["cpu"]["kernels"]["sparse24"]
 
 
 @pytest.mark.skipif(not HAS_CPP, reason="needs the compiled extension fastdl._C (C++ kernels)")
 @pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512", "native"])
 def test_cpp_isa_levels_match(isa):
-    """FASTDL_CPU_ISA caps the kernels' instruction set (once per process): every level gives the contract's
-    results, and the process runs the kernels of the level it was capped at."""
-    out = run_at_isa(isa, "import test_sparse24 as t; print('kernels', t.check_cpp_levels_match())")
+    """FASTDL_CPU_ISA caps the kernels' instruction set (once per process): every level's sparse kernels give the
+    contract's results (the dense route is switched off: FASTDL_SPARSE24_DENSE_ROWS above every M), and the process
+    runs the kernels of the level it was capped at (avx2: the AVX2 kernels, also on an AVX-512 CPU)."""
+    out = run_at_isa(isa, "import os; os.environ['FASTDL_SPARSE24_DENSE_ROWS'] = str(2**40); "
+                          "import test_sparse24 as t; print('kernels', t.check_cpp_levels_match())")
     family = out.split()[-1]
     native = fastdl.info(print_result=False)["cpu"]["kernels"]["sparse24"]
     levels = ["scalar", "avx2", "avx512", "avx512_bf16"]
     expect = native if isa == "native" else levels[min(levels.index(isa), levels.index(native))]
     assert family == expect, (isa, out)
+    if isa == "avx2" and native != "scalar":
+        assert family == "avx2", out
+
+
+@pytest.mark.skipif(not HAS_CPP, reason="needs the compiled extension fastdl._C (C++ kernels)")
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "native"])
+def test_cpp_dense_route_matches(isa):  # the route every scalar call takes, and large M where it is faster
+    """From FASTDL_SPARSE24_DENSE_ROWS rows on, sparse24_linear decompresses to fp32 and calls at::mm (the route the
+    dispatch takes at large M where that is faster): same contract, every dtype pair, bias, non-contiguous x."""
+    out = run_at_isa(isa, "import os; os.environ['FASTDL_SPARSE24_DENSE_ROWS'] = '3'; import test_sparse24 as t; "
+                          "print('kernels', t.check_cpp_levels_match())")
+    assert out.split()[-1] in ("scalar", "avx2", "avx512", "avx512_bf16"), out
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -370,7 +398,8 @@ def test_module_state_dict_versioned_weights_only_and_linear_checkpoint():
     m = Sparse24Linear.from_linear(nn.Linear(32, 16), dtype=torch.bfloat16)
     sd = m.state_dict()
     assert set(sd) == {"values", "meta", "bias", "_extra_state"}
-    assert sd["_extra_state"]["format"] == "fastdl.sparse24" and sd["_extra_state"]["version"] == 1
+    record = decode_extra_state(sd["_extra_state"])  # a uint8 JSON tensor: the state dict holds only tensors
+    assert record["format"] == "fastdl.sparse24" and record["version"] == 2
     buf = io.BytesIO()
     torch.save(sd, buf)
     buf.seek(0)
@@ -391,7 +420,7 @@ def test_module_state_dict_versioned_weights_only_and_linear_checkpoint():
 def test_module_memory_is_at_most_0p6_of_dense_bf16():
     m = Sparse24Linear.from_linear(nn.Linear(1024, 512), dtype=torch.bfloat16)
     dense = 1024 * 512 * 2 + 512 * 2
-    held = sum(t.numel() * t.element_size() for t in m.state_dict().values() if isinstance(t, torch.Tensor))
+    held = sum(t.numel() * t.element_size() for k, t in m.state_dict().items() if k != "_extra_state")  # + record
     assert held == m.weight_bytes() and held <= 0.6 * dense, held / dense
     m(torch.randn(2, 1024, dtype=torch.bfloat16))  # the sparse path caches nothing
     assert m.cache_bytes() == 0

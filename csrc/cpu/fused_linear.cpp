@@ -1,24 +1,32 @@
 // CPU implementation of fastdl_cpp::fused_linear / fused_linear_backward (schemas are defined in Python).
-// This file holds the argument checks, the choice of path, threading (at::parallel_for) and the ATen GEMM calls; the
-// SIMD kernels live in fused_linear_avx512.cpp (no torch headers there, ISA enabled per function).
+// This file holds the argument checks, the choice of kernel family (kernels(): one table per family, from the level of
+// cpu_isa.h) and of path, threading (at::parallel_for) and the ATen GEMM calls; the SIMD kernels live in
+// fused_linear_avx512.cpp, fused_linear_avx2.cpp and fused_linear_scalar.cpp (no torch headers there).
 //
 // Paths (c = x.dtype, M = rows of x after flattening; the rules and their numbers are at fwd_bf16_pb & co. below):
-//   bf16 on an AVX512_BF16 CPU: for M >= 48 with a weight not too large for M (narrow layers, large batches) the
+//   AVX512_BF16 family, bf16: for M >= 48 with a weight not too large for M (narrow layers, large batches) the
 //     packed-B kernel ("pb": each thread packs the weight panels it uses, x is broadcast from its rows in place, 8 x 48
 //     tiles over the whole K, epilogue per 64 x 48 block); otherwise kernels reading the weight rows in place, never
 //     packing or copying the weight (fp32 master weights are rounded to bf16 in registers or per 12-row tile, RNE like
 //     autocast): M <= 4 inner products streaming the weight; M > 4 a broadcast kernel over x^T (packed once), within
 //     1-2 % of the vdpbf16ps peak and faster than both the packed GEMM below and oneDNN.
-//   fp32 on an AVX-512 CPU: M <= 64 small-M FMA kernel, M > 64 the fp32 pb kernel (MKL's sgemm is 2-3x slower on this
+//   AVX-512 families, fp32: M <= 64 small-M FMA kernel, M > 64 the fp32 pb kernel (MKL's sgemm is 2-3x slower on this
 //     AMD CPU at every M measured).
-//   otherwise (fp16, CPUs without AVX-512 / AVX512_BF16): at::mm in fp32 on the operands rounded to c (products of
-//     bf16/fp16 values are exact in fp32), then the vectorised epilogue (in place in an fp32 output).
+//   AVX2 family (bf16 and fp32) and the bf16 of the AVX-512 F family (no AVX512_BF16): fp32 FMA kernels that read the
+//     operands in their stored dtype (bf16 widened in registers, fp32 master weights rounded to bf16 on the way, never
+//     a converted copy of the weight): M <= 4 weight streaming (inner products), M <= 32 a broadcast kernel reading the
+//     weight rows in place against x^T, larger M the packed-panel GEMM "fgemm" (6 x 16 register tiles, the epilogue
+//     in registers on the last K block). Crossovers at kAvx2StreamMaxM; MKL's sgemm (at::mm) was not faster at any
+//     shape measured (K = N = 4096, LLaMA-7B MLP, narrow layers; see the README).
+//   scalar family and fp16: at::mm in fp32 on the operands rounded to c (products of bf16/fp16 values are exact in
+//     fp32), then the epilogue (in place in an fp32 output).
 // Backward: one pass computes dpre (rounded to c) and grad_bias; then grad_x / grad_weight with the pb kernels
 // (grad_x: A = dpre in place, B = the weight; grad_weight: A = dpre^T, B = x), small-M kernels (bf16,
 // M <= 16: weight rows streamed once, grad_weight written row by row) or, for grad_x with a large weight, the packed
-// bf16 GEMM (vdpbf16ps, fp32 accumulation, epilogue per 512 x 48 block). fp32 master weights are read directly and
-// grad_weight is written directly in fp32: no bf16 weight copy, no bf16 gradient + cast. fp32 M = 1 / fp16 / no
-// AVX-512: at::mm.
+// bf16 GEMM (vdpbf16ps, fp32 accumulation, epilogue per 512 x 48 block); the AVX2 family (and the AVX-512 F family's
+// bf16, and fp32 grad_x of large weights at M <= 64) with fgemm (grad_x: A = dpre, B = the weight's rows; grad_weight:
+// A = dpre^T, B = x). fp32 master weights are read directly and grad_weight is written directly in fp32: no bf16
+// weight copy, no bf16 gradient + cast. AVX-512 fp32 M = 1 / fp16 / scalar: at::mm.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -43,10 +51,31 @@
 #define FL_OMP_SHIM 0
 #endif
 
+#include "cpu_isa.h"
 #include "fused_linear_kernels.h"
 
 namespace fastdl {
 namespace fused_linear {
+
+// The family of this process, from the level of cpu_isa.h (cpuid + XGETBV, capped by FASTDL_CPU_ISA): AVX512_BF16,
+// AVX-512 F (bf16 through the AVX2 kernels), AVX2 + FMA + F16C, or scalar. The AVX-512 families also need FMA (every
+// AVX-512 CPU has it; a hypervisor could hide it).
+const Kernels &kernels() {
+    static const Kernels &k = [&]() -> const Kernels & {
+        const cpu::Level level = cpu::level();
+        const cpu::Features &f = cpu::features();
+        const Kernels *t = nullptr;
+        if (level >= cpu::kAvx512Bf16 && f.fma)
+            t = kernels_avx512_bf16();
+        if (!t && level >= cpu::kAvx512 && f.fma)
+            t = kernels_avx512();
+        if (!t && level >= cpu::kAvx2)
+            t = kernels_avx2();
+        return t ? *t : *kernels_scalar();
+    }();
+    return k;
+}
+
 namespace {
 
 #if FL_OMP_SHIM
@@ -121,10 +150,15 @@ template <class F> void parallel_for(int64_t begin, int64_t end, int64_t grain, 
     at::parallel_for(begin, end, grain, f);
 }
 
-// fp32 small-M threshold (rows of x after flattening): the FMA kernel beats MKL's sgemm (at::mm) on the dev machine
-// (Zen 5, 2 threads, K = N = 4096) at every M <= 64: M = 1: 0.52 vs 2.1 ms, 16: 2.4 vs 7.8, 64: 8.0 vs 13.
+// fp32 small-M threshold (rows of x after flattening) of the AVX-512 family: the FMA kernel beats MKL's sgemm (at::mm)
+// on the dev machine (Zen 5, 2 threads, K = N = 4096) at every M <= 64: M = 1: 0.52 vs 2.1 ms, 16: 2.4 vs 7.8, 64:
+// 8.0 vs 13. (The kernel takes at most kernels().fwd_f32.max_m rows.)
 constexpr int64_t kFwdF32SmallM = 64;
-static_assert(kFwdF32SmallM <= kFwdF32MaxM, "the fp32 small-M kernel accepts at most kFwdF32MaxM rows");
+// AVX2 family: the kernels reading the weight in place (streaming up to M = 4, then broadcast) up to this M, the
+// fgemm above it. Zen 4 capped to AVX2, 1 thread, K = N = 4096, GFLOP/s bf16 / fp32 (broadcast vs fgemm): M = 8:
+// 41 / 36 vs 25 / 24 | 16: 72 / 61 vs 45 / 41 | 24: 64 / 67 vs 59 / 56 | 32: 60 / 59 vs 64 / 52 (the fgemm's
+// 6-row tiles and weight transposes do not pay off below ~32 rows).
+constexpr int64_t kAvx2StreamMaxM = 32;
 
 Act parse_activation(c10::string_view s, const char *fn) {
     if (s == "none")
@@ -246,7 +280,8 @@ Scratch thread_scratch(int slot, size_t bytes) {
 // Epilogue over a full [M, N] fp32 accumulator, parallel over rows.
 void run_epilogue(const Epilogue &e, const float *acc, int64_t M, int64_t N) {
     const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(N, 1));
-    parallel_for(0, M, grain, [&](int64_t r0, int64_t r1) { apply_epilogue(e, acc + r0 * N, N, r0, r1 - r0, 0, N); });
+    parallel_for(0, M, grain,
+                 [&](int64_t r0, int64_t r1) { kernels().epilogue(e, acc + r0 * N, N, r0, r1 - r0, 0, N); });
 }
 
 // C[M, N] = A[M, K] * B[K, N] with the bf16 GEMM, then the epilogue on C. A is packed once (shared by all
@@ -254,24 +289,26 @@ void run_epilogue(const Epilogue &e, const float *acc, int64_t M, int64_t N) {
 void run_gemm_bf16(const GemmOperand &a, const GemmOperand &b, int64_t M, int64_t N, int64_t K, const Epilogue &e) {
     if (M == 0 || N == 0)
         return;
+    const Bf16Gemm &g = kernels().gemm_bf16;
     const Scratch ap = thread_scratch(kSharedSlot, sizeof(uint16_t) * gemm_packed_a_elems(M, K));
     uint16_t *app = static_cast<uint16_t *>(ap.ptr);
     const int64_t panels = (M + kGemmMR - 1) / kGemmMR;
     const int64_t pairs = (panels + 1) / 2;
     parallel_for(0, pairs, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)),
-                 [&](int64_t p0, int64_t p1) { gemm_pack_a(a, M, K, 2 * p0, std::min(panels, 2 * p1), app); });
+                 [&](int64_t p0, int64_t p1) { g.pack_a(a, M, K, 2 * p0, std::min(panels, 2 * p1), app); });
     const int64_t n_tiles = (N + kGemmNR - 1) / kGemmNR;
     const int64_t m_blocks = (M + kGemmMC - 1) / kGemmMC;
     parallel_for(0, m_blocks * n_tiles, 1, [&](int64_t t0, int64_t t1) {
         const Scratch ws = thread_scratch(kTaskSlot, gemm_workspace_bytes());
         for (int64_t t = t0; t < t1; ++t)
-            gemm_tile(app, b, M, N, K, (t / n_tiles) * kGemmMC, (t % n_tiles) * kGemmNR, e, ws.ptr);
+            g.tile(app, b, M, N, K, (t / n_tiles) * kGemmMC, (t % n_tiles) * kGemmNR, e, ws.ptr);
     });
 }
 
 // Path rules. "pb": the packed-B kernels (run_pb); the numbers are us (ms where marked) on the dev machine (Zen 5,
 // 2 threads), old path -> pb, measured interleaved in one process.
-// bf16 forward: pb when M >= 48 and N * K <= 64 M^2, else the kernels reading the weight in place (forward_kernels).
+// bf16 forward: pb when M >= 48 and N * K < 64 M^2, else the kernels reading the weight in place (forward_kernels).
+// (At the boundary, 512,4096,4096, Zen 4 1 thread: broadcast kernel 79.4 ms vs pb 85.8; Zen 5 below: 19.0 vs 18.7.)
 // pb packs the weight per call (per thread, its panels), which pays off with M, and loses once the weight is large
 // next to M (panels beyond L2):
 //   pb:   48,512,512 40 -> 39 | 64,512,512 52 -> 48 | 96,512,512 77 -> 66 | 359,64,512 90 -> 41 | 512,128,128
@@ -280,7 +317,7 @@ void run_gemm_bf16(const GemmOperand &a, const GemmOperand &b, int64_t M, int64_
 //   kept: 32,512,512 26 vs 29 | 64,1024,1024 158 vs 176 | 128,2048,2048 1170 vs 1220 | 192,4096,4096 ms 7.0 vs 7.6
 //         | 256,4096,4096 ms 9.3 vs 9.9 | 359,4096,4096 ms 14.2 vs 14.3
 bool fwd_bf16_pb(int64_t M, int64_t N, int64_t K) {
-    return M >= 48 && N * K <= 64 * M * M;
+    return M >= 48 && N * K < 64 * M * M;
 }
 // bf16 grad_x (M, K, N): pb when M > 16 (the small-M kernel below) and N * K <= 4M or M >= 512, else the packed GEMM
 // (run_gemm_bf16):
@@ -300,6 +337,14 @@ bool gx_bf16_pb(int64_t M, int64_t N, int64_t K) {
 bool gx_f32_pb(int64_t M) {
     return M >= 2;
 }
+// fp32 grad_x with a large weight and M <= 64 (AVX-512 families): fgemm (fused_linear_avx2.cpp, strips of the weight
+// packed per K block) instead of pb, which packs the whole weight per call. Zen 4, 1 thread, ms: 16,4096,4096 54 ->
+// 10 | 64,4096,4096 58 -> 28; kept pb at 128,4096,4096 (98 vs 56 on Zen 4, whose 512-bit FMAs are double-pumped; on
+// a CPU with full-width AVX-512 pb runs twice the FMA rate) and for small weights: 16,512,512 107 vs 128 us |
+// 8,384,1536 144 vs 227 | 32,1536,384 401 vs 469.
+bool gx_f32_fgemm(int64_t M, int64_t N, int64_t K) {
+    return M >= 2 && M <= 64 && N * K >= (int64_t{1} << 22);
+}
 bool gw_f32_pb(int64_t M, int64_t N, int64_t K) {
     return M >= 2 || N * K >= (int64_t{1} << 20);
 }
@@ -316,6 +361,7 @@ constexpr int64_t kPbRowBlock = 256; // rows per pass over the thread's panels (
 template <class Pack>
 void run_pb(DType compute, const void *a, int64_t lda, PbA a_mode, int64_t M, int64_t N, int64_t K, const Pack &pack,
             const Epilogue &e) {
+    const PbKernels &pk = compute == DType::BF16 ? kernels().pb_bf16 : kernels().pb_f32;
     if (M == 0 || N == 0)
         return;
     const int64_t panels = (N + kGemmNR - 1) / kGemmNR, kpt = pb_kpt(K, compute);
@@ -355,9 +401,44 @@ void run_pb(DType compute, const void *a, int64_t lda, PbA a_mode, int64_t M, in
                     range(p, g0, g1);
                     const int64_t r0 = std::max(b0, g0 * kGemmMR), r1 = std::min({b0 + kPbRowBlock, M, g1 * kGemmMR});
                     if (r0 < r1)
-                        pb_block(compute, a, lda, a_mode, K, bp + (p - lo) * kpt * kGemmNR, N, r0, r1, p * kGemmNR, e);
+                        pk.block(a, lda, a_mode, K, bp + (p - lo) * kpt * kGemmNR, N, r0, r1, p * kGemmNR, e);
                 }
             }
+        }
+    });
+}
+
+// fgemm (the AVX2 family; the AVX-512 F family's bf16 path): A packed once into fp32 panels (shared, in parallel),
+// then each thread computes a contiguous range of 16-column units (it packs only the B blocks of its columns), or a
+// range of rows when there are too few columns for the threads.
+void run_fgemm(const FgemmArgs &g, const Epilogue &e) {
+    const Fgemm &f = kernels().fgemm;
+    const int64_t M = g.M, N = g.N, K = g.K;
+    if (M == 0 || N == 0)
+        return;
+    const int64_t panels = (M + kFgMR - 1) / kFgMR;
+    const Scratch ap = thread_scratch(kSharedSlot, sizeof(float) * fgemm_packed_a_floats(M, K));
+    float *app = static_cast<float *>(ap.ptr);
+    parallel_for(0, panels, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)),
+                 [&](int64_t p0, int64_t p1) { f.pack_a(g, p0, p1, app); });
+    // small problems (< ~256K multiply-adds per thread) use fewer threads
+    const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (M * N * K) >> 18));
+    const int64_t units = (N + kFgNR - 1) / kFgNR;
+    const bool split_n = units >= 4 * nt || panels < 2 * nt;
+    parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t) {
+            int64_t m0 = 0, m1 = M, n0 = 0, n1 = N;
+            if (split_n) {
+                n0 = units * t / nt * kFgNR;
+                n1 = std::min(N, units * (t + 1) / nt * kFgNR);
+            } else {
+                m0 = panels * t / nt * kFgMR;
+                m1 = std::min(M, panels * (t + 1) / nt * kFgMR);
+            }
+            if (m0 >= m1 || n0 >= n1)
+                continue;
+            const Scratch ws = thread_scratch(kTaskSlot, fgemm_workspace_bytes(g, m1 - m0, n1 - n0));
+            f.block(g, app, m0, m1, n0, n1, e, ws.ptr);
         }
     });
 }
@@ -366,12 +447,13 @@ void forward_pb(DType compute, const at::Tensor &x2, const at::Tensor &w, int64_
                 const Epilogue &e) {
     const void *wp = w.data_ptr();
     const DType wd = dtype_of(w.scalar_type());
+    const PbKernels &pk = compute == DType::BF16 ? kernels().pb_bf16 : kernels().pb_f32;
     run_pb(
         compute, x2.data_ptr(), K, PbA::Rows, M, N, K,
-        [&](int64_t p0, int64_t p1, uint32_t *bp) { pb_pack_wt(compute, wp, wd, K, N, K, p0, p1, bp); }, e);
+        [&](int64_t p0, int64_t p1, uint32_t *bp) { pk.pack_wt(wp, wd, K, N, K, p0, p1, bp); }, e);
 }
 
-void forward_kernels(DType compute, const at::Tensor &x2, const at::Tensor &w, int64_t M, int64_t N, int64_t K,
+void forward_kernels(const FwdKernel &fk, const at::Tensor &x2, const at::Tensor &w, int64_t M, int64_t N, int64_t K,
                      const Epilogue &e) {
     // Tasks: (block of kFwdRowBlock x rows, slice of N) pairs, the N slices multiples of 48 weight rows; a thread's
     // tasks are contiguous (one row block and a weight slice at a time). Every task packs the x^T of its row block,
@@ -381,7 +463,7 @@ void forward_kernels(DType compute, const at::Tensor &x2, const at::Tensor &w, i
     // rows): M = 359 on 2 threads was cut 256 + 103, so one thread did 71 % of the work (K = N = 4096: 18.5 -> 14.2
     // ms).
     const int64_t nt = std::max<int64_t>(1, at::get_num_threads());
-    int64_t m_blocks = (compute == DType::BF16 && M > 4) ? (M + kFwdRowBlock - 1) / kFwdRowBlock : 1;
+    int64_t m_blocks = M > fk.row_block_above ? (M + kFwdRowBlock - 1) / kFwdRowBlock : 1;
     if (m_blocks >= nt) // (fewer blocks than threads: the threads split N instead)
         m_blocks = (m_blocks + nt - 1) / nt * nt;
     const int64_t rows_per_block = m_blocks == 1 ? M : ((M + m_blocks - 1) / m_blocks + 15) / 16 * 16;
@@ -395,13 +477,12 @@ void forward_kernels(DType compute, const at::Tensor &x2, const at::Tensor &w, i
     // threads 13.1 -> 10.7 us, bf16 M = 16 22.4 -> 21.7 us; 32K made M = 1, K = N = 256 slower, 5.4 -> 6.8 us).
     const int64_t grain = M * K * slice < (int64_t{1} << 16) ? m_blocks * n_slices : 1;
     parallel_for(0, m_blocks * n_slices, grain, [&](int64_t t0, int64_t t1) {
-        const Scratch ws = thread_scratch(kTaskSlot, fwd_workspace_bytes(M, K));
+        const Scratch ws = thread_scratch(kTaskSlot, fk.workspace_bytes(M, K));
         for (int64_t t = t0; t < t1; ++t) {
             const int64_t mb = t / n_slices, sl = t % n_slices;
             const int64_t m0 = mb * rows_per_block, m1 = std::min(M, m0 + rows_per_block);
             const int64_t n0 = sl * slice, n1 = std::min(N, n0 + slice);
-            fwd_compute(compute, x2.data_ptr(), K, M, w.data_ptr(), dtype_of(w.scalar_type()), K, K, m0, m1, n0, n1, e,
-                        ws.ptr);
+            fk.run(x2.data_ptr(), K, M, w.data_ptr(), dtype_of(w.scalar_type()), K, K, m0, m1, n0, n1, e, ws.ptr);
         }
     });
 }
@@ -409,21 +490,36 @@ void forward_kernels(DType compute, const at::Tensor &x2, const at::Tensor &w, i
 // out / pre: the op's outputs as [M, N] (pre undefined when not stored); b32: the bias in fp32 or undefined.
 void forward_compute(const at::Tensor &x2, const at::Tensor &w, int64_t M, int64_t N, int64_t K, const Epilogue &e,
                      const at::Tensor &out, const at::Tensor &pre, const at::Tensor &b32) {
-    const CpuCaps &caps = cpu_caps();
+    const Kernels &kr = kernels();
     const auto c = x2.scalar_type();
     if (K == 0) { // empty reduction: acc = 0
         at::Tensor acc = at::zeros({M, N}, x2.options().dtype(at::kFloat));
         return run_epilogue(e, acc.data_ptr<float>(), M, N);
     }
-    if (c == at::kBFloat16 && caps.avx512bf16) {
+    if (c == at::kBFloat16 && kr.pb_bf16.block) { // AVX512_BF16
         if (fwd_bf16_pb(M, N, K))
             return forward_pb(DType::BF16, x2, w, M, N, K, e);
-        return forward_kernels(DType::BF16, x2, w, M, N, K, e);
+        return forward_kernels(kr.fwd_bf16, x2, w, M, N, K, e);
     }
-    if (c == at::kFloat && caps.avx512 && M <= kFwdF32SmallM)
-        return forward_kernels(DType::F32, x2, w, M, N, K, e);
-    if (c == at::kFloat && caps.avx512 && w.scalar_type() == at::kFloat)
-        return forward_pb(DType::F32, x2, w, M, N, K, e);
+    if (c == at::kFloat && kr.pb_f32.block) { // AVX-512 F
+        if (M <= std::min(kFwdF32SmallM, kr.fwd_f32.max_m))
+            return forward_kernels(kr.fwd_f32, x2, w, M, N, K, e);
+        if (w.scalar_type() == at::kFloat)
+            return forward_pb(DType::F32, x2, w, M, N, K, e);
+    }
+    if (kr.fgemm.block && (c == at::kBFloat16 || c == at::kFloat)) { // AVX2 (and AVX-512 F for bf16)
+        const FwdKernel &fk = c == at::kBFloat16 ? kr.fwd_bf16 : kr.fwd_f32;
+        if (fk.run && M <= std::min(kAvx2StreamMaxM, fk.max_m))
+            return forward_kernels(fk, x2, w, M, N, K, e);
+        FgemmArgs g;
+        g.a = GemmOperand{x2.data_ptr(), K, dtype_of(c), false};
+        g.b = GemmOperand{w.data_ptr(), K, dtype_of(w.scalar_type()), true};
+        g.round_b = c == at::kBFloat16 && w.scalar_type() == at::kFloat;
+        g.M = M;
+        g.N = N;
+        g.K = K;
+        return run_fgemm(g, e);
+    }
     // Generic: fp32 GEMM of the operands rounded to c (the products of bf16/fp16 values are exact in fp32).
     const at::Tensor a = c == at::kFloat ? x2 : x2.to(at::kFloat);
     const at::Tensor b = c == at::kFloat ? w : w.to(c).to(at::kFloat);
@@ -507,7 +603,12 @@ fused_linear_backward_cpu(const at::Tensor &grad_out, const at::Tensor &x, const
         check_optional(preact, "preact", out_shape, x, fn);
     const bool need_gx = output_mask[0], need_gw = output_mask[1], need_gb = output_mask[2];
     const bool need_d = need_gx || need_gw;
-    const bool fast_bf16 = c == at::kBFloat16 && cpu_caps().avx512bf16;
+    const Kernels &kr = kernels();
+    const bool fast_bf16 = c == at::kBFloat16 && kr.pb_bf16.block && kr.gemm_bf16.tile && kr.small_bf16.grad_x;
+    const bool f32_pb = c == at::kFloat && kr.pb_f32.block && kr.pb_f32.pack_a && weight.scalar_type() == at::kFloat;
+    // fgemm: the AVX2 family for bf16 and fp32, the AVX-512 F family for bf16, fp32 grad_x of large weights
+    const bool fg = kr.fgemm.block && (c == at::kBFloat16 || (c == at::kFloat && !kr.pb_f32.block));
+    const bool fg_gx = fg || (kr.fgemm.block && f32_pb && gx_f32_fgemm(M, N, K));
 
     // 1. dpre = g * act'(p) (fp32) -> grad_bias (fp32 column sums) and dpre_c = round_c(dpre), one pass.
     const at::Tensor g2 = as_matrix(grad_out, M, N);
@@ -558,7 +659,7 @@ fused_linear_backward_cpu(const at::Tensor &grad_out, const at::Tensor &x, const
         parallel_for(0, tasks, grain, [&](int64_t t0, int64_t t1) {
             for (int64_t t = t0; t < t1; ++t) {
                 const int64_t b = t / cchunks, c0 = (t % cchunks) * cw;
-                dpre_pass(a, b * kDpreRows, std::min(M, (b + 1) * kDpreRows), c0, std::min(N, c0 + cw), partial, N);
+                kr.dpre_pass(a, b * kDpreRows, std::min(M, (b + 1) * kDpreRows), c0, std::min(N, c0 + cw), partial, N);
             }
         });
         if (need_gb) {
@@ -588,8 +689,8 @@ fused_linear_backward_cpu(const at::Tensor &grad_out, const at::Tensor &x, const
             const GemmOperand wb{w.data_ptr(), K, dtype_of(w.scalar_type()), false};
             run_pb(
                 DType::BF16, dpre.data_ptr(), N, PbA::Rows, M, K, N,
-                [&](int64_t p0, int64_t p1, uint32_t *bp) { pb_pack_rows(DType::BF16, wb, K, N, p0, p1, bp); }, e);
-        } else if (c == at::kFloat && cpu_caps().avx512 && w.scalar_type() == at::kFloat && gx_f32_pb(M)) {
+                [&](int64_t p0, int64_t p1, uint32_t *bp) { kr.pb_bf16.pack_rows(wb, K, N, p0, p1, bp); }, e);
+        } else if (f32_pb && gx_f32_pb(M) && !fg_gx) {
             gx = empty_output({M, K}, x.options());
             Epilogue e;
             e.out = gx.data_ptr();
@@ -598,15 +699,15 @@ fused_linear_backward_cpu(const at::Tensor &grad_out, const at::Tensor &x, const
             const GemmOperand wb{w.data_ptr(), K, DType::F32, false};
             run_pb(
                 DType::F32, dpre.data_ptr(), N, PbA::Rows, M, K, N,
-                [&](int64_t p0, int64_t p1, uint32_t *bp) { pb_pack_rows(DType::F32, wb, K, N, p0, p1, bp); }, e);
+                [&](int64_t p0, int64_t p1, uint32_t *bp) { kr.pb_f32.pack_rows(wb, K, N, p0, p1, bp); }, e);
         } else if (fast_bf16 && M <= kSmallGradXMax) {
             // Small M: stream the weight rows once (threads split the columns of grad_x).
             gx = empty_output({M, K}, x.options());
             const int64_t grain = std::max<int64_t>(64, (int64_t{1} << 18) / std::max<int64_t>(1, M * N));
             parallel_for(0, K, grain, [&](int64_t k0, int64_t k1) {
                 const Scratch ws = thread_scratch(kTaskSlot, small_grad_x_workspace_bytes(M, k1 - k0));
-                small_m_grad_x(dpre.data_ptr(), N, M, w.data_ptr(), dtype_of(w.scalar_type()), K, N, k0, k1,
-                               gx.data_ptr(), K, ws.ptr);
+                kr.small_bf16.grad_x(dpre.data_ptr(), N, M, w.data_ptr(), dtype_of(w.scalar_type()), K, N, k0, k1,
+                                     gx.data_ptr(), K, ws.ptr);
             });
         } else if (fast_bf16) {
             gx = empty_output({M, K}, x.options());
@@ -616,6 +717,20 @@ fused_linear_backward_cpu(const at::Tensor &grad_out, const at::Tensor &x, const
             e.out_dtype = DType::BF16;
             run_gemm_bf16({dpre.data_ptr(), N, DType::BF16, false}, {w.data_ptr(), K, dtype_of(w.scalar_type()), false},
                           M, K, N, e);
+        } else if (fg_gx) {
+            gx = empty_output({M, K}, x.options());
+            Epilogue e;
+            e.out = gx.data_ptr();
+            e.ld_out = K;
+            e.out_dtype = dtype_of(c);
+            FgemmArgs g;
+            g.a = GemmOperand{dpre.data_ptr(), N, dtype_of(dpre.scalar_type()), false};
+            g.b = GemmOperand{w.data_ptr(), K, dtype_of(w.scalar_type()), false};
+            g.round_b = c == at::kBFloat16 && w.scalar_type() == at::kFloat;
+            g.M = M;
+            g.N = K;
+            g.K = N;
+            run_fgemm(g, e);
         } else if (c == at::kFloat) {
             gx = at::mm(dpre, w);
         } else {
@@ -641,9 +756,7 @@ fused_linear_backward_cpu(const at::Tensor &grad_out, const at::Tensor &x, const
             // per panel: 359,64,512 69 -> 51 us, 512,128,128 48 -> 31 us, but 359,512,512 252 vs 266 us and
             // 4096,256,1024 3.4 vs 4.1 ms.
             const GemmOperand xb{x2.data_ptr(), K, DType::BF16, false};
-            auto pack_x = [&](int64_t p0, int64_t p1, uint32_t *bp) {
-                pb_pack_rows(DType::BF16, xb, K, M, p0, p1, bp);
-            };
+            auto pack_x = [&](int64_t p0, int64_t p1, uint32_t *bp) { kr.pb_bf16.pack_rows(xb, K, M, p0, p1, bp); };
             if (K <= 128) {
                 run_pb(DType::BF16, dpre.data_ptr(), N, PbA::Cols, N, K, M, pack_x, e);
             } else {
@@ -651,38 +764,54 @@ fused_linear_backward_cpu(const at::Tensor &grad_out, const at::Tensor &x, const
                 uint16_t *app = static_cast<uint16_t *>(ap.ptr);
                 const GemmOperand at_{dpre.data_ptr(), N, DType::BF16, true};
                 const int64_t apanels = (N + kGemmMR - 1) / kGemmMR, pairs = (apanels + 1) / 2;
-                parallel_for(
-                    0, pairs, std::max<int64_t>(1, 4096 / std::max<int64_t>(M, 1)),
-                    [&](int64_t p0, int64_t p1) { gemm_pack_a(at_, N, M, 2 * p0, std::min(apanels, 2 * p1), app); });
+                parallel_for(0, pairs, std::max<int64_t>(1, 4096 / std::max<int64_t>(M, 1)),
+                             [&](int64_t p0, int64_t p1) {
+                                 kr.gemm_bf16.pack_a(at_, N, M, 2 * p0, std::min(apanels, 2 * p1), app);
+                             });
                 run_pb(DType::BF16, app, 0, PbA::Packed, N, K, M, pack_x, e);
             }
-        } else if (c == at::kFloat && cpu_caps().avx512 && weight.scalar_type() == at::kFloat && gw_f32_pb(M, N, K)) {
+        } else if (f32_pb && gw_f32_pb(M, N, K)) {
             gw = empty_output({N, K}, weight.options());
             Epilogue e;
             e.out = gw.data_ptr();
             e.ld_out = K;
             e.out_dtype = DType::F32;
-            e.stream = true;
+            e.stream =
+                true; // (also for grad_weight that fits the L3: 64,384,1536 fp32 797 vs 937 us with normal stores)
             // A = dpre^T in panels of 8 rows (shared, plain 8-float copies), B = x rows packed per thread
             const int64_t apanels = (N + kGemmMR - 1) / kGemmMR;
             const Scratch ap = thread_scratch(kSharedSlot, sizeof(float) * apanels * kGemmMR * M);
             float *app = static_cast<float *>(ap.ptr);
             const float *dp = dpre.data_ptr<float>();
             parallel_for(0, apanels, std::max<int64_t>(1, 8192 / std::max<int64_t>(M, 1)),
-                         [&](int64_t p0, int64_t p1) { pb_pack_a_f32(dp, N, N, M, p0, p1, app); });
+                         [&](int64_t p0, int64_t p1) { kr.pb_f32.pack_a(dp, N, N, M, p0, p1, app); });
             const GemmOperand xb{x2.data_ptr(), K, DType::F32, false};
             run_pb(
                 DType::F32, app, 0, PbA::Packed, N, K, M,
-                [&](int64_t p0, int64_t p1, uint32_t *bp) { pb_pack_rows(DType::F32, xb, K, M, p0, p1, bp); }, e);
+                [&](int64_t p0, int64_t p1, uint32_t *bp) { kr.pb_f32.pack_rows(xb, K, M, p0, p1, bp); }, e);
         } else if (fast_bf16) { // M <= kSmallGradXMax
             // Small M: rank-M update written row by row (threads split the rows of grad_weight).
             gw = empty_output({N, K}, weight.options());
             const int64_t grain = std::max<int64_t>(8, (int64_t{1} << 18) / std::max<int64_t>(1, M * K));
             parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
                 const Scratch ws = thread_scratch(kTaskSlot, small_grad_w_workspace_bytes(M, K));
-                small_m_grad_w(dpre.data_ptr(), N, x2.data_ptr(), K, M, K, n0, n1, gw.data_ptr(),
-                               dtype_of(weight.scalar_type()), K, ws.ptr);
+                kr.small_bf16.grad_w(dpre.data_ptr(), N, x2.data_ptr(), K, M, K, n0, n1, gw.data_ptr(),
+                                     dtype_of(weight.scalar_type()), K, ws.ptr);
             });
+        } else if (fg) {
+            gw = empty_output({N, K}, weight.options());
+            Epilogue e;
+            e.out = gw.data_ptr();
+            e.ld_out = K;
+            e.out_dtype = dtype_of(weight.scalar_type());
+            e.stream = true;
+            FgemmArgs g;
+            g.a = GemmOperand{dpre.data_ptr(), N, dtype_of(dpre.scalar_type()), true}; // A = dpre^T
+            g.b = GemmOperand{x2.data_ptr(), K, dtype_of(x2.scalar_type()), false};
+            g.M = N;
+            g.N = K;
+            g.K = M;
+            run_fgemm(g, e);
         } else if (c == at::kFloat) {
             gw = at::mm(dpre.t(), x2);
         } else {
@@ -697,6 +826,10 @@ fused_linear_backward_cpu(const at::Tensor &grad_out, const at::Tensor &x, const
 } // namespace
 } // namespace fused_linear
 } // namespace fastdl
+
+const char *fastdl_fused_linear_cpu_kernels() {
+    return fastdl::fused_linear::kernels().name;
+}
 
 TORCH_LIBRARY_IMPL(fastdl_cpp, CPU, m) {
     m.impl("fused_linear", TORCH_FN(fastdl::fused_linear::fused_linear_cpu));

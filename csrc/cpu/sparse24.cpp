@@ -1,13 +1,18 @@
 // 2:4 sparsity, CPU: ATen glue for fastdl_cpp::{mask_2_4, compress_2_4, decompress_2_4, sparse24_linear}.
 // Checks arguments, makes inputs contiguous, allocates outputs and splits the work between threads with
-// at::parallel_for; the SIMD kernels (sparse24_avx512.cpp, no torch headers) run on row ranges. The schemas are
-// defined in Python (fastdl/ops/sparse24.py), which documents the semantics and the meta layout.
+// at::parallel_for; the kernels of the active instruction-set level (sparse24_avx512.cpp, sparse24_avx2.cpp,
+// sparse24_scalar.cpp; no torch headers) run on row ranges. The schemas are defined in Python
+// (fastdl/ops/sparse24.py), which documents the semantics and the meta layout.
 #include "sparse24_kernels.h"
+
+#include "cpu_isa.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <cstdint>
+#include <cstdlib>
 #include <exception>
 #include <mutex>
 #include <thread>
@@ -15,6 +20,94 @@
 
 namespace fastdl {
 namespace sparse24 {
+
+// ================================================================================================== dispatch
+// The level comes from the one CPU-capability module (cpu_isa.h: cpuid + XGETBV, capped by FASTDL_CPU_ISA). The
+// AVX512-BF16 kernel also needs AVX512_VBMI2 (vpexpandw).
+int active_level() {
+    static const int level = [] {
+        const cpu::Level l = cpu::level();
+        if (l >= cpu::kAvx512Bf16 && cpu::features().avx512_vbmi2)
+            return static_cast<int>(Avx512Bf16);
+        if (l >= cpu::kAvx512)
+            return static_cast<int>(Avx512);
+        return l >= cpu::kAvx2 ? static_cast<int>(Avx2) : static_cast<int>(Scalar);
+    }();
+    return level;
+}
+
+const char *level_name(int level) {
+    switch (level) {
+    case Avx512Bf16:
+        return "avx512_bf16";
+    case Avx512:
+        return "avx512";
+    case Avx2:
+        return "avx2";
+    default:
+        return "scalar";
+    }
+}
+
+void compress_rows(int level, DType dt, const void *w, int64_t ld, int64_t K, int64_t r0, int64_t r1, void *values,
+                   uint8_t *meta, bool *mask) {
+    if (level >= Avx512)
+        return avx512::compress_rows(dt, w, ld, K, r0, r1, values, meta, mask);
+    if (level >= Avx2)
+        return avx2::compress_rows(dt, w, ld, K, r0, r1, values, meta, mask);
+    scalar::compress_rows(dt, w, ld, K, r0, r1, values, meta, mask);
+}
+
+void decompress_rows(int level, DType dt, const void *values, const uint8_t *meta, int64_t K, int64_t r0, int64_t r1,
+                     void *out) {
+    if (level >= Avx512)
+        return avx512::decompress_rows(dt, values, meta, K, r0, r1, out);
+    if (level >= Avx2)
+        return avx2::decompress_rows(dt, values, meta, K, r0, r1, out);
+    scalar::decompress_rows(dt, values, meta, K, r0, r1, out);
+}
+
+void decompress_rows_f32(int level, DType vdt, const void *values, const uint8_t *meta, int64_t K, int64_t r0,
+                         int64_t r1, float *out) {
+    if (level >= Avx2)
+        return avx2::decompress_rows_f32(vdt, values, meta, K, r0, r1, out);
+    scalar::decompress_rows_f32(vdt, values, meta, K, r0, r1, out);
+}
+
+// fp32 x with bf16 values runs the AVX2 kernels on AVX-512 CPUs too: they widen the bf16 values in registers, where
+// the AVX-512 kernels need the values converted to fp32 first (a 2x larger copy of the weight written and read on
+// every call). Measured (Zen 4, 1 thread, K = N = 4096, ms AVX-512 with the conversion / AVX2 kernels, separate
+// processes): M = 1 44.4 / 3.2, M = 16 55.5 / 15.1, M = 128 157 / 86.
+bool avx2_kernels(int level, const LinearArgs &a) {
+    return level == Avx2 || (level >= Avx512 && a.dt == DType::F32 && a.vdt == DType::BF16);
+}
+
+bool linear_accepts(int level, const LinearArgs &a) {
+    if (avx2_kernels(level, a))
+        return avx2::linear_accepts(a);
+    if (level >= Avx512)
+        return a.vdt == a.dt;
+    return true;
+}
+
+bool linear_wants_f32_x(int level, const LinearArgs &a) {
+    return avx2_kernels(level, a) && avx2::linear_wants_f32_x(a);
+}
+
+int64_t linear_split(int level, const LinearArgs &a) {
+    if (avx2_kernels(level, a))
+        return avx2::linear_split(a);
+    return 24; // a multiple of every NR of the AVX-512 kernels (4, 6, 8)
+}
+
+void linear_rows(int level, const LinearArgs &a, int64_t n0, int64_t n1) {
+    if (avx2_kernels(level, a))
+        return avx2::linear_rows(a, n0, n1);
+    if (level >= Avx512)
+        return avx512::linear_rows(level >= Avx512Bf16, a, n0, n1);
+    scalar::linear_rows(a, n0, n1);
+}
+
 namespace {
 
 DType weight_dtype(const at::Tensor &t, const char *op, const char *name) {
@@ -147,6 +240,69 @@ at::Tensor decompress_2_4(const at::Tensor &values_in, const at::Tensor &meta_in
     return out;
 }
 
+// ------------------------------------------------------------------------------------------- dense route
+// From dense_route_min_rows(...) rows of x on, sparse24_linear decompresses the weight to fp32 (in 16 MiB blocks of
+// rows) and calls at::mm (MKL / oneDNN sgemm) instead of running the sparse kernel. The decompression is paid on every
+// call (the op keeps no state), so the route only pays where the sparse kernel is much slower than a tuned sgemm.
+// Measured (AMD EPYC Zen 4 dev machine, K = N = 4096, medians of alternating calls, 1 thread: the shared machine's
+// load made 2-thread timings meaningless; ms sparse kernel / dense route / F.linear fp32 on a dense fp32 weight):
+//  * scalar (portable kernels; also what a non-x86 CPU runs): M = 1: 21-31 / 12 / 4.5, M = 4: 30-52 / 39-47 / 18,
+//    M = 16: 122-200 / 39-51 / 30-35. The route wins from M = 1 (the per-call decompression is a fraction of the
+//    scalar kernel's time), so every scalar call takes it.
+//  * avx2 (capped, fp32 x with bf16 values / bf16 x): M = 128: 219 / - / 245, M = 512: 716-813 / 898 / 716 (the
+//    broadcast kernel runs the dense GEMM's multiply-adds at ~84% of the FMA peak, like sgemm, and reads half the
+//    weight): never.
+//  * avx512 / avx512_bf16: never (the pair kernels do half the dense multiply-adds; fastdl.nn.Sparse24Linear keeps
+//    a cached dense weight for the sizes where dense bf16 F.linear is faster).
+// FASTDL_SPARSE24_DENSE_ROWS=<rows> overrides it (read once per process: the tests run both routes at every level,
+// and benchmarks measure the crossover with it).
+int64_t dense_route_min_rows(int level, at::ScalarType xdt, int64_t N, int64_t K) {
+    static const int64_t forced = [] {
+        const char *env = std::getenv("FASTDL_SPARSE24_DENSE_ROWS");
+        return env && *env ? std::max<int64_t>(1, std::atoll(env)) : int64_t(0);
+    }();
+    if (forced)
+        return forced;
+    (void)xdt;
+    (void)N;
+    (void)K;
+    return level == Scalar ? 1 : INT64_MAX;
+}
+
+// out = x @ decompress(values, meta).T + bias through fp32 at::mm, the weight decompressed in blocks of rows (at most
+// 16 MiB of fp32 at a time) straight into fp32; one rounding to x's dtype at the end.
+at::Tensor dense_route(int level, const at::Tensor &x, const at::Tensor &values_in, const at::Tensor &meta_in,
+                       const at::Tensor &bias, at::Tensor &out) {
+    // W is rounded to x's dtype (the contract): fp32 values for bf16 x become bf16 first
+    const at::Tensor values = (x.scalar_type() == at::kBFloat16 ? values_in.to(at::kBFloat16) : values_in).contiguous();
+    const at::Tensor meta = meta_in.contiguous();
+    const int64_t M = x.size(0), K = x.size(1), N = values.size(0);
+    const DType vdt = values.scalar_type() == at::kFloat ? DType::F32 : DType::BF16;
+    const at::Tensor xf = x.to(at::kFloat);
+    at::Tensor res =
+        x.scalar_type() == at::kFloat ? out.view({M, N}) : at::empty({M, N}, x.options().dtype(at::kFloat));
+    const int64_t nb = std::max<int64_t>(1, std::min<int64_t>(N, (int64_t(16) << 20) / (4 * K)));
+    at::Tensor wblock = at::empty({std::min(nb, N), K}, x.options().dtype(at::kFloat));
+    const void *vp = values.data_ptr();
+    const uint8_t *mp = meta.data_ptr<uint8_t>();
+    for (int64_t n0 = 0; n0 < N; n0 += nb) {
+        const int64_t rows = std::min(nb, N - n0);
+        const int64_t vstride = (K / 2) * static_cast<int64_t>(values.element_size());
+        const void *vb = static_cast<const char *>(vp) + n0 * vstride;
+        const uint8_t *mb = mp + n0 * ((K + 7) / 8);
+        float *wp = wblock.data_ptr<float>();
+        parallel_range(rows, row_grain(K),
+                       [&](int64_t r0, int64_t r1) { decompress_rows_f32(level, vdt, vb, mb, K, r0, r1, wp); });
+        at::Tensor dst = res.narrow(1, n0, rows);
+        at::mm_out(dst, xf, wblock.narrow(0, 0, rows).t());
+    }
+    if (bias.defined())
+        res.add_(bias);
+    if (x.scalar_type() != at::kFloat)
+        out.view({M, N}).copy_(res);
+    return out;
+}
+
 at::Tensor sparse24_linear(const at::Tensor &x_in, const at::Tensor &values_in, const at::Tensor &meta_in,
                            const std::optional<at::Tensor> &bias_in) {
     check_compressed(values_in, meta_in, "sparse24_linear");
@@ -184,13 +340,19 @@ at::Tensor sparse24_linear(const at::Tensor &x_in, const at::Tensor &values_in, 
         return out;
     }
     const at::Tensor x = x_in.reshape({M, K}).contiguous();
-    // The kernel reads x and the values in one dtype: round fp32 values to bf16 x (as the contract says), or widen
-    // bf16 values for fp32 x (exact). Storing the values in x's dtype avoids this pass.
-    const at::Tensor values = values_in.to(x.scalar_type()).contiguous();
-    const at::Tensor meta = meta_in.contiguous();
-
+    const int level = active_level();
+    if (M >= dense_route_min_rows(level, x.scalar_type(), N, K))
+        return dense_route(level, x, values_in, meta_in, bias, out);
     LinearArgs a;
     a.dt = x.scalar_type() == at::kFloat ? DType::F32 : DType::BF16;
+    a.vdt = values_in.scalar_type() == at::kFloat ? DType::F32 : DType::BF16;
+    // A kernel that does not read this (x, values) dtype pair directly gets the values in x's dtype: fp32 values for
+    // bf16 x are rounded to bf16 (the contract; a copy per call: store the values in x's dtype to avoid it). bf16
+    // values for fp32 x are read directly at every level (widened in registers).
+    if (!linear_accepts(level, a))
+        a.vdt = a.dt;
+    const at::Tensor values = (a.vdt == a.dt ? values_in.to(x.scalar_type()) : values_in).contiguous();
+    const at::Tensor meta = meta_in.contiguous();
     a.x = x.data_ptr();
     a.ldx = K;
     a.M = M;
@@ -201,7 +363,12 @@ at::Tensor sparse24_linear(const at::Tensor &x_in, const at::Tensor &values_in, 
     a.bias = bias.defined() ? bias.data_ptr<float>() : nullptr;
     a.out = out.data_ptr();
     a.ldo = N;
-    const int level = active_level();
+    at::Tensor xf; // x widened to fp32 once, for kernels that read it many times (shared by the threads)
+    if (linear_wants_f32_x(level, a)) {
+        xf = x.to(at::kFloat);
+        a.xf = xf.data_ptr<float>();
+        a.ldxf = K;
+    }
     const int64_t split = linear_split(level, a);
     const int64_t blocks = (N + split - 1) / split;
     parallel_range(blocks, 1,
@@ -212,6 +379,10 @@ at::Tensor sparse24_linear(const at::Tensor &x_in, const at::Tensor &values_in, 
 } // namespace
 } // namespace sparse24
 } // namespace fastdl
+
+const char *fastdl_sparse24_cpu_kernels() {
+    return fastdl::sparse24::level_name(fastdl::sparse24::active_level());
+}
 
 TORCH_LIBRARY_IMPL(fastdl_cpp, CPU, m) {
     m.impl("mask_2_4", &fastdl::sparse24::mask_2_4);

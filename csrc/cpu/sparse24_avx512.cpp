@@ -1,7 +1,8 @@
-// 2:4 sparsity CPU kernels: prune+compress, decompress and the sparse linear, at four instruction-set levels chosen
-// at run time (scalar, AVX2+FMA, AVX-512 F/BW/VL/DQ, AVX-512 + BF16 + VBMI2). No torch headers: the ISA is enabled
-// per function with target attributes, so this file compiles with the project's generic flags and the same build
-// runs on CPUs without AVX-512. Threading is done by the caller (sparse24.cpp) on row ranges.
+// 2:4 sparsity, AVX-512 kernels: prune+compress, decompress and the sparse linear at two levels (AVX-512 F/BW/VL/DQ,
+// and AVX-512 + BF16 + VBMI2), chosen at run time by sparse24.cpp (the AVX2 and scalar kernels are in
+// sparse24_avx2.cpp / sparse24_scalar.cpp). No torch headers: the ISA is enabled per function with target attributes,
+// so this file compiles with the project's generic flags and the same build runs on CPUs without AVX-512. Threading
+// is done by the caller (sparse24.cpp) on row ranges.
 //
 // Sparse linear design (the weight is read compressed: values + meta = 56% of the dense bf16 bytes). Numbers are
 // from the 2-core AMD EPYC (Zen 5) development machine, K = 4096, bf16, 2 threads, vs bf16 F.linear on the same
@@ -20,15 +21,9 @@
 //    stays in L1; the next block's weights are prefetched while the tiles run) > 4-row tiles.
 //  * Full chunks use unmasked loads (masked loads measured 25% slower); the K tail is one masked step.
 //  * Output columns past the end / rows past M reuse the last valid pointer (results discarded): no tail kernels.
-//  * Non-BF16 AVX-512 CPUs run bf16 through the fp32 kernels (converted on load); AVX2 places the 4 kept values of
-//    each meta byte with vpermps from a 256-entry table; the scalar path is the reference loop.
+//  * Non-BF16 AVX-512 CPUs run bf16 through the fp32 kernels (converted on load).
 #include "sparse24_kernels.h"
 
-#include "cpu_isa.h"
-
-#include <algorithm>
-#include <cstdlib>
-#include <cstring>
 #include <vector>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -39,144 +34,13 @@
 namespace fastdl {
 namespace sparse24 {
 
-namespace {
-
-// ------------------------------------------------------------------------------------------ scalar helpers
-inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = static_cast<uint32_t>(h) << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-}
-
-inline uint16_t f32_to_bf16(float f) { // round to nearest even, like c10::BFloat16
-    uint32_t u;
-    std::memcpy(&u, &f, 4);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u)
-        return 0x7FC0;
-    u += 0x7FFFu + ((u >> 16) & 1u);
-    return static_cast<uint16_t>(u >> 16);
-}
-
-inline float to_f32(float v) {
-    return v;
-}
-inline float to_f32(uint16_t v) {
-    return bf16_to_f32(v);
-}
-inline void store_out(float *p, float v) {
-    *p = v;
-}
-inline void store_out(uint16_t *p, float v) {
-    *p = f32_to_bf16(v);
-}
-
-// Magnitude key: |w| read as an unsigned integer (orders like |w|), every NaN mapped to the smallest NaN pattern,
-// so NaN > inf > any number and all NaNs tie.
-constexpr uint32_t kNanKey[3] = {0x7F800001u, 0x7F81u, 0x7C01u}; // F32, BF16, F16
-constexpr uint32_t kAbsMask[3] = {0x7FFFFFFFu, 0x7FFFu, 0x7FFFu};
-
-inline uint32_t key_of(uint32_t bits, int kind) {
-    return std::min(bits & kAbsMask[kind], kNanKey[kind]);
-}
-
-// The 6 pairwise comparisons of a group (bit set = the lower index wins: k_i >= k_j) -> nibble of kept positions.
-struct CodeLut {
-    uint8_t nib[64];
-    constexpr CodeLut() : nib() {
-        for (int code = 0; code < 64; ++code) {
-            const int c01 = code & 1, c02 = (code >> 1) & 1, c03 = (code >> 2) & 1;
-            const int c12 = (code >> 3) & 1, c13 = (code >> 4) & 1, c23 = (code >> 5) & 1;
-            const int rank[4] = {(1 - c01) + (1 - c02) + (1 - c03), c01 + (1 - c12) + (1 - c13), c02 + c12 + (1 - c23),
-                                 c03 + c13 + c23};
-            int n = 0;
-            for (int i = 0; i < 4; ++i)
-                n |= (rank[i] < 2) << i;
-            nib[code] = static_cast<uint8_t>(n);
-        }
-    }
-};
-constexpr CodeLut kCodeLut{};
-
-inline int group_nibble(uint32_t k0, uint32_t k1, uint32_t k2, uint32_t k3) {
-    const int code =
-        (k0 >= k1) | (k0 >= k2) << 1 | (k0 >= k3) << 2 | (k1 >= k2) << 3 | (k1 >= k3) << 4 | (k2 >= k3) << 5;
-    return kCodeLut.nib[code];
-}
-
-inline uint8_t meta_nibble(const uint8_t *meta, int64_t g) {
-    return (meta[g >> 1] >> ((g & 1) * 4)) & 15;
-}
-
-// ------------------------------------------------------------------------------------------ scalar kernels
-template <typename U> // U: uint32_t (F32 bits) or uint16_t (BF16/F16 bits)
-void compress_row_scalar(const U *w, int64_t K, int kind, U *vals, uint8_t *meta, bool *mask) {
-    for (int64_t g = 0; g < K / 4; ++g) {
-        const U *p = w + 4 * g;
-        const int nib = group_nibble(key_of(p[0], kind), key_of(p[1], kind), key_of(p[2], kind), key_of(p[3], kind));
-        if (vals) {
-            const int p0 = __builtin_ctz(nib), p1 = __builtin_ctz(nib & (nib - 1));
-            vals[2 * g] = p[p0];
-            vals[2 * g + 1] = p[p1];
-        }
-        if (meta) {
-            if (g & 1)
-                meta[g >> 1] |= static_cast<uint8_t>(nib << 4);
-            else
-                meta[g >> 1] = static_cast<uint8_t>(nib);
-        }
-        if (mask)
-            for (int i = 0; i < 4; ++i)
-                mask[4 * g + i] = (nib >> i) & 1;
-    }
-}
-
-template <typename U> void decompress_row_scalar(const U *vals, const uint8_t *meta, int64_t K, U *out) {
-    for (int64_t g = 0; g < K / 4; ++g) {
-        const int nib = meta_nibble(meta, g);
-        U *o = out + 4 * g;
-        o[0] = o[1] = o[2] = o[3] = 0;
-        if (nib == 0)
-            continue;
-        int j = 0;
-        for (int i = 0; i < 4 && j < 2; ++i)
-            if ((nib >> i) & 1)
-                o[i] = vals[2 * g + j++];
-    }
-}
-
-template <typename T> void linear_scalar(const LinearArgs &a, int64_t n0, int64_t n1) {
-    const T *x = static_cast<const T *>(a.x);
-    const T *v = static_cast<const T *>(a.values);
-    T *out = static_cast<T *>(a.out);
-    const int64_t half = a.K / 2, mb = (a.K + 7) / 8;
-    for (int64_t n = n0; n < n1; ++n) {
-        const T *vr = v + n * half;
-        const uint8_t *mr = a.meta + n * mb;
-        const float b = a.bias ? a.bias[n] : 0.f;
-        for (int64_t m = 0; m < a.M; ++m) {
-            const T *xr = x + m * a.ldx;
-            float acc = 0.f;
-            for (int64_t g = 0; g < a.K / 4; ++g) {
-                const int nib = meta_nibble(mr, g);
-                const int p0 = nib ? __builtin_ctz(nib) : 0, p1 = nib ? __builtin_ctz(nib & (nib - 1)) : 1;
-                acc += to_f32(xr[4 * g + p0]) * to_f32(vr[2 * g]) + to_f32(xr[4 * g + p1]) * to_f32(vr[2 * g + 1]);
-            }
-            store_out(out + m * a.ldo + n, acc + b);
-        }
-    }
-}
-
-template <typename T, int MR, int NR>
-inline void store_tile(const LinearArgs &a, const float *acc, int64_t m0, int rows, int64_t n0, int cols) {
-    T *out = static_cast<T *>(a.out);
-    for (int i = 0; i < rows; ++i)
-        for (int j = 0; j < cols; ++j)
-            store_out(out + (m0 + i) * a.ldo + n0 + j, acc[i * NR + j] + (a.bias ? a.bias[n0 + j] : 0.f));
-}
+namespace avx512 {
 
 #ifdef FASTDL_SP24_X86
-#define SP24_AVX2 __attribute__((target("avx2,fma")))
+namespace {
+
+using namespace detail;
+
 #define SP24_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
 #define SP24_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx512vbmi2,avx512bf16")))
 
@@ -205,114 +69,6 @@ alignas(64) constexpr int16_t kPosTableW[64] = {0, 0, 1, 0, 2, 0, 1, 0, 3, 0, 1,
 // ka | kb << 16): shift = 4 * ((l % 8) / 2) + 16 * (l / 8), position base = 4 * ((l % 8) / 2).
 alignas(64) constexpr int32_t kShiftF[16] = {0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28};
 alignas(64) constexpr int32_t kBaseF[16] = {0, 0, 4, 4, 8, 8, 12, 12, 0, 0, 4, 4, 8, 8, 12, 12};
-
-// ============================================================================================== AVX2 + FMA
-// 8 positions (one meta byte, 4 kept values) per step: the 4 values are placed with vpermps by a 256-entry table
-// indexed by the meta byte and the pruned lanes zeroed with a mask from the same table.
-struct Avx2Lut {
-    alignas(32) int32_t idx[256][8];
-    alignas(32) int32_t msk[256][8];
-    Avx2Lut() {
-        for (int b = 0; b < 256; ++b) {
-            int r = 0;
-            for (int p = 0; p < 8; ++p) {
-                const bool on = (b >> p) & 1;
-                idx[b][p] = on ? (r++ & 3) : 0;
-                msk[b][p] = on ? -1 : 0;
-            }
-        }
-    }
-};
-const Avx2Lut &avx2_lut() {
-    static const Avx2Lut lut;
-    return lut;
-}
-
-SP24_AVX2 inline __m256 avx2_load8(const float *p) {
-    return _mm256_loadu_ps(p);
-}
-SP24_AVX2 inline __m256 avx2_load8(const uint16_t *p) {
-    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p)));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-}
-SP24_AVX2 inline __m128 avx2_load4(const float *p) {
-    return _mm_loadu_ps(p);
-}
-SP24_AVX2 inline __m128 avx2_load4(const uint16_t *p) {
-    const __m128i w = _mm_cvtepu16_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(p)));
-    return _mm_castsi128_ps(_mm_slli_epi32(w, 16));
-}
-SP24_AVX2 inline float avx2_hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-template <typename T, int MR, int NR>
-SP24_AVX2 void mk_avx2(const T *const *xr, const T *const *vr, const uint8_t *const *mr, int64_t K, float *out) {
-    const Avx2Lut &lut = avx2_lut();
-    __m256 acc[MR][NR];
-    for (int i = 0; i < MR; ++i)
-        for (int j = 0; j < NR; ++j)
-            acc[i][j] = _mm256_setzero_ps();
-    const int64_t nb = K / 8;
-    for (int64_t b = 0; b < nb; ++b) {
-        __m256 w[NR];
-        for (int j = 0; j < NR; ++j) {
-            const unsigned byte = mr[j][b];
-            const __m256 v = _mm256_castps128_ps256(avx2_load4(vr[j] + 4 * b));
-            const __m256i idx = _mm256_load_si256(reinterpret_cast<const __m256i *>(lut.idx[byte]));
-            const __m256 msk = _mm256_castsi256_ps(_mm256_load_si256(reinterpret_cast<const __m256i *>(lut.msk[byte])));
-            w[j] = _mm256_and_ps(_mm256_permutevar8x32_ps(v, idx), msk);
-        }
-        for (int i = 0; i < MR; ++i) {
-            const __m256 xv = avx2_load8(xr[i] + 8 * b);
-            for (int j = 0; j < NR; ++j)
-                acc[i][j] = _mm256_fmadd_ps(xv, w[j], acc[i][j]);
-        }
-    }
-    for (int i = 0; i < MR; ++i)
-        for (int j = 0; j < NR; ++j) {
-            float s = avx2_hsum(acc[i][j]);
-            if (K % 8) { // one trailing group (K % 8 == 4): its nibble is the low nibble of the last meta byte
-                const int nib = mr[j][nb] & 15;
-                const int p0 = nib ? __builtin_ctz(nib) : 0, p1 = nib ? __builtin_ctz(nib & (nib - 1)) : 1;
-                s += to_f32(xr[i][8 * nb + p0]) * to_f32(vr[j][4 * nb]) +
-                     to_f32(xr[i][8 * nb + p1]) * to_f32(vr[j][4 * nb + 1]);
-            }
-            out[i * NR + j] = s;
-        }
-}
-
-template <typename T, int MR, int NR> SP24_AVX2 void run_avx2(const LinearArgs &a, int64_t m0, int64_t n0, int64_t n1) {
-    const T *x = static_cast<const T *>(a.x);
-    const T *v = static_cast<const T *>(a.values);
-    const int64_t half = a.K / 2, mb = (a.K + 7) / 8;
-    const T *xr[MR];
-    for (int i = 0; i < MR; ++i)
-        xr[i] = x + (m0 + i) * a.ldx;
-    for (int64_t n = n0; n < n1; n += NR) {
-        const T *vr[NR];
-        const uint8_t *mr[NR];
-        for (int j = 0; j < NR; ++j) {
-            const int64_t r = std::min(n + j, n1 - 1);
-            vr[j] = v + r * half;
-            mr[j] = a.meta + r * mb;
-        }
-        float acc[MR * NR];
-        mk_avx2<T, MR, NR>(xr, vr, mr, a.K, acc);
-        store_tile<T, MR, NR>(a, acc, m0, MR, n, static_cast<int>(std::min<int64_t>(NR, n1 - n)));
-    }
-}
-
-template <typename T> SP24_AVX2 void linear_avx2(const LinearArgs &a, int64_t n0, int64_t n1) {
-    int64_t m = 0;
-    for (; m + 2 <= a.M; m += 2)
-        run_avx2<T, 2, 4>(a, m, n0, n1);
-    if (m < a.M)
-        run_avx2<T, 1, 4>(a, m, n0, n1);
-}
 
 // ============================================================================================== AVX-512 (F/BW/VL/DQ)
 // Prune+compress 16 positions (4 groups, one per 128-bit lane) per step: the keys are compared with the keys of the
@@ -1052,7 +808,7 @@ template <class F, typename T, int MR, int NR> void run_direct(const LinearArgs 
         }
         float acc[MR * NR];
         F::template direct<MR, NR>(xr, vr, mr, a.K, acc);
-        store_tile<T, MR, NR>(a, acc, 0, MR, n, static_cast<int>(std::min<int64_t>(NR, n1 - n)));
+        store_tile<T, NR>(a, acc, 0, MR, n, static_cast<int>(std::min<int64_t>(NR, n1 - n)));
     }
 }
 
@@ -1092,7 +848,7 @@ template <class F, typename T> void run_panel(const LinearArgs &a, int64_t n0, i
                     F::template panel<MR, NR>(xr, panel.data(), kp, len, kb ? acc_io : nullptr, last ? nullptr : acc_io,
                                               sums);
                     if (last)
-                        store_tile<T, MR, NR>(a, sums, m, static_cast<int>(std::min<int64_t>(MR, m1 - m)), n, cols);
+                        store_tile<T, NR>(a, sums, m, static_cast<int>(std::min<int64_t>(MR, m1 - m)), n, cols);
                 }
             }
         }
@@ -1151,7 +907,7 @@ template <class F, typename T> void run_pairs(const LinearArgs &a, int64_t n0, i
                     F::template pair_tile<MR>(xr, panel.data(), ps, len, kb ? acc_io : nullptr, last ? nullptr : acc_io,
                                               sums);
                     if (last)
-                        store_tile<T, MR, NR>(a, sums, m, static_cast<int>(std::min<int64_t>(MR, m1 - m)), n, cols);
+                        store_tile<T, NR>(a, sums, m, static_cast<int>(std::min<int64_t>(MR, m1 - m)), n, cols);
                 }
             }
         }
@@ -1176,40 +932,12 @@ template <class F, typename T> void linear_family(const LinearArgs &a, int64_t n
     }
 }
 
+} // namespace
 #endif // FASTDL_SP24_X86
 
-} // namespace
-
-// ================================================================================================== dispatch
-// The level comes from the one CPU-capability module (cpu_isa.h: cpuid + XGETBV, capped by FASTDL_CPU_ISA). The
-// bf16 kernel also needs AVX512_VBMI2 (vpexpandw).
-int active_level() {
-    static const int level = [] {
-        const cpu::Level l = cpu::level();
-        if (l >= cpu::kAvx512Bf16 && cpu::features().avx512_vbmi2)
-            return static_cast<int>(Avx512Bf16);
-        if (l >= cpu::kAvx512)
-            return static_cast<int>(Avx512);
-        return l >= cpu::kAvx2 ? static_cast<int>(Avx2) : static_cast<int>(Scalar);
-    }();
-    return level;
-}
-
-const char *level_name(int level) {
-    switch (level) {
-    case Avx512Bf16:
-        return "avx512_bf16";
-    case Avx512:
-        return "avx512";
-    case Avx2:
-        return "avx2";
-    default:
-        return "scalar";
-    }
-}
-
-void compress_rows(int level, DType dt, const void *w, int64_t ld, int64_t K, int64_t r0, int64_t r1, void *values,
-                   uint8_t *meta, bool *mask) {
+void compress_rows(DType dt, const void *w, int64_t ld, int64_t K, int64_t r0, int64_t r1, void *values, uint8_t *meta,
+                   bool *mask) {
+#ifdef FASTDL_SP24_X86
     const size_t es = dt == DType::F32 ? 4 : 2;
     const int64_t half = K / 2, mb = (K + 7) / 8;
     for (int64_t r = r0; r < r1; ++r) {
@@ -1217,79 +945,52 @@ void compress_rows(int level, DType dt, const void *w, int64_t ld, int64_t K, in
         void *vr = values ? static_cast<char *>(values) + r * half * es : nullptr;
         uint8_t *mr = meta ? meta + r * mb : nullptr;
         bool *kr = mask ? mask + r * K : nullptr;
-#ifdef FASTDL_SP24_X86
-        if (level >= Avx512) {
-            if (dt == DType::F32)
-                compress_row_avx512<0>(wr, K, vr, mr, kr);
-            else if (dt == DType::BF16)
-                compress_row_avx512<1>(wr, K, vr, mr, kr);
-            else
-                compress_row_avx512<2>(wr, K, vr, mr, kr);
-            continue;
-        }
-#endif
         if (dt == DType::F32)
-            compress_row_scalar(reinterpret_cast<const uint32_t *>(wr), K, 0, static_cast<uint32_t *>(vr), mr, kr);
+            compress_row_avx512<0>(wr, K, vr, mr, kr);
+        else if (dt == DType::BF16)
+            compress_row_avx512<1>(wr, K, vr, mr, kr);
         else
-            compress_row_scalar(reinterpret_cast<const uint16_t *>(wr), K, dt == DType::BF16 ? 1 : 2,
-                                static_cast<uint16_t *>(vr), mr, kr);
+            compress_row_avx512<2>(wr, K, vr, mr, kr);
     }
+#else
+    scalar::compress_rows(dt, w, ld, K, r0, r1, values, meta, mask);
+#endif
 }
 
-void decompress_rows(int level, DType dt, const void *values, const uint8_t *meta, int64_t K, int64_t r0, int64_t r1,
-                     void *out) {
+void decompress_rows(DType dt, const void *values, const uint8_t *meta, int64_t K, int64_t r0, int64_t r1, void *out) {
+#ifdef FASTDL_SP24_X86
     const size_t es = dt == DType::F32 ? 4 : 2;
     const int64_t half = K / 2, mb = (K + 7) / 8;
     for (int64_t r = r0; r < r1; ++r) {
         const char *vr = static_cast<const char *>(values) + r * half * es;
-        const uint8_t *mr = meta + r * mb;
         char *orow = static_cast<char *>(out) + r * K * es;
-#ifdef FASTDL_SP24_X86
-        if (level >= Avx512) {
-            if (es == 4)
-                decompress_row_avx512<32>(vr, mr, K, orow);
-            else
-                decompress_row_avx512<16>(vr, mr, K, orow);
-            continue;
-        }
-#endif
-        (void)level;
         if (es == 4)
-            decompress_row_scalar(reinterpret_cast<const uint32_t *>(vr), mr, K, reinterpret_cast<uint32_t *>(orow));
+            decompress_row_avx512<32>(vr, meta + r * mb, K, orow);
         else
-            decompress_row_scalar(reinterpret_cast<const uint16_t *>(vr), mr, K, reinterpret_cast<uint16_t *>(orow));
+            decompress_row_avx512<16>(vr, meta + r * mb, K, orow);
     }
+#else
+    scalar::decompress_rows(dt, values, meta, K, r0, r1, out);
+#endif
 }
 
-int64_t linear_split(int level, const LinearArgs &a) {
-    (void)level;
-    (void)a;
-    return 24; // multiple of every NR (4, 6, 8)
-}
-
-void linear_rows(int level, const LinearArgs &a, int64_t n0, int64_t n1) {
+void linear_rows(bool bf16_dot, const LinearArgs &a, int64_t n0, int64_t n1) {
     if (n0 >= n1 || a.M <= 0)
         return;
-    const bool f32 = a.dt == DType::F32;
 #ifdef FASTDL_SP24_X86
-    if (level >= Avx512Bf16 && !f32)
-        return linear_family<Bf16Kernels, uint16_t>(a, n0, n1);
-    if (level >= Avx512)
-        return f32 ? linear_family<F32Kernels<float>, float>(a, n0, n1)
-                   : linear_family<F32Kernels<uint16_t>, uint16_t>(a, n0, n1);
-    if (level >= Avx2)
-        return f32 ? linear_avx2<float>(a, n0, n1) : linear_avx2<uint16_t>(a, n0, n1);
+    if (a.vdt == a.dt) {
+        if (a.dt == DType::F32)
+            return linear_family<F32Kernels<float>, float>(a, n0, n1);
+        if (bf16_dot)
+            return linear_family<Bf16Kernels, uint16_t>(a, n0, n1);
+        return linear_family<F32Kernels<uint16_t>, uint16_t>(a, n0, n1);
+    }
+#else
+    (void)bf16_dot;
 #endif
-    (void)level;
-    if (f32)
-        linear_scalar<float>(a, n0, n1);
-    else
-        linear_scalar<uint16_t>(a, n0, n1);
+    scalar::linear_rows(a, n0, n1); // mixed dtypes: the glue converts the values first
 }
 
+} // namespace avx512
 } // namespace sparse24
 } // namespace fastdl
-
-const char *fastdl_sparse24_cpu_kernels() {
-    return fastdl::sparse24::level_name(fastdl::sparse24::active_level());
-}

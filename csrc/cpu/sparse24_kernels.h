@@ -1,6 +1,8 @@
-// Shared declarations between the ATen glue (sparse24.cpp) and the SIMD kernels (sparse24_avx512.cpp).
-// No torch headers here: the SIMD translation unit must not see ATen (it is compiled with the generic project flags
-// and enables AVX2 / AVX-512 per function with target attributes, chosen at run time from cpuid).
+// Shared declarations between the ATen glue (sparse24.cpp: checks, threads, dispatch) and the 2:4 kernels of each
+// instruction-set level: sparse24_avx512.cpp (AVX-512 F/BW/VL/DQ, and AVX512-BF16 + VBMI2), sparse24_avx2.cpp
+// (AVX2 + FMA) and sparse24_scalar.cpp (portable reference). No torch headers here: the SIMD translation units are
+// compiled with the generic project flags and enable their ISA per function with target attributes (so inline helpers
+// of this header compile to generic code everywhere), chosen at run time from cpu_isa.h.
 //
 // 2:4 layout (see fastdl/ops/sparse24.py): groups of 4 consecutive elements along K keep 2 elements.
 //   values [N][K/2]       the kept elements of each group in increasing index order
@@ -8,11 +10,14 @@
 //                         group 2j+1 (high nibble). Bytes 4i..4i+3 read as a little-endian uint32 are the mask of
 //                         positions 32i..32i+31, and every 16 positions hold exactly 8 kept values, so 16 (32)
 //                         consecutive positions are expanded from 8 (16) consecutive values with one vexpandps
-//                         (vpexpandw) under that mask.
+//                         (vpexpandw) under that mask; on AVX2 one meta byte (8 positions, 4 values) selects a
+//                         vpshufb control from a 256-entry table.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 
 namespace fastdl {
 namespace sparse24 {
@@ -26,24 +31,17 @@ enum Level : int { Scalar = 0, Avx2 = 1, Avx512 = 2, Avx512Bf16 = 3 };
 int active_level();
 const char *level_name(int level);
 
-// Prune+compress rows [r0, r1) of the dense weight w (row stride ld elements, K columns, K % 4 == 0). Each output
-// may be nullptr (not written): values [rows][K/2] in w's dtype, meta [rows][ceil(K/8)], mask [rows][K] bool bytes.
-void compress_rows(int level, DType dt, const void *w, int64_t ld, int64_t K, int64_t r0, int64_t r1, void *values,
-                   uint8_t *meta, bool *mask);
-
-// Dense rows [r0, r1) (K columns, zeros at pruned positions) from values / meta. Element size of dt; the bits are
-// copied (no conversion), so any 16-bit type works as BF16.
-void decompress_rows(int level, DType dt, const void *values, const uint8_t *meta, int64_t K, int64_t r0, int64_t r1,
-                     void *out);
-
 // out[m][n] = round(sum_k x[m][k] * W[n][k] + bias[n]) for all M rows and the output columns n in [n0, n1);
-// W = decompress(values, meta); x, values and out share dt (F32 or BF16); fp32 accumulation.
+// W = decompress(values, meta); out has x's dtype; fp32 accumulation.
 struct LinearArgs {
-    DType dt = DType::F32;
+    DType dt = DType::F32;   // x and out: F32 or BF16
+    DType vdt = DType::F32;  // values: F32 or BF16 (linear_accepts tells which (dt, vdt) a level reads directly)
     const void *x = nullptr; // [M][ldx]
     int64_t ldx = 0;
     int64_t M = 0;
     int64_t K = 0;
+    const float *xf = nullptr; // x as fp32 [M][ldxf], where linear_wants_f32_x asked for it (else nullptr)
+    int64_t ldxf = 0;
     const void *values = nullptr;  // [N][K/2]
     const uint8_t *meta = nullptr; // [N][ceil(K/8)]
     int64_t N = 0;
@@ -51,9 +49,176 @@ struct LinearArgs {
     void *out = nullptr;         // [M][ldo]
     int64_t ldo = 0;
 };
+
+// ------------------------------------------------------------------------------------- dispatch (sparse24.cpp)
+// Prune+compress rows [r0, r1) of the dense weight w (row stride ld elements, K columns, K % 4 == 0). Each output
+// may be nullptr (not written): values [rows][K/2] in w's dtype, meta [rows][ceil(K/8)], mask [rows][K] bool bytes.
+void compress_rows(int level, DType dt, const void *w, int64_t ld, int64_t K, int64_t r0, int64_t r1, void *values,
+                   uint8_t *meta, bool *mask);
+// Dense rows [r0, r1) (K columns, zeros at pruned positions) from values / meta. Element size of dt; the bits are
+// copied (no conversion), so any 16-bit type works as BF16.
+void decompress_rows(int level, DType dt, const void *values, const uint8_t *meta, int64_t K, int64_t r0, int64_t r1,
+                     void *out);
+// Dense fp32 rows [r0, r1) (K columns, zeros at pruned positions) from values of dtype vdt (F32, or BF16 widened
+// exactly): the weight of the dense route (decompress + at::mm), without a 16-bit copy in between.
+void decompress_rows_f32(int level, DType vdt, const void *values, const uint8_t *meta, int64_t K, int64_t r0,
+                         int64_t r1, float *out);
+// Whether the level's kernel reads values of dtype a.vdt with x of dtype a.dt directly (else the glue converts the
+// values to x's dtype first).
+bool linear_accepts(int level, const LinearArgs &a);
+// Whether the level's kernel wants x as fp32 in a.xf (the glue converts once per call, shared by the threads).
+bool linear_wants_f32_x(int level, const LinearArgs &a);
 // Column count the glue should split N by between threads (a multiple of every kernel's block of rows).
 int64_t linear_split(int level, const LinearArgs &a);
 void linear_rows(int level, const LinearArgs &a, int64_t n0, int64_t n1);
 
+// ------------------------------------------------------------------------------------- per-level kernels
+namespace scalar {
+void compress_rows(DType dt, const void *w, int64_t ld, int64_t K, int64_t r0, int64_t r1, void *values, uint8_t *meta,
+                   bool *mask);
+void decompress_rows(DType dt, const void *values, const uint8_t *meta, int64_t K, int64_t r0, int64_t r1, void *out);
+void decompress_rows_f32(DType vdt, const void *values, const uint8_t *meta, int64_t K, int64_t r0, int64_t r1,
+                         float *out);
+void linear_rows(const LinearArgs &a, int64_t n0, int64_t n1); // any (dt, vdt)
+} // namespace scalar
+
+namespace avx2 {
+void compress_rows(DType dt, const void *w, int64_t ld, int64_t K, int64_t r0, int64_t r1, void *values, uint8_t *meta,
+                   bool *mask);
+void decompress_rows(DType dt, const void *values, const uint8_t *meta, int64_t K, int64_t r0, int64_t r1, void *out);
+void decompress_rows_f32(DType vdt, const void *values, const uint8_t *meta, int64_t K, int64_t r0, int64_t r1,
+                         float *out);
+bool linear_accepts(const LinearArgs &a);
+bool linear_wants_f32_x(const LinearArgs &a);
+int64_t linear_split(const LinearArgs &a);
+void linear_rows(const LinearArgs &a, int64_t n0, int64_t n1);
+} // namespace avx2
+
+namespace avx512 {
+void compress_rows(DType dt, const void *w, int64_t ld, int64_t K, int64_t r0, int64_t r1, void *values, uint8_t *meta,
+                   bool *mask);
+void decompress_rows(DType dt, const void *values, const uint8_t *meta, int64_t K, int64_t r0, int64_t r1, void *out);
+// bf16_dot: the AVX512-BF16 + VBMI2 kernels for bf16 (else bf16 runs through the fp32 kernels). vdt == dt.
+void linear_rows(bool bf16_dot, const LinearArgs &a, int64_t n0, int64_t n1);
+} // namespace avx512
+
+// ------------------------------------------------------------------------------------- scalar helpers (all levels)
+namespace detail {
+
+inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = static_cast<uint32_t>(h) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+inline uint16_t f32_to_bf16(float f) { // round to nearest even, like c10::BFloat16
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u)
+        return 0x7FC0;
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return static_cast<uint16_t>(u >> 16);
+}
+
+inline float to_f32(float v) {
+    return v;
+}
+inline float to_f32(uint16_t v) {
+    return bf16_to_f32(v);
+}
+inline void store_out(float *p, float v) {
+    *p = v;
+}
+inline void store_out(uint16_t *p, float v) {
+    *p = f32_to_bf16(v);
+}
+
+// Magnitude key: |w| read as an unsigned integer (orders like |w|), every NaN mapped to the smallest NaN pattern,
+// so NaN > inf > any number and all NaNs tie. Indexed by DType (F32, BF16, F16). Every key is below 2^31, so
+// signed 32-bit compares order them too.
+inline constexpr uint32_t kNanKey[3] = {0x7F800001u, 0x7F81u, 0x7C01u};
+inline constexpr uint32_t kAbsMask[3] = {0x7FFFFFFFu, 0x7FFFu, 0x7FFFu};
+
+inline uint32_t key_of(uint32_t bits, int kind) {
+    return std::min(bits & kAbsMask[kind], kNanKey[kind]);
+}
+
+// The 6 pairwise comparisons of a group (bit set = the lower index wins: k_i >= k_j) -> nibble of kept positions.
+struct CodeLut {
+    uint8_t nib[64];
+    constexpr CodeLut() : nib() {
+        for (int code = 0; code < 64; ++code) {
+            const int c01 = code & 1, c02 = (code >> 1) & 1, c03 = (code >> 2) & 1;
+            const int c12 = (code >> 3) & 1, c13 = (code >> 4) & 1, c23 = (code >> 5) & 1;
+            const int rank[4] = {(1 - c01) + (1 - c02) + (1 - c03), c01 + (1 - c12) + (1 - c13), c02 + c12 + (1 - c23),
+                                 c03 + c13 + c23};
+            int n = 0;
+            for (int i = 0; i < 4; ++i)
+                n |= (rank[i] < 2) << i;
+            nib[code] = static_cast<uint8_t>(n);
+        }
+    }
+};
+inline constexpr CodeLut kCodeLut{};
+
+inline int group_nibble(uint32_t k0, uint32_t k1, uint32_t k2, uint32_t k3) {
+    const int code =
+        (k0 >= k1) | (k0 >= k2) << 1 | (k0 >= k3) << 2 | (k1 >= k2) << 3 | (k1 >= k3) << 4 | (k2 >= k3) << 5;
+    return kCodeLut.nib[code];
+}
+
+inline uint8_t meta_nibble(const uint8_t *meta, int64_t g) {
+    return (meta[g >> 1] >> ((g & 1) * 4)) & 15;
+}
+
+// The two kept positions of a group (0..3) from its nibble; a nibble with fewer than 2 bits (not from compress_2_4)
+// reads positions 0 / 1 instead of faulting.
+inline void kept_positions(int nib, int &p0, int &p1) {
+    p0 = nib ? __builtin_ctz(nib) : 0;
+    const int rest = nib & (nib - 1);
+    p1 = rest ? __builtin_ctz(rest) : 1;
+}
+
+// One group of 4 positions, scalar: used by every level for the K % 8 == 4 tail.
+template <typename U> // U: uint32_t (F32 bits) or uint16_t (BF16/F16 bits)
+inline void compress_group(const U *p, int64_t g, int kind, U *vals, uint8_t *meta, bool *mask) {
+    const int nib = group_nibble(key_of(p[0], kind), key_of(p[1], kind), key_of(p[2], kind), key_of(p[3], kind));
+    if (vals) {
+        const int p0 = __builtin_ctz(nib), p1 = __builtin_ctz(nib & (nib - 1));
+        vals[2 * g] = p[p0];
+        vals[2 * g + 1] = p[p1];
+    }
+    if (meta) {
+        if (g & 1)
+            meta[g >> 1] |= static_cast<uint8_t>(nib << 4);
+        else
+            meta[g >> 1] = static_cast<uint8_t>(nib);
+    }
+    if (mask)
+        for (int i = 0; i < 4; ++i)
+            mask[4 * g + i] = (nib >> i) & 1;
+}
+
+template <typename U> inline void decompress_group(const U *vals, const uint8_t *meta, int64_t g, U *out) {
+    const int nib = meta_nibble(meta, g);
+    U *o = out + 4 * g;
+    o[0] = o[1] = o[2] = o[3] = 0;
+    int j = 0;
+    for (int i = 0; i < 4 && j < 2; ++i)
+        if ((nib >> i) & 1)
+            o[i] = vals[2 * g + j++];
+}
+
+// Store an MR x NR tile of fp32 sums (acc[i * NR + j]) plus bias into out (rows x cols valid), in out's dtype.
+template <typename T, int NR>
+inline void store_tile(const LinearArgs &a, const float *acc, int64_t m0, int rows, int64_t n0, int cols) {
+    T *out = static_cast<T *>(a.out);
+    for (int i = 0; i < rows; ++i)
+        for (int j = 0; j < cols; ++j)
+            store_out(out + (m0 + i) * a.ldo + n0 + j, acc[i * NR + j] + (a.bias ? a.bias[n0 + j] : 0.f));
+}
+
+} // namespace detail
 } // namespace sparse24
 } // namespace fastdl

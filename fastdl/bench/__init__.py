@@ -1,12 +1,16 @@
-"""Kernel-level microbenchmarks: ``fastdl bench <name>`` or ``python -m fastdl.bench <name>``.
+"""Benchmarks: ``fastdl bench <name>`` or ``python -m fastdl.bench <name>``.
 
-Each benchmark module defines ``add_arguments(parser)`` and ``run(args) -> list[dict]`` (rows, also written as CSV
-with ``--csv``) and times fastdl against its PyTorch baseline in the same process.
+Each benchmark module defines ``add_arguments(parser)``, ``run(args) -> list[dict]`` (rows, also written as CSV with
+``--csv``) and ``QUICK_ARGS`` (its arguments in ``fastdl bench all --quick``), and times fastdl against its PyTorch
+baselines in the same process. ``--isa`` (every benchmark) runs it in a subprocess capped to another CPU family
+(``fastdl.bench.isa``).
 """
 
 BENCHMARKS = {
     "fused_linear": "fastdl.bench.fused_linear",
     "int8": "fastdl.bench.int8",
     "sparse24": "fastdl.bench.sparse24",
+    "overhead": "fastdl.bench.overhead",
+    "model": "fastdl.bench.model",
     "loader": "fastdl.bench.loader",
 }

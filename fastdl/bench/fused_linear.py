@@ -1,8 +1,15 @@
-"""``fastdl bench fused_linear``: fastdl's fused linear vs eager PyTorch (``F.linear`` + activation) and
-``torch.compile`` of the same function, in one process on the same inputs.
+"""``fastdl bench fused_linear``: fastdl's fused linear vs eager PyTorch (``F.linear`` + activation), eager fp32 (what a
+PyTorch user picks where bf16 is PyTorch's slow path, e.g. on AVX2-only CPUs) and ``torch.compile``, in one process on
+the same inputs, calls interleaved.
 
-Modes: ``fwd`` (inference forward in bf16) and ``train`` (one training step of the layer: forward + backward under
-``torch.autocast`` bf16 with fp32 master weights, gradients for x, weight and bias).
+Modes: ``fwd`` (inference forward in bf16), ``fwd_fp32`` (inference forward in fp32) and ``train`` (one training
+step of the layer: forward + backward under ``torch.autocast`` bf16 with fp32 master weights, gradients for x, weight
+and bias; its fp32 baseline is the same step in plain fp32).
+
+Columns: ms (median; ``*``: a slow call timed 1-2 times), x eager (eager time / time in the same mode: > 1 is faster),
+x fp32 (vs the eager fp32 step), x best (vs the fastest PyTorch provider measured at that shape), GFLOP/s, % peak (of
+the faster of bf16 and fp32 ``torch.mm`` 2048^3 here), W GB/s. A fastdl row slower than any of them is marked
+``<<< SLOWER`` and listed again at the end.
 """
 
 from __future__ import annotations
@@ -16,11 +23,26 @@ import torch.nn.functional as F
 from .. import backends
 from ..ops import fused_linear
 from ..ops.fused_linear import activation_fn
-from .common import env_columns, measured_matmul_peak, print_table, progress, time_fn, write_csv
+from .common import (
+    CallPredictor,
+    LiveTable,
+    activity,
+    env_columns,
+    interleaved,
+    mark_slower,
+    measured_matmul_peak,
+    over_time,
+    print_header,
+    say,
+    write_csv,
+)
 
 DEFAULT_M = (1, 16, 128, 512)
 # LLaMA-7B MLP: gate/up projections 4096 -> 11008, down projection 11008 -> 4096
 LLAMA_SHAPES = ((4096, 11008), (11008, 4096))
+MODES = ("fwd", "fwd_fp32", "train")
+QUICK_ARGS = ["--m", "1", "16", "128", "--llama-m", "--no-compile", "--budget", "0.25", "--max-call", "2"]
+ALL_ARGS = ["--no-compile", "--budget", "0.6"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -28,120 +50,206 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--m", type=int, nargs="+", default=None, help="batch sizes (rows of x); default 1 16 128 512")
     p.add_argument("--kn", type=int, nargs=2, action="append", default=None, metavar=("K", "N"),
                    help="in/out features; repeatable; default 4096 4096 plus the LLaMA-7B MLP shapes")
-    p.add_argument("--llama-m", type=int, nargs="+", default=None,
-                   help="M for the LLaMA shapes (default: 16 128 on CPU, 4096 on CUDA)")
+    p.add_argument("--llama-m", type=int, nargs="*", default=None,
+                   help="M for the LLaMA shapes (default: 16 128 on CPU, 4096 on CUDA; no value: skip them)")
     p.add_argument("--activation", default="gelu", help="none|relu|gelu|gelu_tanh|silu")
-    p.add_argument("--modes", nargs="+", default=["fwd", "train"], choices=["fwd", "train"])
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     p.add_argument("--backends", nargs="+", default=None,
-                   help="fastdl backends to time besides auto (default: every available one)")
+                   help="fastdl backends to time besides auto (default: every available one other than auto's choice)")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
-    p.add_argument("--budget", type=float, default=1.0, help="seconds of timed runs per measurement")
+    p.add_argument("--budget", type=float, default=1.0, help="seconds of timed runs per shape")
+    p.add_argument("--max-call", type=float, default=10.0,
+                   help="skip a PyTorch baseline predicted (from a smaller M) to take longer than this many seconds a "
+                        "call (default 10)")  # fmt: skip
     p.add_argument("--csv", default=None, help="write rows to this CSV file")
 
 
 def _shapes(args) -> list[tuple[int, int, int]]:
     cuda = args.device.startswith("cuda")
     ms = args.m or list(DEFAULT_M)
-    out = []
     if args.kn:
         return [(m, k, n) for k, n in args.kn for m in ms]
-    out += [(m, 4096, 4096) for m in ms]
-    llama_m = args.llama_m or ([4096] if cuda else [16, 128])
+    out = [(m, 4096, 4096) for m in ms]
+    llama_m = args.llama_m if args.llama_m is not None else ([4096] if cuda else [16, 128])
     out += [(m, k, n) for k, n in LLAMA_SHAPES for m in llama_m]
     return out
 
 
-def _providers(args, act: str):
-    """name -> (function(x, w, b) -> y, backend or None)."""
-
+def _eager_fn(act):
     def eager(x, w, b):
         return activation_fn(F.linear(x, w, b), act)
 
-    provs = {"eager": (eager, None)}
+    return eager
+
+
+_COMPILED: dict = {}
+
+
+def _providers(args, act: str, mode: str) -> dict:
+    """name -> (function(x, w, b) -> y, backend or None, baseline dtype: 'same' | 'fp32' | None for fastdl)."""
+    eager = _eager_fn(act)
+    provs = {}
+    if mode == "fwd_fp32":
+        provs["eager_fp32"] = (eager, None, "same")
+    else:
+        provs["eager"] = (eager, None, "same")
+        provs["eager_fp32"] = (eager, None, "fp32")
     if not args.no_compile:
-        mode = "max-autotune" if args.device.startswith("cuda") else None
-        provs["compile"] = (torch.compile(eager, mode=mode, dynamic=False), None)
-    provs["fastdl"] = (lambda x, w, b: fused_linear(x, w, b, act), "auto")
+        key = (act, args.device)
+        if key not in _COMPILED:
+            cmode = "max-autotune" if args.device.startswith("cuda") else None
+            _COMPILED[key] = torch.compile(_eager_fn(act), mode=cmode, dynamic=False)
+        provs["compile"] = (_COMPILED[key], None, "same")
+    provs["fastdl"] = (lambda x, w, b: fused_linear(x, w, b, act), "auto", None)
     dev = "cuda" if args.device.startswith("cuda") else "cpu"
-    names = args.backends or [b for b in backends.BACKENDS if b != "torch"]
+    auto = backends.select("fused_linear", dev)
+    names = args.backends or [b for b in backends.BACKENDS if b not in ("torch", auto)]  # auto's already is "fastdl"
     for be in names:
         if be in backends.preference("fused_linear", dev) and backends.available(be, "fused_linear", dev)[0]:
-            provs[f"fastdl[{be}]"] = (lambda x, w, b: fused_linear(x, w, b, act), be)
+            provs[f"fastdl[{be}]"] = (lambda x, w, b: fused_linear(x, w, b, act), be, None)
     return provs
 
 
-def _step(mode, fn, x, w, b, g, device):
-    """One timed call: the no-grad forward, or a training step under autocast bf16 (fp32 master weights)."""
-    if mode == "fwd":
+def _tensors(mode, M, K, N, device, fp32: bool):
+    """x, w, b, g for one provider of one mode (fp32: the fp32 baseline's own copies)."""
+    gen = torch.Generator(device="cpu").manual_seed(M * 7 + K * 3 + N)
+    dt = torch.float32 if (fp32 or mode == "fwd_fp32") else torch.bfloat16
+    x = torch.randn(M, K, generator=gen).to(device=device, dtype=dt)
+    if mode in ("fwd", "fwd_fp32"):
+        w = (torch.randn(N, K, generator=gen) / K**0.5).to(device=device, dtype=dt)
+        b = torch.randn(N, generator=gen).to(device=device, dtype=dt)
+        return x, w, b, None
+    w = (torch.randn(N, K, generator=gen) / K**0.5).to(device).requires_grad_()  # fp32 master weights
+    b = torch.randn(N, generator=gen).to(device).requires_grad_()
+    x.requires_grad_()
+    g = torch.randn(M, N, generator=gen).to(device=device, dtype=dt)
+    return x, w, b, g
+
+
+def _step(mode, fn, x, w, b, g, device, autocast: bool, backend):
+    """One timed call: the no-grad forward, or a training step (under autocast bf16 unless it is the fp32 step)."""
+    ctx = (lambda: backends.use_backend(backend)) if backend else contextlib.nullcontext
+    if mode != "train":
 
         def call():
-            with torch.no_grad():
+            with ctx(), torch.no_grad():
                 return fn(x, w, b)
 
         return call
-    autocast_device = "cuda" if device.startswith("cuda") else "cpu"
+    dev_type = "cuda" if device.startswith("cuda") else "cpu"
 
     def step():
         x.grad = w.grad = b.grad = None
-        with torch.autocast(device_type=autocast_device, dtype=torch.bfloat16):
-            y = fn(x, w, b)
-        y.backward(g)
+        with ctx():
+            if autocast:
+                with torch.autocast(device_type=dev_type, dtype=torch.bfloat16):
+                    y = fn(x, w, b)
+            else:
+                y = fn(x, w, b)
+            y.backward(g)
 
     return step
+
+
+COLUMNS = [("mode", "mode", 8), ("M", "M", 5), ("K", "K", 5), ("N", "N", 5), ("provider", "provider", 14),
+           ("ms", "ms", 9), ("x_eager", "x eager", 7), ("x_fp32", "x fp32", 6), ("x_best", "x best", 6),
+           ("gflops", "GFLOP/s", 7), ("pct_peak", "% peak", 6), ("weight_gbps", "W GB/s", 6)]  # fmt: skip
 
 
 def run(args) -> list[dict]:
     device = args.device
     torch.manual_seed(0)
     act = args.activation
-    peak = measured_matmul_peak(device)
+    print_header("fused_linear", device)
+    activity("measuring the matmul peak")
+    peak = max(measured_matmul_peak(device, torch.bfloat16), measured_matmul_peak(device, torch.float32))
     env = env_columns(device)
-    print(f"fused_linear on {env['device_name']}; measured bf16 matmul peak {peak / 1e9:.0f} GFLOP/s")
-    rows = []
+    say(f"   activation {act}; peak = faster of bf16/fp32 torch.mm: {peak / 1e9:.0f} GFLOP/s; "
+        f"fastdl backend (auto): {backends.select('fused_linear', 'cuda' if device.startswith('cuda') else 'cpu')}")
+    table = LiveTable(COLUMNS)
+    predictor = CallPredictor(args.max_call)
     work = [(mode, shape) for mode in args.modes for shape in _shapes(args)]
-    for mode, (M, K, N) in progress(work, desc="fused_linear"):
-        provs = _providers(args, act)
-        x = torch.randn(M, K, device=device, dtype=torch.bfloat16)
-        if mode == "fwd":
-            w = torch.randn(N, K, device=device, dtype=torch.bfloat16) / K**0.5
-            b = torch.randn(N, device=device, dtype=torch.bfloat16)
-            flops = 2 * M * N * K
-        else:
-            w = (torch.randn(N, K, device=device) / K**0.5).requires_grad_()
-            b = torch.randn(N, device=device).requires_grad_()
-            x.requires_grad_()
-            g = torch.randn(M, N, device=device, dtype=torch.bfloat16)
-            flops = 6 * M * N * K
-        base = None
-        for name, (fn, be) in provs.items():
-            call = _step(mode, fn, x, w, b, g if mode == "train" else None, device)
-            ctx = backends.use_backend(be) if be else contextlib.nullcontext()
-            with ctx:
-                try:
-                    t = time_fn(call, device, budget_s=args.budget)
-                except Exception as exc:  # a baseline that cannot run here is reported, not fatal
-                    print(f"  {name} failed at M={M} K={K} N={N} ({mode}): {type(exc).__name__}: {exc}")
+    try:
+        for i, (mode, (M, K, N)) in enumerate(work):
+            if over_time(f"{len(work) - i} of {len(work)} shapes"):
+                break
+            activity(f"fused_linear {mode} M={M} K={K} N={N}")
+            provs = _providers(args, act, mode)
+            calls, meta = {}, {}
+            shared = _tensors(mode, M, K, N, device, fp32=False)
+            fp32_set = None
+            flops = M * N * K
+            skipped = []
+            for name, (fn, be, base) in provs.items():
+                ok, pred = predictor.allowed((mode, name, K, N), flops)
+                # only an alternative in the slow dtype is skipped: eager fp32 is every row's fallback reference
+                if base is not None and name != "eager_fp32" and not ok:
+                    say(f"  {name} not timed at {mode} M={M} K={K} N={N}: predicted {pred:.0f} s a call from a "
+                        f"smaller M (> --max-call {args.max_call:g} s; a slow path)")  # fmt: skip
+                    skipped.append(name)
                     continue
-            if name == "eager":
-                base = t
-            rows.append({
-                "op": "fused_linear", "mode": mode, "device": device, "dtype": "bf16", "activation": act,
-                "M": M, "K": K, "N": N, "provider": name, "ms": t * 1e3,
-                "speedup_vs_eager": (base / t) if base else None,
-                "gflops": flops / t / 1e9, "pct_peak": 100 * flops / t / peak,
-                "weight_gbps": (N * K * (2 if mode == "fwd" else 4)) / t / 1e9,
-                **env,
-            })
-    print_table(rows, [("mode", "mode"), ("M", "M"), ("K", "K"), ("N", "N"), ("provider", "provider"),
-                       ("ms", "ms"), ("speedup_vs_eager", "x eager"), ("gflops", "GFLOP/s"),
-                       ("pct_peak", "% peak"), ("weight_gbps", "W GB/s")])
+                if base == "fp32":
+                    fp32_set = fp32_set or _tensors(mode, M, K, N, device, fp32=True)
+                    x, w, b, g = fp32_set
+                    calls[name] = _step(mode, fn, x, w, b, g, device, autocast=False, backend=be)
+                else:
+                    x, w, b, g = shared
+                    calls[name] = _step(mode, fn, x, w, b, g, device, autocast=True, backend=be)
+                meta[name] = base
+            try:
+                try:
+                    times = interleaved(calls, device, budget_s=args.budget)
+                except Exception as exc:  # a provider that cannot run here is reported, then the shape without it
+                    say(f"  a provider failed at {mode} M={M} K={K} N={N}: {type(exc).__name__}: {exc}; retrying "
+                        "without compile")  # fmt: skip
+                    calls.pop("compile", None)
+                    times = interleaved(calls, device, budget_s=args.budget)
+                for name, t in times.items():
+                    predictor.record((mode, name, K, N), flops, t)
+                _rows(table, times, meta, mode, M, K, N, act, device, peak, env, skipped)
+            except Exception as exc:  # one shape that fails does not lose the others' rows
+                say(f"!! {mode} M={M} K={K} N={N} FAILED: {type(exc).__name__}: {exc}")
+    except KeyboardInterrupt:
+        say("  interrupted: the rows above are complete")
+    table.close("fastdl fused_linear", "PyTorch")
     if args.csv:
-        write_csv(rows, args.csv)
-    return rows
+        write_csv(table.rows, args.csv)
+    return table.rows
+
+
+def _rows(table, times, meta, mode, M, K, N, act, device, peak, env, skipped=()) -> None:
+    flops = (2 if mode != "train" else 6) * M * N * K
+    same = times.get("eager") if mode != "fwd_fp32" else times.get("eager_fp32")
+    fp32 = times.get("eager_fp32") if mode != "fwd_fp32" else None
+    torch_names = [n for n, base in meta.items() if base is not None and n in times]
+    best_name = min(torch_names, key=lambda n: times[n]) if torch_names else None
+    best = times[best_name] if best_name else None
+    same_label = {"fwd": "eager bf16", "fwd_fp32": "eager fp32", "train": "eager autocast-bf16 step"}[mode]
+    for name, t in times.items():
+        wbytes = N * K * (2 if mode == "fwd" and meta[name] != "fp32" else 4)
+        row = {
+            "op": "fused_linear", "mode": mode, "device": device, "activation": act,
+            "dtype": "fp32" if mode == "fwd_fp32" or meta[name] == "fp32" else "bf16",
+            "M": M, "K": K, "N": N, "provider": name, "ms": t * 1e3, "reps": t.reps, "reduced": t.reduced,
+            "x_eager": same / t if same else None, "x_fp32": fp32 / t if fp32 else None,
+            "x_best": best / t if best else None,
+            "best_pytorch": best_name, "gflops": flops / t / 1e9, "pct_peak": 100 * flops / t / peak,
+            "weight_gbps": wbytes / t / 1e9, **env,
+        }  # fmt: skip
+        if meta[name] is None:  # a fastdl row: judged against every PyTorch path
+            row["not_timed"] = ",".join(skipped)
+            checks = {same_label: row["x_eager"]}
+            if fp32 is not None:
+                checks["eager fp32" + (" step" if mode == "train" else "")] = row["x_fp32"]
+            if best_name not in (None, "eager", "eager_fp32"):
+                checks[f"best PyTorch ({best_name})"] = row["x_best"]
+            mark_slower(row, checks)
+        table.add(row)
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m fastdl.bench.fused_linear", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m fastdl.bench.fused_linear", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     add_arguments(p)
     run(p.parse_args(argv))
 

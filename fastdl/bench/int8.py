@@ -15,17 +15,22 @@ Providers (inference forward, no grad; activations bf16 unless noted):
   fastdl_*[backend]    the same, forced to one backend (``--backends``)
 
 ``--cold`` flushes the caches before every timed call (weights from DRAM, as in a model larger than the cache);
-by default each provider is timed in its own loop, so weights that fit the last-level cache stay there.
+by default the providers are timed in alternating blocks (one untimed call, then 3 timed ones), so every provider sees
+the same machine load and weights that fit the last-level cache are read from it, as in a loop over one layer.
 
-Columns: ms (median), GOP/s (2*M*N*K / t), x bf16 (bf16 time / time: > 1 is faster than bf16), % int8 peak (GOP/s
-over the measured int8 peak: ``torch._int_mm`` on a large square problem), W GB/s (weight bytes read per second).
-After the table every shape where an int8 provider is slower than bf16 is listed plainly.
+Columns: ms (median; ``*``: a slow call timed 1-2 times), GOP/s (2*M*N*K / t), x bf16 (bf16 time / time: > 1 is
+faster than bf16), x repl (vs the PyTorch path the fastdl provider replaces: fbgemm dynamic quant for W8A8, the faster
+of bf16 and fp32 ``F.linear`` for weight-only), x best (vs the fastest PyTorch option of the same class here: bf16,
+fp32 and fbgemm for W8A8; bf16 and fp32 for weight-only, whose activations stay float), % int8 peak
+(GOP/s over the measured int8 peak: ``torch._int_mm`` on a large square problem), W GB/s (weight bytes read per
+second). Every fastdl row slower than a PyTorch path is marked ``<<< SLOWER`` and listed again at the end.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import time
 import warnings
 
 import torch
@@ -33,12 +38,28 @@ import torch.nn.functional as F
 
 from .. import backends
 from ..ops import int8 as int8_ops
-from .common import env_columns, print_table, progress, sync, time_fn, write_csv
+from .common import (
+    LiveTable,
+    activity,
+    env_columns,
+    interleaved,
+    mark_slower,
+    over_time,
+    print_header,
+    say,
+    sync,
+    time_fn,
+    write_csv,
+)
 
 DEFAULT_M = (1, 16, 128, 512)
 # LLaMA-7B MLP: gate/up projections 4096 -> 11008, down projection 11008 -> 4096
 LLAMA_SHAPES = ((4096, 11008), (11008, 4096))
 INT8_PROVIDERS = ("int_mm+dequant", "fbgemm_dynamic", "fastdl_w8a8", "fastdl_weight_only", "fastdl_weight_only_g16")
+QUICK_ARGS = ["--m", "1", "16", "128", "--llama-m", "--budget", "0.15"]
+ALL_ARGS = ["--budget", "0.5"]
+# The PyTorch providers a user could run instead (x best); int_mm+dequant leaves out the activation quantization.
+TORCH_PROVIDERS = ("bf16", "fp32", "fbgemm_dynamic")
 
 _INT8_PEAK: dict = {}
 
@@ -52,7 +73,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="M for the LLaMA-7B MLP shapes (default: 16 128 on CPU, 16 2048 4096 on CUDA; "
                         "give no value to skip them)")  # fmt: skip
     p.add_argument("--backends", nargs="+", default=None,
-                   help="fastdl backends to time besides auto (default: every available one except torch)")
+                   help="fastdl backends to time besides auto (default: every available one but torch and the one "
+                        "auto picks)")  # fmt: skip
     p.add_argument("--no-baselines", action="store_true", help="time only bf16 and fastdl")
     p.add_argument("--budget", type=float, default=None,
                    help="seconds of timed runs per measurement (default 1.0 on CPU, 0.2 on CUDA)")
@@ -81,6 +103,11 @@ def measured_int8_peak(device: str) -> float:
         n = 8192 if device.startswith("cuda") else 2048
         a = torch.randint(-127, 128, (n, n), dtype=torch.int8, device=device)
         b = torch.randint(-127, 128, (n, n), dtype=torch.int8, device=device)
+        if not device.startswith("cuda"):
+            t0 = time.perf_counter()
+            torch._int_mm(a[:512, :512], b[:512, :512].t())
+            if time.perf_counter() - t0 > 0.005:  # < 54 GOP/s at 512^3: a slow path (no VNNI); keep it short
+                a, b, n = a[:512, :512].contiguous(), b[:512, :512].contiguous(), 512
         best = min(time_fn(lambda: torch._int_mm(a, b.t()), device, warmup=1, min_reps=1, max_reps=1)
                    for _ in range(10))  # fmt: skip
         _INT8_PEAK[device] = 2 * n**3 / best
@@ -160,9 +187,44 @@ def _providers(args, M, K, N, x, w, b, w_q, w_scale, notes):
     )
     for be in wanted:
         for op, name in named:
+            if not args.backends and be == backends.select(op, dtype):
+                continue  # auto's choice: already timed as the provider without a suffix
             if be in backends.preference(op, dtype) and backends.available(be, op, dtype)[0]:
                 provs[f"{name}[{be}]"] = (provs[name][0], be)
     return provs
+
+
+COLUMNS = [("M", "M", 5), ("K", "K", 5), ("N", "N", 5), ("provider", "provider", 22), ("ms", "ms", 9),
+           ("gops", "GOP/s", 7), ("x_bf16", "x bf16", 6), ("x_replaced", "x repl", 6), ("x_best", "x best", 6),
+           ("pct_int8_peak", "% int8 peak", 11), ("weight_gbps", "W GB/s", 6)]  # fmt: skip
+
+
+def _judge(row: dict, times: dict, name: str, fbgemm_ok: bool) -> None:
+    """Ratios of a fastdl row against the PyTorch path it replaces and the best PyTorch path, marked when < 1."""
+    t = times[name]
+    floats = {k: times[k] for k in ("bf16", "fp32") if k in times}
+    if not floats:  # no float baseline ran here: nothing to judge against
+        return
+    best_float = min(floats, key=floats.get)
+    # Weight-only int8 keeps float activations: its peers are the float paths (fbgemm's W8A8 quantizes activations
+    # to 7 bits, a less accurate class). W8A8's peers are all three.
+    peers = TORCH_PROVIDERS if "w8a8" in name else ("bf16", "fp32")
+    torch_t = {k: times[k] for k in peers if k in times}
+    best = min(torch_t, key=torch_t.get)
+    if "w8a8" in name and fbgemm_ok:
+        replaced, label = "fbgemm_dynamic", "PyTorch int8 (fbgemm dynamic quant)"
+    else:
+        replaced, label = best_float, f"eager {best_float} F.linear"
+    row["replaces"] = replaced
+    row["x_replaced"] = times[replaced] / t
+    row["best_pytorch"] = best
+    row["x_best"] = torch_t[best] / t
+    checks = {label: row["x_replaced"]}
+    if best != replaced:
+        checks[f"best PyTorch ({best})"] = row["x_best"]
+    if replaced != "bf16" and best != "bf16":
+        checks["eager bf16"] = row["x_bf16"]
+    mark_slower(row, checks)
 
 
 def run(args) -> list[dict]:
@@ -170,61 +232,79 @@ def run(args) -> list[dict]:
     cuda = device.startswith("cuda")
     budget = args.budget if args.budget is not None else (0.2 if cuda else 1.0)
     torch.manual_seed(0)
+    print_header("int8", device)
     env = env_columns(device)
+    activity("measuring the int8 peak")
     peak = measured_int8_peak(device)
-    print(f"int8 on {env['device_name']}; measured int8 peak (torch._int_mm, large square) {peak / 1e9:.0f} GOP/s; "
-          f"caches {'flushed before every call (--cold)' if args.cold else 'warm'}")  # fmt: skip
+    say(f"   measured int8 peak (torch._int_mm, large square) {peak / 1e9:.0f} GOP/s; caches "
+        f"{'flushed before every call (--cold)' if args.cold else 'warm'}; int8 CPU kernels: "
+        f"{env.get('int8_kernels') or _int8_kernels()}")  # fmt: skip
     for op in ("int8_linear", "int8_weight_only_linear"):
         be = backends.select(op, "cuda" if cuda else "cpu")
-        print(f"  fastdl {op}: backend {be!r} in auto mode")
-    rows: list[dict] = []
+        say(f"   fastdl {op}: backend {be!r} in auto mode")
+    table = LiveTable(COLUMNS)
     notes: set[str] = set()
-    losses: list[str] = []
-    for M, K, N in progress(_shapes(args), desc="int8"):
-        x = torch.randn(M, K, device=device, dtype=torch.bfloat16)
-        w = (torch.randn(N, K, device=device) / K**0.5).to(torch.bfloat16)
-        b = torch.randn(N, device=device, dtype=torch.bfloat16) * 0.1
-        w_q, w_scale = int8_ops.quantize_per_channel(w.float())
-        ops = 2 * M * N * K
-        base = None
-        for name, (fn, be) in _providers(args, M, K, N, x, w, b, w_q, w_scale, notes).items():
-            ctx = backends.use_backend(be) if be else contextlib.nullcontext()
+    shapes = _shapes(args)
+    try:
+        for i, (M, K, N) in enumerate(shapes):
+            if over_time(f"{len(shapes) - i} of {len(shapes)} shapes"):
+                break
+            x = torch.randn(M, K, device=device, dtype=torch.bfloat16)
+            w = (torch.randn(N, K, device=device) / K**0.5).to(torch.bfloat16)
+            b = torch.randn(N, device=device, dtype=torch.bfloat16) * 0.1
+            w_q, w_scale = int8_ops.quantize_per_channel(w.float())
+            ops = 2 * M * N * K
+            activity(f"int8 M={M} K={K} N={N}")
+            calls = {}
+            for name, (fn, be) in _providers(args, M, K, N, x, w, b, w_q, w_scale, notes).items():
+
+                def call(fn=fn, be=be):
+                    with backends.use_backend(be) if be else contextlib.nullcontext(), torch.no_grad():
+                        return fn()
+
+                try:
+                    call()  # a provider that cannot run here is reported, not fatal
+                except Exception as exc:
+                    say(f"  {name} failed at M={M} K={K} N={N}: {type(exc).__name__}: {exc}")
+                    continue
+                calls[name] = call
+            # alternating blocks of 3 calls per provider (one untimed call first: its weights back in the cache)
             try:
-                with ctx, torch.no_grad():
-                    t = time_fn(fn, device, budget_s=budget, cold=args.cold)
-            except Exception as exc:  # a provider that cannot run here is reported, not fatal
-                print(f"  {name} failed at M={M} K={K} N={N}: {type(exc).__name__}: {exc}")
+                times = interleaved(calls, device, budget_s=budget * len(calls), min_reps=4, block=3, cold=args.cold)
+            except Exception as exc:  # one shape that fails does not lose the others' rows
+                say(f"!! M={M} K={K} N={N} FAILED: {type(exc).__name__}: {exc}")
                 continue
-            if name == "bf16":
-                base = t
-            int8_weights = name.startswith(("fastdl", "int_mm", "fbgemm"))
-            ratio = base / t if base else None
-            rows.append({
-                "op": "int8", "device": device, "cold": args.cold, "M": M, "K": K, "N": N, "provider": name,
-                "ms": t * 1e3,
-                "gops": ops / t / 1e9, "x_vs_bf16": ratio, "pct_int8_peak": 100 * ops / t / peak,
-                "weight_gbps": N * K * (1 if int8_weights else 2 if name != "fp32" else 4)
-                * (17 / 16 if "_g16" in name else 1) / t / 1e9,
-                **env,
-            })  # fmt: skip
-            if name.startswith("fastdl") and ratio is not None and ratio < 1.0:
-                noise = " (within 5%: may be timing noise)" if ratio >= 0.95 else ""
-                losses.append(f"  {name} at M={M} K={K} N={N}: {ratio:.2f}x bf16 F.linear "
-                              f"({t * 1e3:.3f} ms vs {base * 1e3:.3f} ms){noise}")  # fmt: skip
-        sync(device)
-    print_table(rows, [("M", "M"), ("K", "K"), ("N", "N"), ("provider", "provider"), ("ms", "ms"),
-                       ("gops", "GOP/s"), ("x_vs_bf16", "x bf16"), ("pct_int8_peak", "% int8 peak"),
-                       ("weight_gbps", "W GB/s")])  # fmt: skip
+            rows = []
+            for name, t in times.items():
+                int8_weights = name.startswith(("fastdl", "int_mm", "fbgemm"))
+                rows.append({
+                    "op": "int8", "device": device, "cold": args.cold, "M": M, "K": K, "N": N, "provider": name,
+                    "ms": t * 1e3, "reps": t.reps, "reduced": t.reduced,
+                    "gops": ops / t / 1e9, "x_bf16": times["bf16"] / t if "bf16" in times else None,
+                    "pct_int8_peak": 100 * ops / t / peak,
+                    "weight_gbps": N * K * (1 if int8_weights else 2 if name != "fp32" else 4)
+                    * (17 / 16 if "_g16" in name else 1) / t / 1e9,
+                    **env,
+                })  # fmt: skip
+            for row in rows:
+                if row["provider"].startswith("fastdl"):
+                    _judge(row, times, row["provider"], "fbgemm_dynamic" in times)
+                table.add(row)
+            sync(device)
+    except KeyboardInterrupt:
+        say("  interrupted: the rows above are complete")
     for note in sorted(notes):
-        print(f"note: {note}")
-    if losses:
-        print("int8 LOSES to bf16 F.linear (slower) here:")
-        print("\n".join(losses))
-    else:
-        print("fastdl int8 is at least as fast as bf16 F.linear at every measured shape.")
+        say(f"note: {note}")
+    table.close("fastdl int8", "PyTorch")
     if args.csv:
-        write_csv(rows, args.csv)
-    return rows
+        write_csv(table.rows, args.csv)
+    return table.rows
+
+
+def _int8_kernels() -> str:
+    from .._extension import int8_cpu_kernels
+
+    return int8_cpu_kernels() or "none (no extension)"
 
 
 def main(argv=None) -> None:

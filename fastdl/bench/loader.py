@@ -31,10 +31,11 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from ..data import PrefetchLoader
-from .common import print_table, write_csv
+from .common import activity, env_columns, over_time, print_header, print_table, say, write_csv
 
 LOADERS = ("dl0", "dl2", "fastdl", "fastdl+dl2")
 KINDS = ("torch", "python", "sleep")
+QUICK_ARGS = ["--quick", "--kinds", "torch"]
 _MM = 192  # matmul size of the calibrated work units (fp32, one core: ~0.1-0.2 ms each)
 
 
@@ -209,8 +210,10 @@ def _run_overlap(args, device: torch.device, work: Work, kind: str) -> list[dict
         loader = _make_loader(name, ds, device, args.depth)
         _epoch(loader, work)  # warm-up: workers start, ring allocated, caches warm
         sets[name] = {"ds": ds, "loader": loader, "epochs": [], "steps": [], "prods": [], "waits": [], "copy": []}
+    t_start = time.perf_counter()
     try:
-        for _ in range(args.repeats):
+        for rep in range(args.repeats):
+            activity(f"loader {kind}: repeat {rep + 1} of {args.repeats}")
             for name in order:
                 d = sets[name]
                 loader = d["loader"]
@@ -225,6 +228,8 @@ def _run_overlap(args, device: torch.device, work: Work, kind: str) -> list[dict
                     st = loader.stats()
                     d["waits"].append(st["wait_s"])
                     d["copy"].append(st["copy_s"])
+            say(f"  producer {kind}: timed epoch {rep + 1} of {args.repeats} of every loader done "
+                f"({time.perf_counter() - t_start:.0f} s)")
     finally:
         for d in sets.values():
             _shutdown(d["loader"])
@@ -334,19 +339,24 @@ def run(args) -> list[dict]:
     prev_threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
+        print_header("loader", str(device))
+        env = env_columns(str(device))
+        activity("loader: calibrating the work units")
         work = Work(args.produce_ms, args.step_ms, args.batch_mb, device)
-        print(
+        say(
             f"loader bench on {device}: {args.batches} batches of {args.batch_mb} MB, producer {args.produce_ms} ms "
             f"({work.produce_mm} x {_MM}^2 matmul or {work.produce_py} Python units + {1e3 * work.gen_s:.1f} ms "
             f"to generate), step {args.step_ms} ms ({work.step_units} matmuls), torch threads "
             f"{torch.get_num_threads()}, {os.cpu_count()} CPUs, load average {_loadavg()}"
         )
         probe = PrefetchLoader([], device=device, depth=args.depth)
-        print(f"fastdl PrefetchLoader: mode {probe.mode}, copy backend {probe.copy_backend}, depth {args.depth}; "
+        say(f"fastdl PrefetchLoader: mode {probe.mode}, copy backend {probe.copy_backend}, depth {args.depth}; "
               f"timed epochs interleaved across loaders, {args.repeats} each (median)")
         rows: list[dict] = []
         for kind in args.kinds:
-            rows += _run_overlap(args, device, work, kind)
+            if over_time(f"the producer kinds from {kind} on"):
+                break
+            rows += [{**r, **env} for r in _run_overlap(args, device, work, kind)]
         cols = [
             ("kind", "producer"), ("loader", "loader"), ("epoch_s", "epoch s"), ("speedup_vs_dl0", "x dl0"),
             ("paired_speedup_vs_dl0", "x dl0 paired"), ("overlap_eff", "overlap eff"),

@@ -3,19 +3,22 @@ on the same inputs; prune+compress time vs one dense GEMM; memory.
 
 Providers per shape (K = 4096, N in 4096 / 11008, M in 1 16 128 512 by default):
   dense     ``F.linear(x, W)`` with W the decompressed 2:4 weight in bf16 (oneDNN on CPU, cuBLAS on CUDA)
+  dense_fp32  the same in fp32 (what a PyTorch user runs where bf16 is PyTorch's slow path, e.g. AVX2-only CPUs)
   fastdl    ``fastdl.ops.sparse24_linear`` (the C++ kernel on CPU: reads only the kept half + metadata)
   module    ``fastdl.nn.Sparse24Linear`` in auto mode (its path: sparse / dense / semi, shown in the ``path`` column)
   semi      CUDA: ``F.linear`` with ``torch.sparse.to_sparse_semi_structured(W)`` (cuSPARSELt / CUTLASS)
 Calls of the providers of one shape are interleaved (round robin) so that they see the same machine load; the
-median per provider is reported. ``prune+compress`` rows time ``fastdl.ops.compress_2_4`` (mask + compress in one
-pass) of the dense weight against one dense GEMM (CPU: 4096 x 4096 weight, M = 512; CUDA: the ViT-L MLP shape,
-weight 4096 x 1024, M = 13008). ``memory`` rows compare the bytes held by Sparse24Linear and the dense layer.
+median per provider is reported (a call slower than 0.5 s is timed 1-2 times, marked ``*``). x dense: vs dense bf16
+(the path it replaces), x fp32: vs dense fp32, x best: vs the fastest PyTorch provider; a fastdl row slower than
+any of them is marked ``<<< SLOWER`` and listed again at the end. ``prune+compress`` rows time
+``fastdl.ops.compress_2_4`` (mask + compress in one pass) of the dense weight against one dense GEMM (CPU: 4096 x
+4096 weight, M = 512; CUDA: the ViT-L MLP shape, weight 4096 x 1024, M = 13008). ``memory`` rows compare the bytes
+held by Sparse24Linear and the dense layer.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
@@ -25,11 +28,25 @@ from torch import nn
 from .. import backends
 from ..nn.sparse24 import Sparse24Linear
 from ..ops import sparse24 as sp
-from .common import env_columns, measured_matmul_peak, print_table, progress, sync, write_csv
+from .common import (
+    LiveTable,
+    activity,
+    env_columns,
+    interleaved,
+    mark_slower,
+    measured_matmul_peak,
+    over_time,
+    print_header,
+    say,
+    write_csv,
+)
 
 DEFAULT_M = (1, 16, 128, 512)
 DEFAULT_N = (4096, 11008)
 CUDA_EXTRA_M = (2048, 8192)
+QUICK_ARGS = ["--m", "1", "16", "128", "--n", "4096", "--budget", "0.3"]
+ALL_ARGS = ["--budget", "0.6"]
+TORCH_PROVIDERS = ("dense", "dense_fp32", "semi")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -72,33 +89,10 @@ def _wait_idle(timeout: float = 20.0, limit: float = 0.08) -> None:
         pass
 
 
-def _interleaved(fns: dict, device: str, budget: float, min_reps: int = 5, max_reps: int = 200,
-                 wait_idle: bool = False) -> dict:
+def _interleaved(fns: dict, device: str, budget: float, wait_idle: bool = False) -> dict:
     """Median seconds per call of each function, calling them round robin (same load for all)."""
-    for fn in fns.values():  # warm-up (and caches)
-        fn()
-        fn()
-    sync(device)
-    times = {k: [] for k in fns}
-    start = time.perf_counter()
-    reps = 0
-    while reps < max_reps and (reps < min_reps or time.perf_counter() - start < budget):
-        if wait_idle and reps % 5 == 0:
-            _wait_idle()
-        for name, fn in fns.items():
-            if device.startswith("cuda"):
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-                fn()
-                e1.record()
-                e1.synchronize()
-                times[name].append(e0.elapsed_time(e1) / 1e3)
-            else:
-                t0 = time.perf_counter()
-                fn()
-                times[name].append(time.perf_counter() - t0)
-        reps += 1
-    return {k: statistics.median(v) for k, v in times.items()}
+    before = (lambda r: _wait_idle() if r % 5 == 0 else None) if wait_idle else None
+    return interleaved(fns, device, budget_s=budget, before_round=before)
 
 
 def _semi(w: torch.Tensor):
@@ -107,11 +101,11 @@ def _semi(w: torch.Tensor):
     return to_sparse_semi_structured(w)
 
 
-def _providers(x, wd, values, meta, bias, module, semi) -> dict:
-    fns = {
-        "dense": lambda: F.linear(x, wd, bias),
-        "fastdl": lambda: sp.sparse24_linear(x, values, meta, bias),
-    }
+def _providers(x, wd, values, meta, bias, module, semi, x32=None, wd32=None) -> dict:
+    fns = {"dense": lambda: F.linear(x, wd, bias)}
+    if wd32 is not None:
+        fns["dense_fp32"] = lambda: F.linear(x32, wd32)
+    fns["fastdl"] = lambda: sp.sparse24_linear(x, values, meta, bias)
     if module is not None:
         fns["module"] = lambda: module(x)
     if semi is not None:
@@ -119,99 +113,130 @@ def _providers(x, wd, values, meta, bias, module, semi) -> dict:
     return fns
 
 
+COLUMNS = [("M", "M", 5), ("K", "K", 5), ("N", "N", 5), ("provider", "provider", 10), ("path", "path", 8),
+           ("ms", "ms", 9), ("x_dense", "x dense", 7), ("x_fp32", "x fp32", 6), ("x_best", "x best", 6),
+           ("gflops", "GFLOP/s", 7), ("pct_peak", "% peak", 6), ("weight_gbps", "W GB/s", 6)]  # fmt: skip
+
+
 def run(args) -> list[dict]:
     device = args.device
     cuda = device.startswith("cuda")
     dtype = _DTYPES[args.dtype]
     torch.manual_seed(0)
+    print_header("sparse24", device)
+    activity("measuring the matmul peak")
     peak = measured_matmul_peak(device, dtype)
+    if dtype != torch.float32:
+        peak = max(peak, measured_matmul_peak(device, torch.float32))
     env = env_columns(device)
     dev_type = "cuda" if cuda else "cpu"
     fastdl_backend = backends.select("sparse24_linear", dev_type)
-    print(f"sparse24 on {env['device_name']}; measured {args.dtype} matmul peak {peak / 1e9:.0f} GFLOP/s; "
-          f"fastdl sparse24_linear backend: {fastdl_backend}")
+    say(f"   {args.dtype}; peak = faster of {args.dtype}/fp32 torch.mm: {peak / 1e9:.0f} GFLOP/s; "
+        f"fastdl sparse24_linear backend: {fastdl_backend}")
     ms = args.m or (list(DEFAULT_M) + (list(CUDA_EXTRA_M) if cuda else []))
     ns = args.n or list(DEFAULT_N)
     K = args.k
-    rows = []
     base = {"op": "sparse24", "device": device, "dtype": args.dtype, "K": K, **env}
-
-    for N in progress(ns, desc="sparse24"):
-        w = torch.randn(N, K, device=device, dtype=dtype) / K**0.5
-        values, meta = sp.compress_2_4(w)
-        wd = sp.decompress_2_4(values, meta)  # the masked dense weight: the same function for every provider
-        bias = None
-        module = None
-        if not args.no_module:
-            lin = nn.Linear(K, N, bias=False, device=device, dtype=dtype)
-            with torch.no_grad():
-                lin.weight.copy_(wd)
-            module = Sparse24Linear.from_linear(lin).requires_grad_(False)
-        semi = None
-        semi_why = None
-        if cuda:
-            try:
-                semi = _semi(wd)
-            except Exception as exc:  # unsupported GPU / dtype / shape: reported, not fatal
-                semi_why = f"{type(exc).__name__}: {exc}"
-                print(f"  semi-structured unavailable for N={N} K={K}: {semi_why}")
-        for M in ms:
-            x = torch.randn(M, K, device=device, dtype=dtype)
-            fns = _providers(x, wd, values, meta, bias, module, semi)
-            with torch.no_grad():
+    table = LiveTable(COLUMNS)
+    other_rows: list[dict] = []
+    try:
+        for N in ns:
+            if over_time(f"N = {N} and later"):
+                break
+            activity(f"sparse24: compressing a {N} x {K} weight")
+            w = torch.randn(N, K, device=device, dtype=dtype) / K**0.5
+            values, meta = sp.compress_2_4(w)
+            wd = sp.decompress_2_4(values, meta)  # the masked dense weight: the same function for every provider
+            wd32 = wd.float() if dtype != torch.float32 else None
+            bias = None
+            module = None
+            if not args.no_module:
+                lin = nn.Linear(K, N, bias=False, device=device, dtype=dtype)
+                with torch.no_grad():
+                    lin.weight.copy_(wd)
+                module = Sparse24Linear.from_linear(lin).requires_grad_(False)
+            semi = None
+            if cuda:
                 try:
-                    t = _interleaved(fns, device, args.budget, wait_idle=args.wait_idle)
-                except Exception as exc:
-                    print(f"  failed at M={M} N={N}: {type(exc).__name__}: {exc}")
-                    continue
-            flops = 2 * M * N * K
-            for name, sec in t.items():
-                wbytes = N * K * wd.element_size() if name == "dense" else (
-                    values.numel() * values.element_size() + meta.numel())
-                rows.append({
-                    **base, "kind": "linear", "M": M, "N": N, "provider": name, "ms": sec * 1e3,
-                    "speedup_vs_dense": t["dense"] / sec, "gflops": flops / sec / 1e9,
-                    "pct_peak": 100 * flops / sec / peak, "weight_gbps": wbytes / sec / 1e9,
-                    "path": module.path_for(x) if name == "module" else (
-                        fastdl_backend if name == "fastdl" else ""),
-                })
-        if module is not None:
-            dense_bytes = N * K * torch.finfo(torch.bfloat16).bits // 8
-            rows.append({**base, "kind": "memory", "N": N, "provider": "module",
-                         "bytes": module.weight_bytes(), "dense_bf16_bytes": dense_bytes,
-                         "ratio_vs_dense_bf16": module.weight_bytes() / dense_bytes})
-        del w, wd, values, meta, module, semi
+                    semi = _semi(wd)
+                except Exception as exc:  # unsupported GPU / dtype / shape: reported, not fatal
+                    say(f"  semi-structured unavailable for N={N} K={K}: {type(exc).__name__}: {exc}")
+            for M in ms:
+                if over_time(f"M = {M} and later at N = {N}"):
+                    break
+                activity(f"sparse24 M={M} K={K} N={N}")
+                x = torch.randn(M, K, device=device, dtype=dtype)
+                x32 = x.float() if wd32 is not None else None
+                fns = _providers(x, wd, values, meta, bias, module, semi, x32, wd32)
+                with torch.no_grad():
+                    try:
+                        t = _interleaved(fns, device, args.budget, wait_idle=args.wait_idle)
+                    except Exception as exc:
+                        say(f"  failed at M={M} N={N}: {type(exc).__name__}: {exc}")
+                        continue
+                _rows(table, t, base, M, N, K, x, module, fastdl_backend, values, meta, wd, peak)
+            if module is not None:
+                dense_bytes = N * K * torch.finfo(torch.bfloat16).bits // 8
+                r = {**base, "kind": "memory", "N": N, "provider": "module", "bytes": module.weight_bytes(),
+                     "dense_bf16_bytes": dense_bytes, "ratio_vs_dense_bf16": module.weight_bytes() / dense_bytes}
+                other_rows.append(r)
+                say(f"memory N={N} K={K}: Sparse24Linear {r['bytes'] / 2**20:.1f} MiB = "
+                    f"{r['ratio_vs_dense_bf16']:.3f}x the dense bf16 layer")
+            del w, wd, wd32, values, meta, module, semi
 
-    # prune + compress (one pass over the dense weight) vs one dense GEMM
-    if cuda:
+        # prune + compress (one pass over the dense weight) vs one dense GEMM
+        if not over_time("the prune+compress measurement"):
+            other_rows.append(_prune_compress(args, device, dtype, dev_type, base))
+    except KeyboardInterrupt:
+        say("  interrupted: the rows above are complete")
+    table.close("fastdl sparse24", "PyTorch")
+    rows = table.rows + other_rows
+    if args.csv:
+        write_csv(rows, args.csv)
+    return rows
+
+
+def _rows(table, t, base, M, N, K, x, module, fastdl_backend, values, meta, wd, peak) -> None:
+    flops = 2 * M * N * K
+    torch_t = {k: v for k, v in t.items() if k in TORCH_PROVIDERS}
+    best = min(torch_t, key=torch_t.get)
+    for name, sec in t.items():
+        wbytes = (N * K * (4 if name == "dense_fp32" else wd.element_size())) if name.startswith("dense") else (
+            values.numel() * values.element_size() + meta.numel() * meta.element_size())
+        row = {
+            **base, "kind": "linear", "M": M, "N": N, "provider": name, "ms": sec * 1e3, "reps": sec.reps,
+            "reduced": sec.reduced, "x_dense": t["dense"] / sec,
+            "x_fp32": t["dense_fp32"] / sec if "dense_fp32" in t else None, "x_best": torch_t[best] / sec,
+            "best_pytorch": best, "gflops": flops / sec / 1e9, "pct_peak": 100 * flops / sec / peak,
+            "weight_gbps": wbytes / sec / 1e9,
+            "path": module.path_for(x) if name == "module" else (fastdl_backend if name == "fastdl" else ""),
+        }  # fmt: skip
+        if name in ("fastdl", "module"):
+            checks = {"dense bf16": row["x_dense"], "dense fp32": row["x_fp32"]}
+            if best not in ("dense", "dense_fp32"):
+                checks[f"best PyTorch ({best})"] = row["x_best"]
+            mark_slower(row, checks)
+        table.add(row)
+
+
+def _prune_compress(args, device, dtype, dev_type, base) -> dict:
+    if device.startswith("cuda"):
         pN, pK, pM = 4096, 1024, 13008  # ViT-L MLP: 1024 -> 4096, 13008 tokens
     else:
         pN, pK, pM = 4096, 4096, 512
+    activity("sparse24 prune+compress vs one dense GEMM")
     w = torch.randn(pN, pK, device=device, dtype=dtype)
     x = torch.randn(pM, pK, device=device, dtype=dtype)
     with torch.no_grad():
         t = _interleaved({"prune+compress": lambda: sp.compress_2_4(w), "dense_gemm": lambda: F.linear(x, w)},
                          device, args.budget, wait_idle=args.wait_idle)
-    rows.append({**base, "K": pK, "kind": "prune+compress", "M": pM, "N": pN,
-                 "provider": backends.select("compress_2_4", dev_type, (w,)), "ms": t["prune+compress"] * 1e3,
-                 "dense_gemm_ms": t["dense_gemm"] * 1e3,
-                 "ratio_vs_dense_gemm": t["prune+compress"] / t["dense_gemm"],
-                 "weight_gbps": (w.numel() * w.element_size() * 1.5625) / t["prune+compress"] / 1e9})
-
-    lin_rows = [r for r in rows if r["kind"] == "linear"]
-    print_table(lin_rows, [("M", "M"), ("K", "K"), ("N", "N"), ("provider", "provider"), ("path", "path"),
-                           ("ms", "ms"), ("speedup_vs_dense", "x dense"), ("gflops", "GFLOP/s"),
-                           ("pct_peak", "% peak"), ("weight_gbps", "W GB/s")])
-    for r in rows:
-        if r["kind"] == "memory":
-            print(f"memory N={r['N']} K={r['K']}: Sparse24Linear {r['bytes'] / 2**20:.1f} MiB = "
-                  f"{r['ratio_vs_dense_bf16']:.3f}x the dense bf16 layer")
-        elif r["kind"] == "prune+compress":
-            print(f"prune+compress {r['N']}x{r['K']} ({r['provider']}): {r['ms']:.2f} ms = "
-                  f"{r['ratio_vs_dense_gemm']:.3f}x one dense GEMM at M={r['M']} ({r['dense_gemm_ms']:.2f} ms)")
-    if args.csv:
-        write_csv(rows, args.csv)
-    return rows
+    r = {**base, "K": pK, "kind": "prune+compress", "M": pM, "N": pN,
+         "provider": backends.select("compress_2_4", dev_type, (w,)), "ms": t["prune+compress"] * 1e3,
+         "dense_gemm_ms": t["dense_gemm"] * 1e3, "ratio_vs_dense_gemm": t["prune+compress"] / t["dense_gemm"],
+         "weight_gbps": (w.numel() * w.element_size() * 1.5625) / t["prune+compress"] / 1e9}
+    say(f"prune+compress {pN}x{pK} ({r['provider']}): {r['ms']:.2f} ms = {r['ratio_vs_dense_gemm']:.3f}x one dense "
+        f"GEMM at M={pM} ({r['dense_gemm_ms']:.2f} ms{'*' if t['dense_gemm'].reduced else ''})")
+    return r
 
 
 def main(argv=None) -> None:

@@ -1,7 +1,8 @@
 """Drop-in replacements for ``nn.Linear`` that call fastdl's ops."""
 
-from .fused_linear import FusedLinear
+from ._base import CheckpointError, decode_extra_state
+from .fused_linear import FusedActivation, FusedLinear
 from .int8 import Int8Linear
 from .sparse24 import Sparse24Linear
 
-__all__ = ["FusedLinear", "Int8Linear", "Sparse24Linear"]
+__all__ = ["CheckpointError", "FusedActivation", "FusedLinear", "Int8Linear", "Sparse24Linear", "decode_extra_state"]

@@ -5,9 +5,11 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .. import ops
+from ..dispatch import RuntimeChoice
 from ..ops.fused_linear import check_activation
 
 _ACT_MODULES = {"relu": nn.ReLU, "gelu": nn.GELU, "silu": nn.SiLU}
@@ -22,7 +24,22 @@ def activation_module(activation: str) -> nn.Module | None:
     return _ACT_MODULES[activation]()
 
 
-class FusedLinear(nn.Module):
+class FusedActivation(nn.Identity):
+    """What ``fastdl.convert`` leaves where an activation module was fused into the preceding ``FusedLinear``: an
+    identity (no parameters: the state dict keys do not move) that records which activation it stands for."""
+
+    def __init__(self, activation: str = "none") -> None:
+        super().__init__()
+        self.activation = activation
+
+    def recipe(self) -> dict:
+        return {"activation": self.activation}
+
+    def extra_repr(self) -> str:
+        return f"{self.activation!r}, fused into the preceding FusedLinear"
+
+
+class FusedLinear(RuntimeChoice, nn.Module):
     """Drop-in for ``nn.Linear(in_features, out_features, bias)`` followed by ``activation``.
 
     Same parameters (``weight [out, in]``, ``bias [out]``), the same initialisation and the same ``state_dict`` keys
@@ -31,6 +48,11 @@ class FusedLinear(nn.Module):
     weights stay fp32 (master weights) and the kernel rounds them on the fly.
 
     activation: ``"none" | "relu" | "gelu" | "gelu_tanh" | "silu"`` ("gelu" is the exact erf form).
+
+    Paths, chosen per bucket of input rows (``fastdl.dispatch``): ``"fused"`` (``fastdl.ops.fused_linear``, the
+    default) or ``"aten"`` (``F.linear`` + the activation (+ residual) in PyTorch: what the original layer computed;
+    offered when the weight, bias and residual have x's dtype, i.e. not for fp32 master weights with bf16 inputs).
+    ``runtime_choice = False`` pins the fused path.
     """
 
     __constants__ = ["in_features", "out_features", "activation"]
@@ -56,6 +78,7 @@ class FusedLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
         self.reset_parameters()
+        self._init_choice()
 
     def reset_parameters(self) -> None:
         """The initialisation of ``nn.Linear`` (kaiming-uniform weight, uniform bias)."""
@@ -66,13 +89,59 @@ class FusedLinear(nn.Module):
             nn.init.uniform_(self.bias, -bound, bound)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        return ops.fused_linear(x, self.weight, self.bias, self.activation, residual)
+        k = self.in_features
+        key = ((x.numel() // k if k else 0).bit_length(), x.dtype, residual is not None)
+        path = self._choice_local.get(key) or self._choose(x, key, residual)
+        if path == "fused":
+            return ops.fused_linear(x, self.weight, self.bias, self.activation, residual)
+        return self._run_path(path, x, residual)
+
+    # ------------------------------------------------------------------------------ run-time choice (dispatch)
+    def _choice_layer(self) -> tuple:
+        return ("FusedLinear", self.in_features, self.out_features, self.bias is not None, self.activation)
+
+    def _choice_key(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple:
+        k = self.in_features
+        return ((x.numel() // k if k else 0).bit_length(), x.dtype, residual is not None)
+
+    def _choice_default(self, x, residual=None) -> str:
+        return "fused"
+
+    def _choice_paths(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[str, ...]:
+        w, b, dt = self.weight, self.bias, x.dtype
+        if (w.dtype != dt or (b is not None and b.dtype != dt) or x.dim() < 1 or x.shape[-1] != self.in_features
+                or (residual is not None and (residual.dtype != dt
+                                              or residual.shape != (*x.shape[:-1], self.out_features)))):
+            return ("fused",)  # the fused op casts (or names the problem); F.linear would not do the same
+        return ("fused", "aten")
+
+    def _run_path(self, path: str, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if path == "fused":
+            return ops.fused_linear(x, self.weight, self.bias, self.activation, residual)
+        out = F.linear(x, self.weight, self.bias)
+        inplace = not out.requires_grad
+        act = self.activation
+        if act == "relu":
+            out = torch.relu_(out) if inplace else torch.relu(out)
+        elif act == "gelu":
+            out = F.gelu(out)
+        elif act == "gelu_tanh":
+            out = F.gelu(out, approximate="tanh")
+        elif act == "silu":
+            out = F.silu(out, inplace=inplace)
+        if residual is not None:
+            out = out.add_(residual) if inplace else out + residual
+        return out
 
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
             f"activation={self.activation!r}"
         )
+
+    def recipe(self) -> dict:
+        """How to rebuild this layer from an ``nn.Linear`` of its shape (``fastdl.save``/``load`` use it)."""
+        return {"activation": self.activation}
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, activation: str = "none") -> FusedLinear:
@@ -88,7 +157,12 @@ class FusedLinear(nn.Module):
             mod.bias = linear.bias
         else:
             mod.register_parameter("bias", None)
+        mod._init_choice()
         return mod
+
+    def _apply(self, fn, recurse=True):  # .to() / .half(): decisions are per device and dtype
+        self._choice_reset()
+        return super()._apply(fn, recurse)
 
     def to_linear(self) -> nn.Module:
         """The plain PyTorch equivalent sharing the parameters: ``nn.Linear``, or ``nn.Sequential(Linear, act)``."""

@@ -15,25 +15,35 @@ of the fp32 layer's bytes). On the CPU, when the C++ kernels are available, a dy
 *once*, in the VNNI-packed layout of the kernel (``weight_packed``/``weight_comp``, non-persistent buffers made at
 construction, load and device move - never per call); ``weight`` is then None and ``qweight`` unpacks it.
 
+Paths (inference layers): per bucket of input rows (``fastdl.dispatch``: measured on the first no-grad call at the
+bucket, cached, saved with ``fastdl.save_decisions``) the layer runs its int8 op (``"kernel"``, the default) or
+``"dequant"``: ``F.linear`` on the dequantized weight, which wins where the layer is compute-bound (large M) or where
+the op's per-call cost shows (M = 1, tiny layers). The dequantized weight (``out x in`` in x's dtype: in fp32 4x the
+int8 weight, what the original ``nn.Linear`` held) is kept only while a bucket of that dtype chooses ``"dequant"``
+(``cache_bytes()``, ``memory_bytes()`` count it; ``release_caches()`` drops it). ``runtime_choice = False`` pins the
+op.
+
 QAT (``trainable=True``) holds fp32 master weights (``weight``, a Parameter, like ``nn.Linear``): in training mode the
 forward runs the int8 GEMM on the quantized weight and activations and the backward is straight-through in the float
 dtype (``fastdl.ops.int8_linear_qat``), so a standard (DDP) loop fine-tunes it; in eval mode it serves inference from
 int8 weights re-quantized from the master weights (on ``eval()``, or on the first eval call after an update).
 ``freeze()`` turns it into an inference layer (drops the master weights).
 
-state_dict (format version 2)
+state_dict (format version 3)
   inference: ``weight`` int8 ``[out, in]`` (the plain layout, also when held packed), ``weight_scale`` fp32 ``[out]``,
              ``weight_group_scale`` uint8 ``[out, ceil(in / 16)]`` (grouped weight-only layers only), ``bias``
              ``[out]`` (if any), ``_extra_state``
   trainable: ``weight`` fp32 master ``[out, in]``, ``bias``, ``_extra_state``
-  ``_extra_state`` = ``{"format": "fastdl.Int8Linear", "version": 2, "mode": ..., "trainable": ...,
+  ``_extra_state`` = the record ``{"format": "fastdl.Int8Linear", "version": 3, "mode": ..., "trainable": ...,
   "in_features": ..., "out_features": ..., "group_size": 16 or None, "quantization": <one line describing it>}``
-  (plain Python types: ``torch.load(weights_only=True)`` reads it). Version 1 (fastdl before group scales) is the same
-  without ``group_size`` and ``weight_group_scale``: per-channel scales. Any of these loads into any ``Int8Linear`` of
-  the same shape, and so does a plain ``nn.Linear`` checkpoint: float weights are quantized on load the layer's way; an
-  int8 weight keeps the checkpoint's scales exactly (a per-channel checkpoint makes a layer per-channel, a grouped one
-  grouped - which only ``mode="weight_only"`` serves); an int8 weight loaded into a trainable layer becomes its
-  dequantized master weight. The checkpoint is device independent.
+  stored as a uint8 tensor of its JSON text (``fastdl.nn.decode_extra_state`` reads it), so the state dict holds only
+  tensors: it saves as safetensors and loads with ``torch.load(weights_only=True)``. Version 2 is the same record
+  kept as a Python dict; version 1 (fastdl before group scales) is that without ``group_size`` and
+  ``weight_group_scale``: per-channel scales. Any of these loads into any ``Int8Linear`` of the same shape, and so
+  does a plain ``nn.Linear`` checkpoint: float weights are quantized on load the layer's way; an int8 weight keeps the
+  checkpoint's scales exactly (a per-channel checkpoint makes a layer per-channel, a grouped one grouped - which only
+  ``mode="weight_only"`` serves); an int8 weight loaded into a trainable layer becomes its dequantized master weight.
+  The checkpoint is device independent. A checkpoint this layer cannot load raises ``fastdl.CheckpointError``.
 """
 
 from __future__ import annotations
@@ -41,14 +51,17 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .. import backends
+from ..dispatch import RuntimeChoice
 from ..ops import int8 as int8_ops
+from ._base import VersionedModule, is_dtensor, not_a_view
 
 MODES = ("dynamic", "weight_only")
 FORMAT = "fastdl.Int8Linear"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 3: the extra state is a JSON uint8 tensor (2: a dict; 1: no group scales)
 GROUP_SIZES = (int8_ops.WEIGHT_GROUP, None)
 _QUANT_DOC = {
     None: "symmetric per-channel int8, scale = amax / 127",
@@ -104,7 +117,7 @@ def _cpu_packing_available() -> bool:
     return backends.available("cpp", "int8_linear", "cpu")[0]
 
 
-class Int8Linear(nn.Module):
+class Int8Linear(RuntimeChoice, VersionedModule):
     """Drop-in for ``nn.Linear(in_features, out_features, bias)`` with int8 weights. See the module docstring.
 
     ``Int8Linear(in, out)`` is initialised like ``nn.Linear`` (then quantized); usually it is made with
@@ -112,6 +125,8 @@ class Int8Linear(nn.Module):
     """
 
     __constants__ = ["in_features", "out_features", "mode", "trainable", "group_size"]
+    FORMAT = FORMAT
+    FORMAT_VERSION = FORMAT_VERSION
 
     def __init__(
         self,
@@ -143,8 +158,7 @@ class Int8Linear(nn.Module):
     # ------------------------------------------------------------------------------------------ representation
     def _init_weight(self, w: torch.Tensor) -> None:
         """Set the weight from a float ``[out, in]`` tensor (a copy is kept as master weight when trainable)."""
-        self._cache = None
-        self._cache_version = None
+        self._weight_cache.clear()
         if self.trainable:
             self.weight = nn.Parameter(w.detach().clone())
             self.register_buffer("weight_scale", None, persistent=False)
@@ -156,6 +170,7 @@ class Int8Linear(nn.Module):
 
     def _set_quantized(self, q: torch.Tensor, s: torch.Tensor, g: torch.Tensor | None = None) -> None:
         """Inference layers: hold ``q`` plainly, or only its VNNI packing on the CPU when the C++ kernel reads it."""
+        self._weight_cache.clear()  # the dequantized weights of the "dequant" path belong to the old weights
         self._buffers["weight_scale"] = s.float()
         self._buffers["weight_group_scale"] = g
         packed, comp = self._pack(q)
@@ -185,7 +200,7 @@ class Int8Linear(nn.Module):
         as a stride-0 placeholder of shape [out, in] (made per call: 1 byte, and never copied by deepcopy/clone into a
         dense tensor that would then be taken for the weight)."""
         if self.trainable:
-            w, scale, group, packed, comp = self._cache
+            w, scale, group, packed, comp = self._weight_cache.get("quantized")
         else:
             w, scale, group = self._buffers.get("weight"), self.weight_scale, self.weight_group_scale
             packed, comp = self.weight_packed, self.weight_comp
@@ -194,33 +209,103 @@ class Int8Linear(nn.Module):
         return w, scale, group, packed, comp
 
     def _cache_stale(self) -> bool:
-        return self._cache is None or self._cache_version != (self.weight._version, self.weight.data_ptr())
+        return self._weight_cache.get("quantized") is None or not self._weight_cache.is_fresh(self.weight)
 
     @torch.no_grad()
     def sync_quantized(self) -> None:
         """Trainable layers: re-quantize the master weights for inference (done by ``eval()`` and, outside
-        ``torch.compile``, by the first eval-mode call after the weights changed)."""
-        if not self.trainable:
+        ``torch.compile``, by the first eval-mode call after the weights changed). A sharded master weight (a DTensor,
+        e.g. under FSDP2 outside forward) is quantized on the first eval call instead, when it is whole."""
+        if not self.trainable or is_dtensor(self.weight):
             return
         q, s, g = _quantize_weight(self.weight, self.group_size, search=False)
         packed, comp = self._pack(q)
-        self._cache = (None if packed is not None else q, s, g, packed, comp)
-        self._cache_version = (self.weight._version, self.weight.data_ptr())
+        self._weight_cache.sync(self.weight)
+        self._weight_cache.set("quantized", (None if packed is not None else q, s, g, packed, comp))
 
     # ----------------------------------------------------------------------------------------------- forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return not_a_view(self._forward(x))
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.trainable:
+            k = self.in_features
+            key = ((x.numel() // k if k else 0).bit_length(), x.dtype)
+            path = self._choice_local.get(key) or self._choose(x, key)
+            if path == "dequant":  # inlined: this is the path of tiny shapes, where ~1 us per call shows
+                w = self._weight_cache.get(("dequant", x.dtype))
+                if w is None:
+                    w = self.dequantized_weight(x.dtype)
+                b = self.bias
+                return F.linear(x, w, b if b is None or b.dtype == x.dtype else b.to(x.dtype))
+        return self._kernel_forward(x)
+
+    def _kernel_forward(self, x: torch.Tensor) -> torch.Tensor:
         weight_only = self.mode == "weight_only"
         if self.trainable:
             if self.training:
                 return int8_ops.int8_linear_qat(x, self.weight, self.bias, weight_only)
             if not torch.compiler.is_compiling() and self._cache_stale():
                 self.sync_quantized()
-            if self._cache is None:  # compiled before any sync: quantize on the fly (same result)
+            if self._weight_cache.get("quantized") is None:  # compiled before any sync: quantize on the fly
                 return int8_ops.int8_linear_qat(x, self.weight, self.bias, weight_only)
         w_q, w_scale, w_group, w_packed, w_comp = self._quantized()
         if weight_only:
             return int8_ops.int8_weight_only_linear(x, w_q, w_scale, self.bias, w_group)
         return int8_ops.int8_linear(x, w_q, w_scale, self.bias, w_packed, w_comp)
+
+    # ------------------------------------------------------------------------------ run-time choice (dispatch)
+    # Inference layers choose per bucket of input rows between "kernel" (the int8 op of their mode, the default) and
+    # "dequant": F.linear on the dequantized weight w_q * scales (* group scales), made once per dtype and held in
+    # the weight cache ONLY while "dequant" is the decision of at least one bucket of that dtype (and while a new
+    # bucket is timed): N x K x itemsize bytes, in fp32 4x the int8 weight, i.e. what the original nn.Linear held.
+    # Compute-bound shapes (large M) are faster as a GEMM than through an int8 kernel that converts weights tile by
+    # tile. Trainable (QAT) layers always run their op.
+    def _choice_layer(self) -> tuple:
+        return ("Int8Linear", self.mode, self.group_size, self.in_features, self.out_features, self.bias is not None)
+
+    def _choice_default(self, x) -> str:
+        return "kernel"
+
+    def _choice_paths(self, x: torch.Tensor) -> tuple[str, ...]:
+        if (self.trainable or x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or x.dim() < 1
+                or x.shape[-1] != self.in_features or x.device != self.weight_scale.device):
+            return ("kernel",)  # the op names the problem
+        return ("kernel", "dequant")
+
+    def _run_path(self, path: str, x: torch.Tensor) -> torch.Tensor:
+        if path == "kernel":
+            return self._kernel_forward(x)
+        b = self.bias
+        if b is not None and b.dtype != x.dtype:
+            b = b.to(x.dtype)
+        return F.linear(x, self.dequantized_weight(x.dtype), b)
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``w_q * weight_scale`` (times the group scales) as a ``[out, in]`` tensor of ``dtype``: cached while the
+        "dequant" path is chosen for ``dtype`` (see above), else made per call. The cache is dropped whenever the
+        quantized weights are replaced (``load_state_dict``, a device move); int8 buffers changed in place by hand
+        are not seen: call ``release_caches()`` after doing that."""
+        cache = self._weight_cache
+        w = cache.get(("dequant", dtype))
+        if w is not None:
+            return w
+        with torch.no_grad():
+            w = _dequantize(self.qweight, self.weight_scale, self.weight_group_scale).to(dtype).contiguous()
+        if not torch.compiler.is_compiling():  # no state changes inside a graph: made per call there
+            cache.set(("dequant", dtype), w)
+        return w
+
+    def _choice_released(self, kept: set) -> None:
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            if ("dequant", dtype) not in kept:
+                self._weight_cache.pop(("dequant", dtype))
+
+    def cache_bytes(self) -> int:
+        """Bytes of the dequantized weights held for the "dequant" path (0 while no bucket chose it)."""
+        cache = self._weight_cache
+        return sum(cache.get(k).numel() * cache.get(k).element_size() for k in cache.names()
+                   if isinstance(k, tuple) and k[0] == "dequant")
 
     def train(self, mode: bool = True):
         super().train(mode)
@@ -232,8 +317,7 @@ class Int8Linear(nn.Module):
         # Move/convert the plain int8 weight (never the packed copy or the placeholder), keep the scales fp32, then
         # re-derive the packing for the new device.
         if self.trainable:
-            super()._apply(fn, recurse)
-            self._cache = None
+            super()._apply(fn, recurse)  # drops the cache
             if not self.training:
                 self.sync_quantized()
             return self
@@ -250,10 +334,8 @@ class Int8Linear(nn.Module):
         return self
 
     # ---------------------------------------------------------------------------------------------- state_dict
-    def get_extra_state(self) -> dict:
+    def _record_fields(self) -> dict:
         return {
-            "format": FORMAT,
-            "version": FORMAT_VERSION,
             "mode": self.mode,
             "trainable": self.trainable,
             "in_features": self.in_features,
@@ -262,14 +344,9 @@ class Int8Linear(nn.Module):
             "quantization": _QUANT_DOC[self.group_size],
         }
 
-    def set_extra_state(self, state) -> None:
-        if not isinstance(state, dict) or state.get("format") != FORMAT:
-            raise RuntimeError(f"Int8Linear: _extra_state is not a {FORMAT} record: {state!r}")
-        if int(state.get("version", 0)) > FORMAT_VERSION:
-            raise RuntimeError(
-                f"Int8Linear: checkpoint format version {state['version']} is newer than this fastdl's "
-                f"({FORMAT_VERSION}); upgrade fastdl to load it"
-            )
+    def recipe(self) -> dict:
+        """How to rebuild this layer from an ``nn.Linear`` of its shape (``fastdl.save``/``load`` use it)."""
+        return {"mode": self.mode, "trainable": self.trainable, "group_size": self.group_size}
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         def val(t):
@@ -292,58 +369,60 @@ class Int8Linear(nn.Module):
         for key in state_dict:
             if key.startswith(prefix) and key[len(prefix):].split(".", 1)[0] not in known:
                 unexpected_keys.append(key)
-        extra = state_dict.get(prefix + "_extra_state")
-        if extra is not None:
-            try:
-                self.set_extra_state(extra)
-            except RuntimeError as exc:
-                error_msgs.append(str(exc))
-                return
-        shape = (self.out_features, self.in_features)
+        if prefix + "_extra_state" in state_dict:
+            self.read_record(state_dict[prefix + "_extra_state"], prefix)
         w = state_dict.get(prefix + "weight")
-        s = state_dict.get(prefix + "weight_scale")
-        g = state_dict.get(prefix + "weight_group_scale")
-        b = state_dict.get(prefix + "bias")
-        gshape = (self.out_features, int8_ops.group_count(self.in_features))
         if w is None:
             missing_keys.append(prefix + "weight")
-        elif tuple(w.shape) != shape:
-            error_msgs.append(f"size mismatch for {prefix}weight: copying a param with shape {tuple(w.shape)} from "
-                              f"checkpoint, the shape in current model is {shape}.")  # fmt: skip
-            w = None
-        elif w.dtype == torch.int8 and s is None:
-            missing_keys.append(prefix + "weight_scale")
-            w = None
-        elif w.dtype == torch.int8 and (s.dtype != torch.float32 or tuple(s.shape) != (self.out_features,)):
-            error_msgs.append(f"{prefix}weight_scale must be float32 of shape [{self.out_features}], got "
-                              f"{s.dtype} {tuple(s.shape)}")  # fmt: skip
-            w = None
-        elif w.dtype == torch.int8 and g is not None and (g.dtype != torch.uint8 or tuple(g.shape) != gshape):
-            error_msgs.append(f"{prefix}weight_group_scale must be uint8 of shape {list(gshape)}, got {g.dtype} "
-                              f"{tuple(g.shape)}")  # fmt: skip
-            w = None
-        elif w.dtype == torch.int8 and g is not None and self.mode != "weight_only" and not self.trainable:
-            error_msgs.append(f"{prefix}weight has group scales (weight_group_scale), which only "
-                              "Int8Linear(mode='weight_only') serves; this layer's mode is 'dynamic'")  # fmt: skip
-            w = None
-        elif not (w.dtype == torch.int8 or w.is_floating_point()):
-            error_msgs.append(f"{prefix}weight must be int8 (with weight_scale) or floating, got {w.dtype}")
-            w = None
-        if self.bias is not None:
-            if b is None:
-                missing_keys.append(prefix + "bias")
-            elif tuple(b.shape) != (self.out_features,):
-                error_msgs.append(f"size mismatch for {prefix}bias: copying a param with shape {tuple(b.shape)} "
-                                  f"from checkpoint, the shape in current model is ({self.out_features},).")
-                b = None
-        elif b is not None:
-            unexpected_keys.append(prefix + "bias")
-            b = None
-        if w is not None:
-            self._load_weight(w, s, g if w.dtype == torch.int8 else None)
+        else:
+            s, g = self._checked_scales(state_dict, prefix, w, missing_keys)
+            if s is not None or w.is_floating_point():
+                self._load_weight(w, s, g)
+        b = self._checked_bias(state_dict, prefix, missing_keys, unexpected_keys)
         if b is not None:
             with torch.no_grad():
                 self.bias.copy_(b)
+
+    def _checked_scales(self, state_dict, prefix, w, missing_keys):
+        """(weight_scale, weight_group_scale) that go with a checkpoint's weight, checked; (None, None) for a float
+        weight (quantized on load) or when weight_scale is missing (reported as a missing key)."""
+        shape = (self.out_features, self.in_features)
+        if tuple(w.shape) != shape:
+            raise self._error(prefix, f"size mismatch for weight: the checkpoint has shape {tuple(w.shape)}, this "
+                                      f"layer {shape}")  # fmt: skip
+        if w.is_floating_point():
+            return None, None
+        if w.dtype != torch.int8:
+            raise self._error(prefix, f"weight must be int8 (with weight_scale) or floating, got {w.dtype}")
+        s = state_dict.get(prefix + "weight_scale")
+        g = state_dict.get(prefix + "weight_group_scale")
+        if s is None:
+            missing_keys.append(prefix + "weight_scale")
+            return None, None
+        if s.dtype != torch.float32 or tuple(s.shape) != (self.out_features,):
+            raise self._error(prefix, f"weight_scale must be float32 of shape [{self.out_features}], got {s.dtype} "
+                                      f"{tuple(s.shape)}")  # fmt: skip
+        gshape = (self.out_features, int8_ops.group_count(self.in_features))
+        if g is not None and (g.dtype != torch.uint8 or tuple(g.shape) != gshape):
+            raise self._error(prefix, f"weight_group_scale must be uint8 of shape {list(gshape)}, got {g.dtype} "
+                                      f"{tuple(g.shape)}")  # fmt: skip
+        if g is not None and self.mode != "weight_only" and not self.trainable:
+            raise self._error(prefix, "weight has group scales (weight_group_scale), which only Int8Linear("
+                                      "mode='weight_only') serves; this layer's mode is 'dynamic'")  # fmt: skip
+        return s, g
+
+    def _checked_bias(self, state_dict, prefix, missing_keys, unexpected_keys):
+        b = state_dict.get(prefix + "bias")
+        if self.bias is None:
+            if b is not None:
+                unexpected_keys.append(prefix + "bias")
+            return None
+        if b is None:
+            missing_keys.append(prefix + "bias")
+        elif tuple(b.shape) != (self.out_features,):
+            raise self._error(prefix, f"size mismatch for bias: the checkpoint has shape {tuple(b.shape)}, this "
+                                      f"layer ({self.out_features},)")  # fmt: skip
+        return b
 
     @torch.no_grad()
     def _load_weight(self, w: torch.Tensor, s: torch.Tensor | None, g: torch.Tensor | None) -> None:
@@ -352,7 +431,7 @@ class Int8Linear(nn.Module):
             if w.dtype == torch.int8:
                 w = _dequantize(w, s, g)  # the dequantized weight becomes the master weight
             self.weight.copy_(w)
-            self._cache = None
+            self._weight_cache.clear()
             if not self.training:
                 self.sync_quantized()
             return
@@ -376,7 +455,7 @@ class Int8Linear(nn.Module):
             raise TypeError(f"Int8Linear.from_linear expects an nn.Linear, got {type(linear).__name__}")
         _check_mode(mode)
         mod = cls.__new__(cls)
-        nn.Module.__init__(mod)
+        VersionedModule.__init__(mod)
         mod.in_features, mod.out_features = linear.in_features, linear.out_features
         mod.mode, mod.trainable = mode, bool(trainable)
         mod.group_size = _resolve_group_size(mode, group_size, mod.trainable)
@@ -413,14 +492,13 @@ class Int8Linear(nn.Module):
             return self
         q, s, g = _quantize_weight(self.weight, self.group_size, search=False)
         mod = Int8Linear.__new__(Int8Linear)
-        nn.Module.__init__(mod)
+        VersionedModule.__init__(mod)
         mod.in_features, mod.out_features, mod.mode, mod.trainable, mod.group_size = (
             self.in_features, self.out_features, self.mode, False, self.group_size)  # fmt: skip
         if self.bias is not None:
             mod.bias = nn.Parameter(self.bias.detach().clone(), requires_grad=False)
         else:
             mod.register_parameter("bias", None)
-        mod._cache = mod._cache_version = None
         mod._set_quantized(q, s, g)
         mod.eval()
         return mod
@@ -430,10 +508,7 @@ class Int8Linear(nn.Module):
         counted once)."""
         seen, total = set(), 0
         tensors = list(self.parameters(recurse=False)) + list(self.buffers(recurse=False))
-        extra = []
-        if self.trainable and self._cache is not None:
-            extra += [t for t in self._cache if t is not None]
-        for t in tensors + extra:
+        for t in tensors + self._weight_cache.tensors():
             st = t.untyped_storage()
             key = (st.data_ptr(), t.device)
             if key not in seen:

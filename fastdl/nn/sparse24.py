@@ -16,16 +16,24 @@ the bytes of the dense layer in the same dtype. ``forward`` runs one of three pa
             Inference only: while the values need gradients the module uses the dense path (decompressed per call,
             differentiable) instead of the caches.
 
-``mode="auto"`` (default) chooses per call by the number of rows M of x: CPU: ``sparse`` below ``dense_threshold``
-(default 256; the two meet around M = 512 on the development machine), else ``dense``; CUDA: ``semi`` from
-``semi_min_rows`` (default 1024; cuSPARSELt pads small batches and loses to cuBLAS there) when supported, else
-``dense``. ``mode="sparse"`` / ``"dense"`` force a path (``sparse`` on CUDA means ``semi`` when supported, else
-the fastdl op). Under ``torch.compile`` no cache is built inside the graph: call ``prepare(x_example)`` first (or
-the dense path decompresses per call).
+``mode="auto"`` (default) chooses per bucket of input rows M (powers of two) among the paths that apply, measured
+on the first no-grad call at the bucket (``fastdl.dispatch``: the decision is cached per process, keyed by CPU/GPU,
+dtype, shape and bucket, and can be saved). Without a decision (calls with autograd or inside ``torch.compile`` at
+a new bucket, ``FASTDL_CHOICE=off``, ``runtime_choice = False``) it uses the fixed rule: CPU: ``sparse`` below
+``dense_threshold`` (default 256; the two meet around M = 512 on the development machine), else ``dense``; CUDA:
+``semi`` from ``semi_min_rows`` (default 1024; cuSPARSELt pads small batches and loses to cuBLAS there) when
+supported, else ``dense``. The dense cache is kept only while a bucket uses the dense path (or the fixed rule
+needs it). ``mode="sparse"`` / ``"dense"`` force a path (``sparse`` on CUDA means ``semi`` when supported, else the
+fastdl op). Under ``torch.compile`` no cache is built and nothing is timed inside the graph: call
+``prepare(x_example)`` first (it decides the path for that shape and builds its cache), or the dense path
+decompresses per call.
 
-State dict: ``values``, ``meta``, ``bias`` and an extra state ``{"format": "fastdl.sparse24", "version": 1, ...}``
-(plain ints/strings: ``torch.load(weights_only=True)`` works). A plain ``nn.Linear`` checkpoint (``weight``) loads
-too: it is pruned to 2:4 by magnitude and compressed.
+State dict: ``values``, ``meta``, ``bias`` and an extra state, the record ``{"format": "fastdl.sparse24",
+"version": 2, "in_features": ..., "out_features": ..., "meta_layout": ...}`` stored as a uint8 tensor of its JSON
+text (``fastdl.nn.decode_extra_state`` reads it): only tensors, so it saves as safetensors and loads with
+``torch.load(weights_only=True)``. Version 1 is the same record kept as a Python dict; it still loads. A plain
+``nn.Linear`` checkpoint (``weight``) loads too: it is pruned to 2:4 by magnitude and compressed. A checkpoint this
+module cannot load raises ``fastdl.CheckpointError``.
 """
 
 from __future__ import annotations
@@ -36,11 +44,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..dispatch import RuntimeChoice
 from ..ops import sparse24 as sp_ops
 from ..ops.fused_linear import activation_fn, check_activation
+from ._base import VersionedModule, not_a_view
 
 FORMAT = "fastdl.sparse24"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the extra state is a JSON uint8 tensor (1: a dict)
 PATHS = ("sparse", "dense", "semi")
 MODES = ("auto", "sparse", "dense")
 
@@ -91,7 +101,7 @@ def semi_structured_support(weight_shape, dtype: torch.dtype, device: torch.devi
     return cls, ""
 
 
-class Sparse24Linear(nn.Module):
+class Sparse24Linear(RuntimeChoice, VersionedModule):
     """Drop-in for ``nn.Linear(in_features, out_features, bias)`` with a 2:4-compressed weight. An inference
     module by default; with ``trainable=True`` the values and bias train (the sparsity pattern is fixed by ``meta``).
 
@@ -101,6 +111,8 @@ class Sparse24Linear(nn.Module):
     """
 
     __constants__ = ["in_features", "out_features", "activation"]
+    FORMAT = FORMAT
+    FORMAT_VERSION = FORMAT_VERSION
 
     def __init__(
         self,
@@ -141,7 +153,6 @@ class Sparse24Linear(nn.Module):
         else:
             self.register_parameter("bias", None)
         self.register_buffer("input_permutation", None)
-        self._reset_caches()
         self.last_path: str | None = None
 
     # ------------------------------------------------------------------------------------------ conversion
@@ -161,7 +172,7 @@ class Sparse24Linear(nn.Module):
         out_features, in_features = weight.shape
         kwargs.setdefault("activation", getattr(linear, "activation", "none"))
         mod = cls.__new__(cls)
-        nn.Module.__init__(mod)
+        VersionedModule.__init__(mod)
         check_activation(kwargs["activation"])
         mode = kwargs.get("mode", "auto")
         if mode not in MODES:
@@ -188,7 +199,6 @@ class Sparse24Linear(nn.Module):
             mod.register_parameter("bias", None)
         perm = getattr(linear, "input_permutation", None)
         mod.register_buffer("input_permutation", perm.clone() if isinstance(perm, torch.Tensor) else None)
-        mod._reset_caches()
         mod.last_path = None
         return mod
 
@@ -211,36 +221,20 @@ class Sparse24Linear(nn.Module):
         return lin if act is None else nn.Sequential(lin, act)
 
     # ------------------------------------------------------------------------------------------ caches
-    def _reset_caches(self) -> None:
-        self._dense_cache: torch.Tensor | None = None
-        self._semi_cache = None
-        self._semi_reason: str | None = None
-        self._support: dict = {}
-        self._cache_key = None
-
-    def _apply(self, fn, recurse=True):  # .to() / .cuda() / .half(): caches belong to the old tensors
-        self._reset_caches()
-        return super()._apply(fn, recurse)
-
-    def _key(self):
-        return (self.values.data_ptr(), self.values._version, self.meta.data_ptr(), self.meta._version)
-
+    # self._weight_cache (fastdl.nn._base.WeightCache, valid while values and meta are unchanged) holds "dense"
+    # (the decompressed weight), "semi" (the semi-structured tensor), "semi_reason" (why it could not be built) and
+    # "support" (dtype -> semi_structured_support result).
     def _check_cache(self) -> None:
-        if self._cache_key != self._key():
-            self._reset_caches()
-            self._cache_key = self._key()
-
-    def release_caches(self) -> None:
-        """Drop the cached dense / semi-structured weights (they are rebuilt on demand)."""
-        self._reset_caches()
+        self._weight_cache.sync(self.values, self.meta)
 
     def cache_bytes(self) -> int:
         """Bytes held by the caches (not part of the state dict)."""
         n = 0
-        if self._dense_cache is not None:
-            n += self._dense_cache.numel() * self._dense_cache.element_size()
-        if self._semi_cache is not None:
-            n += sum(t.numel() * t.element_size() for t in _semi_tensors(self._semi_cache))
+        dense, semi = self._weight_cache.get("dense"), self._weight_cache.get("semi")
+        if dense is not None:
+            n += dense.numel() * dense.element_size()
+        if semi is not None:
+            n += sum(t.numel() * t.element_size() for t in _semi_tensors(semi))
         return n
 
     def weight_bytes(self) -> int:
@@ -251,18 +245,18 @@ class Sparse24Linear(nn.Module):
         return n
 
     def _semi_support(self, dtype: torch.dtype) -> tuple[type | None, str]:
-        if dtype not in self._support:
+        support = self._weight_cache.get("support") or {}
+        if dtype not in support:
             if torch.compiler.is_compiling():  # decided eagerly (prepare() or a first eager call), never in a graph
                 return None, "not prepared before torch.compile (call module.prepare(x))"
-            self._support[dtype] = semi_structured_support(
-                (self.out_features, self.in_features), dtype, self.values.device
-            )
-        return self._support[dtype]
+            support[dtype] = semi_structured_support((self.out_features, self.in_features), dtype, self.values.device)
+            self._weight_cache.set("support", support)
+        return support[dtype]
 
     def semi_structured_reason(self, dtype: torch.dtype | None = None) -> str | None:
         """None when the CUDA semi-structured path can serve ``dtype`` here, else why not."""
         cls, why = self._semi_support(dtype or self.values.dtype)
-        return why if cls is None else self._semi_reason
+        return why if cls is None else self._weight_cache.get("semi_reason")
 
     def _training_values(self) -> bool:
         return torch.is_grad_enabled() and self.values.requires_grad
@@ -270,39 +264,52 @@ class Sparse24Linear(nn.Module):
     def _dense_for(self, dtype: torch.dtype) -> torch.Tensor:
         if self._training_values():  # the cache is detached: decompress per call so that values get gradients
             return sp_ops.decompress_2_4(self.values, self.meta).to(dtype)
+        dense = self._weight_cache.get("dense")
         if torch.compiler.is_compiling():  # no state changes inside a graph: decompress per call
-            return self._dense_cache if self._dense_cache is not None and self._dense_cache.dtype == dtype else (
+            return dense if dense is not None and dense.dtype == dtype else (
                 sp_ops.decompress_2_4(self.values, self.meta).to(dtype)
             )
         self._check_cache()
-        if self._dense_cache is None or self._dense_cache.dtype != dtype:
+        dense = self._weight_cache.get("dense")
+        if dense is None or dense.dtype != dtype:
             with torch.no_grad():
-                self._dense_cache = sp_ops.decompress_2_4(self.values.detach(), self.meta).to(dtype)
-        return self._dense_cache
+                dense = sp_ops.decompress_2_4(self.values.detach(), self.meta).to(dtype)
+            self._weight_cache.set("dense", dense)
+        return dense
 
     def _semi_for(self, dtype: torch.dtype):
+        semi = self._weight_cache.get("semi")
         if torch.compiler.is_compiling():
-            return self._semi_cache if self._semi_cache is not None and self._semi_cache.dtype == dtype else None
+            return semi if semi is not None and semi.dtype == dtype else None
         self._check_cache()
-        if self._semi_cache is None or self._semi_cache.dtype != dtype:
+        semi = self._weight_cache.get("semi")
+        if semi is None or semi.dtype != dtype:
             cls, why = self._semi_support(dtype)
             if cls is None:
-                self._semi_reason = why
+                self._weight_cache.set("semi_reason", why)
                 return None
             with torch.no_grad():
                 dense = sp_ops.decompress_2_4(self.values.detach(), self.meta).to(dtype).contiguous()
                 try:
-                    self._semi_cache = cls.from_dense(dense)
+                    semi = cls.from_dense(dense)
                 except (RuntimeError, NotImplementedError) as exc:  # e.g. cuSPARSELt init failure
-                    self._semi_reason = f"{cls.__name__}.from_dense failed: {exc}"
+                    self._weight_cache.set("semi_reason", f"{cls.__name__}.from_dense failed: {exc}")
                     return None
-        return self._semi_cache
+            self._weight_cache.set("semi", semi)
+        return semi
 
     def prepare(self, x: torch.Tensor | None = None, *, dtype: torch.dtype | None = None) -> str:
         """Build the cache the path for ``x`` needs (before ``torch.compile``, or to move the cost out of the first
         call) and return the path. Without ``x``, builds what ``mode`` implies for ``dtype`` (default: values')."""
         dtype = dtype or (x.dtype if x is not None else self.values.dtype)
-        path = self.path_for(x) if x is not None else {"dense": "dense", "sparse": "sparse"}.get(self.mode, "sparse")
+        if x is not None:
+            if self.input_permutation is not None:
+                x = x.index_select(-1, self.input_permutation)
+            with torch.no_grad():  # decide (measure) the path of x's bucket now, outside any graph
+                key = self._choice_key(x)
+                path = self._choice_local.get(key) or self._choose(x, key)
+        else:
+            path = {"dense": "dense", "sparse": "sparse"}.get(self.mode, "sparse")
         if path == "dense":
             self._dense_for(dtype)
         elif path == "semi":
@@ -311,12 +318,20 @@ class Sparse24Linear(nn.Module):
 
     # ------------------------------------------------------------------------------------------ forward
     def path_for(self, x: torch.Tensor) -> str:
-        """Which path ``forward(x)`` takes: ``"sparse"``, ``"dense"`` or ``"semi"``."""
+        """Which path ``forward(x)`` takes now: ``"sparse"``, ``"dense"`` or ``"semi"`` (the decision of x's bucket if
+        one was made, else the fixed rule; nothing is timed)."""
+        path = self.known_path(x) if self.mode == "auto" else None
+        path = path or self._fixed_path(x)
+        if path == "semi" and self._training_values():
+            path = "dense"
+        return path
+
+    def _fixed_path(self, x: torch.Tensor) -> str:
+        """The path of the fixed rule (thresholds) for x."""
         rows = x.numel() // max(self.in_features, 1)
         if x.device.type == "cuda":
             # the semi-structured cache is an inference copy: with gradients for the values, stay on dense/sparse
-            semi_ok = (self._semi_support(x.dtype)[0] is not None and self._semi_reason is None
-                       and not self._training_values())
+            semi_ok = self._semi_ok(x.dtype)
             if self.mode == "dense":
                 return "dense"
             if self.mode == "sparse":
@@ -328,10 +343,40 @@ class Sparse24Linear(nn.Module):
             return "dense"  # no CPU kernel for this dtype: the op would run the (slow) reference
         return "sparse" if rows < self.dense_threshold else "dense"
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        if self.input_permutation is not None:  # from fastdl.sparsity.prune(..., permute=True)
-            x = x.index_select(-1, self.input_permutation)
-        path = self.path_for(x)
+    def _semi_ok(self, dtype: torch.dtype) -> bool:
+        return (self._semi_support(dtype)[0] is not None and self._weight_cache.get("semi_reason") is None
+                and not self._training_values())
+
+    # ------------------------------------------------------------------------------ run-time choice (dispatch)
+    def _choice_key(self, x: torch.Tensor) -> tuple:
+        k = self.in_features
+        return ((x.numel() // k if k else 0).bit_length(), x.dtype)
+
+    def _choice_layer(self) -> tuple:
+        return ("Sparse24Linear", self.in_features, self.out_features, self.bias is not None, self.activation,
+                str(self.values.dtype).removeprefix("torch."))
+
+    def _choice_default(self, x) -> str:
+        return self._fixed_path(x)
+
+    def _choice_paths(self, x: torch.Tensor) -> tuple[str, ...]:
+        default = self._fixed_path(x)
+        if self.mode != "auto" or x.dim() < 1 or x.shape[-1] != self.in_features:
+            return (default,)
+        if x.device.type == "cuda":
+            paths = ("semi", "dense", "sparse") if self._semi_ok(x.dtype) else ("dense", "sparse")
+        elif x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
+            paths = ("sparse", "dense")
+        else:
+            paths = ("dense",)
+        return (default,) + tuple(p for p in paths if p != default)
+
+    def _choice_released(self, kept: set) -> None:
+        # the dense copy (1.78x the compressed bytes) stays only while a bucket's decision needs it
+        if not any(p == "dense" for p, _ in kept) and self.mode != "dense":
+            self._weight_cache.pop("dense")
+
+    def _run_path(self, path: str, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         out = None
         if path == "semi":
             semi = self._semi_for(x.dtype)
@@ -356,29 +401,37 @@ class Sparse24Linear(nn.Module):
             out = out + residual
         return out
 
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if self.input_permutation is not None:  # from fastdl.sparsity.prune(..., permute=True)
+            x = x.index_select(-1, self.input_permutation)
+        k = self.in_features
+        key = ((x.numel() // k if k else 0).bit_length(), x.dtype)
+        path = self._choice_local.get(key) or self._choose(x, key)
+        if path == "semi" and self._training_values():
+            path = "dense"
+        return not_a_view(self._run_path(path, x, residual))
+
     # ------------------------------------------------------------------------------------------ state dict
-    def get_extra_state(self) -> dict:
+    def _record_fields(self) -> dict:
         return {
-            "format": FORMAT,
-            "version": FORMAT_VERSION,
             "in_features": self.in_features,
             "out_features": self.out_features,
             "meta_layout": "uint8 [out, ceil(in/8)], 4-bit kept-position mask per group of 4, low nibble first",
         }
 
-    def set_extra_state(self, state) -> None:
-        if not isinstance(state, dict) or state.get("format") != FORMAT:
-            raise ValueError(f"Sparse24Linear: not a {FORMAT} state: {state!r}")
-        if int(state.get("version", 0)) > FORMAT_VERSION:
-            raise ValueError(
-                f"Sparse24Linear: checkpoint format version {state['version']} is newer than this fastdl's "
-                f"({FORMAT_VERSION}); upgrade fastdl"
+    def _check_record(self, record: dict, where: str) -> None:
+        if (record.get("in_features"), record.get("out_features")) != (self.in_features, self.out_features):
+            raise self._error(
+                where,
+                f"the checkpoint is for in_features={record.get('in_features')}, "
+                f"out_features={record.get('out_features')}; this module has {self.in_features}, {self.out_features}",
             )
-        if (state.get("in_features"), state.get("out_features")) != (self.in_features, self.out_features):
-            raise ValueError(
-                f"Sparse24Linear: checkpoint is for in_features={state.get('in_features')}, "
-                f"out_features={state.get('out_features')}; this module has {self.in_features}, {self.out_features}"
-            )
+
+    def recipe(self) -> dict:
+        """How to rebuild this layer from an ``nn.Linear`` of its shape (``fastdl.save``/``load`` use it)."""
+        return {"activation": self.activation, "mode": self.mode, "dense_threshold": self.dense_threshold,
+                "semi_min_rows": self.semi_min_rows, "trainable": bool(self.values.requires_grad),
+                "dtype": str(self.values.dtype).removeprefix("torch.")}
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
@@ -386,10 +439,8 @@ class Sparse24Linear(nn.Module):
         if wkey in state_dict and prefix + "values" not in state_dict:  # a dense nn.Linear checkpoint
             w = state_dict.pop(wkey)
             if tuple(w.shape) != (self.out_features, self.in_features):
-                error_msgs.append(
-                    f"size mismatch for {wkey}: checkpoint {tuple(w.shape)}, module "
-                    f"({self.out_features}, {self.in_features})"
-                )
+                raise self._error(prefix, f"size mismatch for weight: the checkpoint has shape {tuple(w.shape)}, "
+                                          f"this module ({self.out_features}, {self.in_features})")
             else:
                 values, meta = sp_ops.compress_2_4(w.to(self.values.device))
                 state_dict[prefix + "values"] = values.to(self.values.dtype)
@@ -398,9 +449,12 @@ class Sparse24Linear(nn.Module):
         pkey = prefix + "input_permutation"
         if pkey in state_dict and self.input_permutation is None:
             self.register_buffer("input_permutation", torch.empty_like(state_dict[pkey], device=self.meta.device))
+        ekey = prefix + "_extra_state"
+        if ekey in state_dict:  # checked before any tensor is copied
+            self._check_record(self.read_record(state_dict[ekey], prefix), prefix)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
-        self._reset_caches()
+        self.release_caches()
 
     def extra_repr(self) -> str:
         paths = {"auto": f"auto (sparse below {self.dense_threshold} rows on CPU, semi-structured from "

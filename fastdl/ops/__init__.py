@@ -1,6 +1,7 @@
 """fastdl ops: the one place each op is defined (schema, fake kernel, autograd, reference, backend routing).
 
-One module per capability, named like its kernels (csrc/cpu/<name>.cpp, csrc/cuda/<name>.cu, kernels/<name>.py).
+One module per capability, named like its kernels (csrc/cpu/<name>.cpp, csrc/cuda/<name>.cu, kernels/<name>.py):
+fused_linear, int8, sparse24, loader (the host copies of ``fastdl.data.PrefetchLoader``).
 The raw ops are ``torch.ops.fastdl.<name>``; the functions here are their Python wrappers.
 """
 
@@ -16,6 +17,7 @@ from .int8 import (
     quantize_per_group,
     quantize_per_token,
 )
+from .loader import loader_fill, loader_use_count
 from .sparse24 import compress_2_4, decompress_2_4, mask_2_4, pack_mask, sparse24_linear, unpack_meta
 
 __all__ = [
@@ -29,6 +31,8 @@ __all__ = [
     "int8_mm",
     "int8_pack_weight",
     "int8_weight_only_linear",
+    "loader_fill",
+    "loader_use_count",
     "mask_2_4",
     "pack_mask",
     "quantize_per_channel",

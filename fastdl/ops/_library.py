@@ -21,16 +21,33 @@ CPP_LIB = torch.library.Library("fastdl_cpp", "FRAGMENT")
 SCHEMAS: dict[str, str] = {}
 
 
+# Argument errors: one exception type per kind of mistake, the same on every backend (the Python checks below run
+# for the torch and triton backends and in the fake kernels; the C++ kernels raise the same types). PyTorch's own
+# conventions (c10/util/Exception.h, torch._check_type / torch._check_value):
+#   wrong dtype or kind of tensor (layout, quantized), unsupported dtype argument  TypeError     TORCH_CHECK_TYPE
+#   wrong shape, size, rank, or any other value (activation name, offsets, ...)   ValueError    TORCH_CHECK_VALUE
+#   wrong device, or tensors on different devices                                  RuntimeError  TORCH_CHECK
+# (the last as PyTorch's own "Expected all tensors to be on the same device"). Every message names the op, the
+# argument and the expected value, and says what it got.
 def require(cond, message: Callable[[], str], exc: type[Exception] = ValueError) -> None:
     """Argument check for the op wrappers, fakes and references: ``raise exc(message())`` unless ``cond``.
+    The default is the ValueError of a wrong shape or value.
 
     A plain ``if`` (rather than ``torch._check``) costs ~0.3 us: the checks run on every call of every op."""
     if not cond:
         raise exc(message())
 
 
-def require_same_device(cond, message: Callable[[], str]) -> None:
-    require(cond, message, RuntimeError)
+def require_dtype(cond, message: Callable[[], str]) -> None:
+    """A dtype check: TypeError (``TORCH_CHECK_TYPE`` in C++)."""
+    if not cond:
+        raise TypeError(message())
+
+
+def require_device(cond, message: Callable[[], str]) -> None:
+    """A device check: RuntimeError (``TORCH_CHECK`` in C++)."""
+    if not cond:
+        raise RuntimeError(message())
 
 
 def _device_type(args) -> str:

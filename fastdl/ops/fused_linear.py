@@ -17,7 +17,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ._library import define, register_autocast_rule, require, require_same_device
+from ._library import define, register_autocast_rule, require, require_device
 
 ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu")
 _FLOAT = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -60,7 +60,7 @@ def check_args(x, weight, bias, activation, residual) -> tuple[int, int]:
         lambda: f"fused_linear: weight must have shape [N, K] with K = x.shape[-1] = {K}, "
         f"got weight of shape {tuple(weight.shape)} (mismatched K)",
     )
-    require_same_device(
+    require_device(
         weight.device == x.device,
         lambda: f"fused_linear: x and weight must be on the same device, got x on {x.device}, "
         f"weight on {weight.device}",
@@ -73,7 +73,7 @@ def check_args(x, weight, bias, activation, residual) -> tuple[int, int]:
             bias.dim() == 1 and bias.shape[0] == N,
             lambda: f"fused_linear: bias must have shape [N] = [{N}], got {tuple(bias.shape)}",
         )
-        require_same_device(
+        require_device(
             bias.device == x.device,
             lambda: f"fused_linear: bias must be on x's device {x.device}, got {bias.device}",
         )
@@ -87,7 +87,7 @@ def check_args(x, weight, bias, activation, residual) -> tuple[int, int]:
             tuple(residual.shape) == out_shape,
             lambda: f"fused_linear: residual must have the output's shape {out_shape}, got {tuple(residual.shape)}",
         )
-        require_same_device(
+        require_device(
             residual.device == x.device,
             lambda: f"fused_linear: residual must be on x's device {x.device}, got {residual.device}",
         )
@@ -293,4 +293,10 @@ def fused_linear(
         x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     )
     out, _ = fused_linear_op(x, weight, bias, activation, residual, bool(need_grad and activation != "none"))
+    # The kernels compute [M, N] and return it reshaped to [..., N]: a view of a tensor nothing else holds. When it
+    # takes part in autograd, hand out the same storage as a tensor that is not a view (no copy; ~2 us, so not for
+    # inference calls), so that an in-place op on it is an ordinary one (FSDP2 warns about module outputs that are
+    # views: an in-place op on one drops its pre-backward hook). Safe: the op does not save its output for backward.
+    if out.requires_grad and not torch.compiler.is_compiling() and out._base is not None:
+        out = torch.ops.aten._unsafe_view.default(out, out.shape)
     return out

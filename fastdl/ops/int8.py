@@ -54,7 +54,7 @@ import math
 
 import torch
 
-from ._library import LIB, define, register_autocast_rule, require, require_same_device
+from ._library import LIB, define, register_autocast_rule, require, require_device
 from .fused_linear import fused_linear_backward_op
 
 __all__ = [
@@ -126,14 +126,14 @@ def _check_vector(fn, name, t, n, ref, what, fp32=True):
         t.dim() == 1 and t.shape[0] == n,
         lambda: f"{fn}: {name} must have shape [{what}] = [{n}], got {tuple(t.shape)}",
     )
-    require_same_device(
+    require_device(
         t.device == ref.device,
         lambda: f"{fn}: {name} must be on the same device as the other inputs ({ref.device}), got {t.device}",
     )
 
 
 def _check_same_device(fn, name, t, ref, ref_name):
-    require_same_device(
+    require_device(
         t.device == ref.device,
         lambda: f"{fn}: {name} must be on the same device as {ref_name} ({ref.device}), got {t.device}",
     )

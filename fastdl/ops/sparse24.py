@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from ._library import define, register_autocast_rule, require, require_same_device
+from ._library import define, register_autocast_rule, require, require_device
 
 _FLOAT = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -76,7 +76,7 @@ def check_compressed(values: torch.Tensor, meta: torch.Tensor, op: str) -> tuple
         lambda: f"{op}: meta must have shape [N, ceil(K/8)] = [{N}, {(K + 7) // 8}] for values of shape "
         f"{tuple(values.shape)} (K = {K}), got {tuple(meta.shape)}",
     )
-    require_same_device(
+    require_device(
         meta.device == values.device,
         lambda: f"{op}: values and meta must be on the same device, got {values.device} and {meta.device}",
     )
@@ -95,7 +95,7 @@ def check_linear(x, values, meta, bias) -> tuple[int, int]:
         lambda: f"sparse24_linear: x.shape[-1] = {x.shape[-1]} must equal K = 2 * values.shape[1] = {K} "
         "(mismatched K)",
     )
-    require_same_device(
+    require_device(
         values.device == x.device,
         lambda: f"sparse24_linear: x and values must be on the same device, got x on {x.device}, "
         f"values on {values.device}",
@@ -108,7 +108,7 @@ def check_linear(x, values, meta, bias) -> tuple[int, int]:
             bias.dim() == 1 and bias.shape[0] == N,
             lambda: f"sparse24_linear: bias must have shape [N] = [{N}], got {tuple(bias.shape)}",
         )
-        require_same_device(
+        require_device(
             bias.device == x.device,
             lambda: f"sparse24_linear: bias must be on x's device {x.device}, got {bias.device}",
         )

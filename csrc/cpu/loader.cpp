@@ -1,11 +1,8 @@
-// Host side of fastdl's prefetching loader (fastdl/data.py): copy the tensors of one batch into a reused,
-// pre-allocated host buffer (a slot of the ring; page-locked when the loader targets a GPU).
-//
-// The schemas are defined in Python (fastdl/data.py, _SCHEMAS); this file only registers CPU kernels:
-//   loader_fill(Tensor[] src, Tensor(a!) dst, int[] offsets, int[] keep_strides, int num_threads) -> ()
-//   loader_use_count(Tensor t) -> int
-// A call through torch.ops runs the kernel with the GIL released (measured in tests/test_loader.py), so the
-// producer thread copies while the Python consumer runs.
+// CPU kernels of the loader capability (fastdl.data.PrefetchLoader): copy the tensors of one batch into a reused,
+// pre-allocated host buffer (a slot of the ring; page-locked when the loader targets a GPU), and count the
+// references to a slot. The ops and their contract are defined in fastdl/ops/loader.py; this file registers their
+// fastdl_cpp CPU kernels. A call through torch.ops runs the kernel with the GIL released (tests/test_loader.py
+// checks it), so the producer thread copies while the Python consumer runs.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -77,13 +74,15 @@ bool dense(const at::Tensor &t) {
 void loader_fill(at::TensorList src, const at::Tensor &dst, at::IntArrayRef offsets, at::IntArrayRef keep_strides,
                  int64_t num_threads) {
     TORCH_CHECK(dst.device().is_cpu(), "loader_fill: dst must be a CPU tensor, got device ", dst.device());
-    TORCH_CHECK(dst.scalar_type() == at::kByte, "loader_fill: dst must be uint8, got ", dst.scalar_type());
-    TORCH_CHECK(dst.is_contiguous(), "loader_fill: dst must be contiguous");
-    TORCH_CHECK(offsets.size() == src.size(), "loader_fill: offsets must have one entry per src tensor (", src.size(),
-                "), got ", offsets.size());
-    TORCH_CHECK(keep_strides.size() == src.size(), "loader_fill: keep_strides must have one entry per src tensor (",
-                src.size(), "), got ", keep_strides.size());
-    TORCH_CHECK(num_threads >= 1, "loader_fill: num_threads must be >= 1, got ", num_threads);
+    TORCH_CHECK_TYPE(dst.scalar_type() == at::kByte, "loader_fill: dst must be torch.uint8, got dtype ",
+                     dst.scalar_type());
+    TORCH_CHECK_VALUE(dst.is_contiguous(), "loader_fill: dst must be contiguous, got strides ", dst.strides());
+    TORCH_CHECK_VALUE(offsets.size() == src.size(), "loader_fill: offsets must have one entry per src tensor (",
+                      src.size(), "), got ", offsets.size());
+    TORCH_CHECK_VALUE(keep_strides.size() == src.size(),
+                      "loader_fill: keep_strides must have one entry per src tensor (", src.size(), "), got ",
+                      keep_strides.size());
+    TORCH_CHECK_VALUE(num_threads >= 1, "loader_fill: num_threads must be >= 1, got ", num_threads);
 
     const int64_t capacity = dst.numel();
     char *base = static_cast<char *>(dst.data_ptr());
@@ -93,22 +92,24 @@ void loader_fill(at::TensorList src, const at::Tensor &dst, at::IntArrayRef offs
     for (size_t i = 0; i < src.size(); ++i) {
         const at::Tensor &s = src[i];
         TORCH_CHECK(s.device().is_cpu(), "loader_fill: src[", i, "] must be a CPU tensor, got device ", s.device());
-        TORCH_CHECK(s.layout() == at::kStrided && !s.is_quantized(), "loader_fill: src[", i,
-                    "] must be a dense (strided, not quantized) tensor");
+        TORCH_CHECK_TYPE(s.layout() == at::kStrided && !s.is_quantized(), "loader_fill: src[", i,
+                         "] must be a strided, non-quantized tensor, got layout ", s.layout(), ", dtype ",
+                         s.scalar_type());
         const int64_t nbytes = s.numel() * static_cast<int64_t>(s.element_size());
         const int64_t off = offsets[i];
-        TORCH_CHECK(off >= 0 && off % static_cast<int64_t>(s.element_size()) == 0 && off + nbytes <= capacity,
-                    "loader_fill: offsets[", i, "] = ", off, " with ", nbytes,
-                    " bytes must be aligned to the element size and lie inside dst (", capacity, " bytes)");
+        TORCH_CHECK_VALUE(off >= 0 && off % static_cast<int64_t>(s.element_size()) == 0 && off + nbytes <= capacity,
+                          "loader_fill: offsets[", i, "] = ", off, " with ", nbytes,
+                          " bytes must be a multiple of the item size (", s.element_size(), ") and lie inside dst (",
+                          capacity, " bytes)");
         if (nbytes == 0) {
             continue;
         }
         // A conjugate or negative view keeps its values un-negated in memory: copy it element-wise (resolves).
         const bool raw = !s.is_conj() && !s.is_neg();
         if (keep_strides[i] != 0) {
-            TORCH_CHECK(raw && dense(s), "loader_fill: keep_strides[", i,
-                        "] = 1 requires a non-overlapping and dense src tensor without conj/neg bit (sizes ", s.sizes(),
-                        ", strides ", s.strides(), ")");
+            TORCH_CHECK_VALUE(raw && dense(s), "loader_fill: keep_strides[", i,
+                              "] = 1 requires a non-overlapping and dense src tensor without conj/neg bit, got sizes ",
+                              s.sizes(), ", strides ", s.strides());
             spans.push_back({static_cast<const char *>(s.data_ptr()), base + off, nbytes});
         } else if (raw && s.is_contiguous()) {
             spans.push_back({static_cast<const char *>(s.data_ptr()), base + off, nbytes});
@@ -175,4 +176,20 @@ int64_t loader_use_count(const at::Tensor &t) {
 TORCH_LIBRARY_IMPL(fastdl_cpp, CPU, m) {
     m.impl("loader_fill", &fastdl::loader::loader_fill);
     m.impl("loader_use_count", &fastdl::loader::loader_use_count);
+}
+
+// A src on another device or of another layout dispatches loader_fill to that key: the same kernel runs there only to
+// raise its argument error (RuntimeError for the device, TypeError for the layout), as the torch backend does,
+// instead of the dispatcher's NotImplementedError.
+TORCH_LIBRARY_IMPL(fastdl_cpp, CUDA, m) {
+    m.impl("loader_fill", &fastdl::loader::loader_fill);
+}
+TORCH_LIBRARY_IMPL(fastdl_cpp, SparseCPU, m) {
+    m.impl("loader_fill", &fastdl::loader::loader_fill);
+}
+TORCH_LIBRARY_IMPL(fastdl_cpp, SparseCsrCPU, m) {
+    m.impl("loader_fill", &fastdl::loader::loader_fill);
+}
+TORCH_LIBRARY_IMPL(fastdl_cpp, QuantizedCPU, m) {
+    m.impl("loader_fill", &fastdl::loader::loader_fill);
 }

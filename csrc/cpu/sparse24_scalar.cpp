@@ -1,0 +1,124 @@
+// 2:4 sparsity, portable kernels (FASTDL_CPU_ISA=scalar, non-x86 CPUs): the reference loops the SIMD levels are
+// tested against. Plain C++ compiled with the project's generic flags; threading is done by the caller on row ranges.
+#include "sparse24_kernels.h"
+
+namespace fastdl {
+namespace sparse24 {
+namespace scalar {
+namespace {
+
+using namespace detail;
+
+template <typename U> void compress_row(const U *w, int64_t K, int kind, U *vals, uint8_t *meta, bool *mask) {
+    for (int64_t g = 0; g < K / 4; ++g)
+        compress_group(w + 4 * g, g, kind, vals, meta, mask);
+}
+
+template <typename U> void decompress_row(const U *vals, const uint8_t *meta, int64_t K, U *out) {
+    for (int64_t g = 0; g < K / 4; ++g)
+        decompress_group(vals, meta, g, out);
+}
+
+// XT: x / out element (float or uint16_t = bf16), VT: values element. Each group's kept positions and values are
+// decoded once per weight row and block of up to 8 rows of x.
+template <typename XT, typename VT> void linear(const LinearArgs &a, int64_t n0, int64_t n1) {
+    constexpr int MB = 8;
+    const XT *x = static_cast<const XT *>(a.x);
+    const VT *v = static_cast<const VT *>(a.values);
+    XT *out = static_cast<XT *>(a.out);
+    const int64_t half = a.K / 2, mb = (a.K + 7) / 8;
+    const bool round_w = sizeof(XT) == 2 && sizeof(VT) == 4; // W is rounded to x's dtype (the contract)
+    for (int64_t n = n0; n < n1; ++n) {
+        const VT *vr = v + n * half;
+        const uint8_t *mr = a.meta + n * mb;
+        const float b = a.bias ? a.bias[n] : 0.f;
+        for (int64_t m0 = 0; m0 < a.M; m0 += MB) {
+            const int rows = static_cast<int>(std::min<int64_t>(MB, a.M - m0));
+            float acc[MB] = {};
+            for (int64_t g = 0; g < a.K / 4; ++g) {
+                int p0, p1;
+                kept_positions(meta_nibble(mr, g), p0, p1);
+                float w0 = to_f32(vr[2 * g]), w1 = to_f32(vr[2 * g + 1]);
+                if (round_w) {
+                    w0 = bf16_to_f32(f32_to_bf16(w0));
+                    w1 = bf16_to_f32(f32_to_bf16(w1));
+                }
+                for (int i = 0; i < rows; ++i) {
+                    const XT *xg = x + (m0 + i) * a.ldx + 4 * g;
+                    acc[i] += to_f32(xg[p0]) * w0 + to_f32(xg[p1]) * w1;
+                }
+            }
+            for (int i = 0; i < rows; ++i)
+                store_out(out + (m0 + i) * a.ldo + n, acc[i] + b);
+        }
+    }
+}
+
+} // namespace
+
+void compress_rows(DType dt, const void *w, int64_t ld, int64_t K, int64_t r0, int64_t r1, void *values, uint8_t *meta,
+                   bool *mask) {
+    const size_t es = dt == DType::F32 ? 4 : 2;
+    const int64_t half = K / 2, mb = (K + 7) / 8;
+    for (int64_t r = r0; r < r1; ++r) {
+        const char *wr = static_cast<const char *>(w) + r * ld * es;
+        void *vr = values ? static_cast<char *>(values) + r * half * es : nullptr;
+        uint8_t *mr = meta ? meta + r * mb : nullptr;
+        bool *kr = mask ? mask + r * K : nullptr;
+        if (dt == DType::F32)
+            compress_row(reinterpret_cast<const uint32_t *>(wr), K, 0, static_cast<uint32_t *>(vr), mr, kr);
+        else
+            compress_row(reinterpret_cast<const uint16_t *>(wr), K, dt == DType::BF16 ? 1 : 2,
+                         static_cast<uint16_t *>(vr), mr, kr);
+    }
+}
+
+void decompress_rows(DType dt, const void *values, const uint8_t *meta, int64_t K, int64_t r0, int64_t r1, void *out) {
+    const size_t es = dt == DType::F32 ? 4 : 2;
+    const int64_t half = K / 2, mb = (K + 7) / 8;
+    for (int64_t r = r0; r < r1; ++r) {
+        const char *vr = static_cast<const char *>(values) + r * half * es;
+        const uint8_t *mr = meta + r * mb;
+        char *orow = static_cast<char *>(out) + r * K * es;
+        if (es == 4)
+            decompress_row(reinterpret_cast<const uint32_t *>(vr), mr, K, reinterpret_cast<uint32_t *>(orow));
+        else
+            decompress_row(reinterpret_cast<const uint16_t *>(vr), mr, K, reinterpret_cast<uint16_t *>(orow));
+    }
+}
+
+void decompress_rows_f32(DType vdt, const void *values, const uint8_t *meta, int64_t K, int64_t r0, int64_t r1,
+                         float *out) {
+    const int64_t half = K / 2, mb = (K + 7) / 8;
+    for (int64_t r = r0; r < r1; ++r) {
+        const uint8_t *mr = meta + r * mb;
+        float *o = out + r * K;
+        for (int64_t g = 0; g < K / 4; ++g) {
+            int p0, p1;
+            kept_positions(meta_nibble(mr, g), p0, p1);
+            const int64_t e = r * half + 2 * g;
+            float w0, w1;
+            if (vdt == DType::F32) {
+                w0 = static_cast<const float *>(values)[e];
+                w1 = static_cast<const float *>(values)[e + 1];
+            } else {
+                w0 = bf16_to_f32(static_cast<const uint16_t *>(values)[e]);
+                w1 = bf16_to_f32(static_cast<const uint16_t *>(values)[e + 1]);
+            }
+            o[4 * g] = o[4 * g + 1] = o[4 * g + 2] = o[4 * g + 3] = 0.f;
+            o[4 * g + p0] = w0;
+            o[4 * g + p1] = w1;
+        }
+    }
+}
+
+void linear_rows(const LinearArgs &a, int64_t n0, int64_t n1) {
+    const bool xf = a.dt == DType::F32, vf = a.vdt == DType::F32;
+    if (xf)
+        return vf ? linear<float, float>(a, n0, n1) : linear<float, uint16_t>(a, n0, n1);
+    return vf ? linear<uint16_t, float>(a, n0, n1) : linear<uint16_t, uint16_t>(a, n0, n1);
+}
+
+} // namespace scalar
+} // namespace sparse24
+} // namespace fastdl

@@ -1,0 +1,187 @@
+"""What the fastdl modules with derived weights share: a versioned extra state and caches of derived weights.
+
+Extra state (``_extra_state`` in the state dict) is a record ``{"format": FORMAT, "version": FORMAT_VERSION, ...}``
+of plain values (str, int, bool, None), stored as a 1-D ``uint8`` tensor holding its UTF-8 JSON text: the state dict
+then holds only tensors, so it saves as safetensors (Hugging Face's format) as well as with ``torch.save``, and
+loads with ``torch.load(weights_only=True)``. Records saved as a Python dict (older formats) still load.
+``decode_extra_state`` reads either form.
+
+Every problem with a checkpoint a fastdl module finds raises ``CheckpointError`` with the same wording:
+``"<format> checkpoint '<key prefix>': <what is wrong>"``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+__all__ = ["CheckpointError", "VersionedModule", "WeightCache", "decode_extra_state", "encode_extra_state",
+           "is_dtensor", "not_a_view"]
+
+
+def is_dtensor(t) -> bool:
+    """True for a ``torch.distributed.tensor.DTensor`` (e.g. a parameter sharded by FSDP2), without importing
+    torch.distributed: no tensor is a DTensor before that module is loaded."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(t, mod.DTensor)
+
+
+class CheckpointError(RuntimeError, ValueError):
+    """A checkpoint (state dict) a fastdl module cannot load: wrong format record, a newer format version, a missing
+    key, or a tensor of the wrong dtype or shape. A RuntimeError, like torch's own ``load_state_dict`` errors (and a
+    ValueError, what ``Sparse24Linear`` raised before this type existed)."""
+
+
+def encode_extra_state(record: dict) -> torch.Tensor:
+    """A record of plain values as a uint8 tensor of its UTF-8 JSON text."""
+    data = json.dumps(record, sort_keys=True, separators=(",", ":")).encode()
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).clone()
+
+
+def decode_extra_state(state: Any) -> dict | None:
+    """The record of an ``_extra_state`` entry (a uint8 JSON tensor, or a dict from an older format); None when it is
+    neither."""
+    if isinstance(state, dict):
+        return state
+    if isinstance(state, torch.Tensor) and state.dtype == torch.uint8 and state.dim() == 1:
+        try:
+            record = json.loads(bytes(state.detach().cpu().tolist()).decode())
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            return None
+        return record if isinstance(record, dict) else None
+    return None
+
+
+def not_a_view(out: torch.Tensor) -> torch.Tensor:
+    """``out`` as a tensor that is not a view, when it takes part in autograd. The ops compute ``[M, N]`` and return
+    it reshaped to ``[..., N]``: a view of a tensor nothing else holds, which FSDP2 warns about in a module's output
+    (an in-place op on a view drops its pre-backward hook). Same storage, no copy (~2 us, so inference calls, whose
+    outputs need no gradient, skip it); safe because none of these ops saves its output for backward."""
+    if not out.requires_grad or torch.compiler.is_compiling() or out._base is None:
+        return out
+    return torch.ops.aten._unsafe_view.default(out, out.shape)
+
+
+class WeightCache:
+    """Tensors derived from a module's weights (a quantized copy, a decompressed weight, ...), valid while the source
+    tensors are the same storages with the same version: an optimizer step, ``load_state_dict`` (in-place copies) or
+    a device move (new storages) invalidate it. Not part of the state dict."""
+
+    def __init__(self) -> None:
+        self._key = None
+        self._items: dict = {}
+
+    @staticmethod
+    def _key_of(sources) -> tuple:
+        return tuple((t.data_ptr(), t._version, t.device) for t in sources)
+
+    def is_fresh(self, *sources: torch.Tensor) -> bool:
+        """True when the cache was filled from exactly these tensors as they are now."""
+        return self._key is not None and self._key == self._key_of(sources)
+
+    def sync(self, *sources: torch.Tensor) -> None:
+        """Drop everything if any source changed since the cache was filled; then it belongs to ``sources``."""
+        key = self._key_of(sources)
+        if key != self._key:
+            self._items.clear()
+            self._key = key
+
+    def get(self, name, default=None):
+        return self._items.get(name, default)
+
+    def set(self, name, value) -> None:
+        self._items[name] = value
+
+    def pop(self, name, default=None):
+        return self._items.pop(name, default)
+
+    def names(self) -> list:
+        return list(self._items)
+
+    def clear(self) -> None:
+        self._items.clear()
+        self._key = None
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The cached tensors (for byte counts)."""
+        out = []
+
+        def walk(v):
+            if isinstance(v, torch.Tensor):
+                out.append(v)
+            elif isinstance(v, (tuple, list)):
+                for x in v:
+                    walk(x)
+
+        for v in self._items.values():
+            walk(v)
+        return out
+
+
+class VersionedModule(nn.Module):
+    """Base class of the fastdl modules with a versioned extra state and a ``WeightCache``.
+
+    A subclass sets ``FORMAT`` (the record's name) and ``FORMAT_VERSION``, returns its fields from
+    ``_record_fields()`` and checks a loaded record in ``_check_record(record, where)`` (raise ``self._error``).
+    """
+
+    FORMAT: ClassVar[str] = ""
+    FORMAT_VERSION: ClassVar[int] = 1
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._weight_cache = WeightCache()
+        init_choice = getattr(self, "_init_choice", None)  # modules that choose a path per input (fastdl.dispatch)
+        if init_choice is not None:
+            init_choice()
+
+    # ------------------------------------------------------------------------------------------ extra state
+    def _record_fields(self) -> dict:
+        return {}
+
+    def _check_record(self, record: dict, where: str) -> None:
+        """Check a loaded record against this module (shapes etc.); called after the format and version checks."""
+
+    def get_extra_state(self) -> torch.Tensor:
+        return encode_extra_state({"format": self.FORMAT, "version": self.FORMAT_VERSION, **self._record_fields()})
+
+    @classmethod
+    def _error(cls, where: str, problem: str) -> CheckpointError:
+        return CheckpointError(f"{cls.FORMAT} checkpoint {where!r}: {problem}")
+
+    @classmethod
+    def read_record(cls, state: Any, where: str = "") -> dict:
+        """The record of an ``_extra_state`` entry, checked: this module's format, a version this fastdl reads."""
+        record = decode_extra_state(state)
+        if record is None or record.get("format") != cls.FORMAT:
+            shown = record if record is not None else state
+            raise cls._error(where, f"_extra_state is not a {cls.FORMAT} record: {shown!r}"[:400])
+        version = record.get("version", 0)
+        if not isinstance(version, int) or version < 1:
+            raise cls._error(where, f"_extra_state has no valid format version: {record!r}")
+        if version > cls.FORMAT_VERSION:
+            raise cls._error(
+                where,
+                f"format version {version} is newer than this fastdl's ({cls.FORMAT_VERSION}); upgrade fastdl to "
+                "load it",
+            )
+        return record
+
+    def set_extra_state(self, state: Any) -> None:
+        self._check_record(self.read_record(state), "")
+
+    # ------------------------------------------------------------------------------------------ caches
+    def release_caches(self) -> None:
+        """Drop the cached derived weights (they are rebuilt on demand)."""
+        self._weight_cache.clear()
+
+    def _apply(self, fn, recurse=True):  # .to() / .cuda() / .half(): the caches belong to the old tensors
+        self._weight_cache.clear()
+        reset = getattr(self, "_choice_reset", None)  # and run-time decisions to the old device / dtype
+        if reset is not None:
+            reset()
+        return super()._apply(fn, recurse)

@@ -1,0 +1,257 @@
+"""The benchmark tooling: --isa subprocess environment, argument parsing, slow-call timing, the loud reporting of a
+fastdl row slower than PyTorch (tables, bench all summary, demo verdict, main-job summary)."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from fastdl import cli, demo
+from fastdl.bench import all as bench_all
+from fastdl.bench import common, isa, report
+
+
+def test_isa_argument_on_every_benchmark_and_demo():
+    parser = cli.build_parser()
+    for name in ("fused_linear", "int8", "sparse24", "overhead", "model", "loader", "all"):
+        args = parser.parse_args(["bench", name, "--isa", "avx2"])
+        assert args.isa == "avx2"
+    assert parser.parse_args(["demo", "--isa", "native"]).isa == "native"
+    assert parser.parse_args(["bench", "overhead"]).isa is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["bench", "int8", "--isa", "avx9"])
+
+
+def test_child_env_caps_fastdl_and_every_pytorch_library():
+    base = {"PATH": "/bin", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE", "FASTDL_CPU_ISA": "scalar"}
+    env = isa.child_env("avx2", base)
+    assert env["PATH"] == "/bin"
+    assert env["FASTDL_CPU_ISA"] == "avx2"
+    assert env["ATEN_CPU_CAPABILITY"] == "avx2"
+    assert env["ONEDNN_MAX_CPU_ISA"] == "AVX2"
+    assert env["MKL_ENABLE_INSTRUCTIONS"] == "AVX2"
+    assert env["FBGEMM_ENABLE_INSTRUCTIONS"] == "AVX2"
+    assert env[isa.CHILD_MARK] == "avx2"
+    native = isa.child_env("native", base)  # native: every cap the parent had is removed
+    assert not any(k in native for k in isa.CAP_VARS)
+    assert set(isa.CAPS["avx512"]) == set(isa.CAP_VARS) == set(isa.CAPS["avx512_bf16"])
+
+
+def test_isa_above_the_cpu_is_refused(monkeypatch):
+    monkeypatch.setattr(isa, "detected_level", lambda: "avx2")
+    with pytest.raises(ValueError, match="can only lower it"):
+        isa.check_level("avx512_bf16")
+    isa.check_level("avx2")
+    isa.check_level("native")
+
+
+def test_cli_isa_reruns_in_a_subprocess(monkeypatch):
+    seen = {}
+
+    def fake_call(cmd, env):
+        seen["cmd"], seen["env"] = cmd, env
+        return 0
+
+    monkeypatch.setattr(isa, "detected_level", lambda: "avx512_bf16")
+    monkeypatch.setattr(subprocess, "call", fake_call)
+    monkeypatch.delenv(isa.CHILD_MARK, raising=False)
+    argv = ["bench", "overhead", "--isa", "avx2", "--budget", "0.1"]
+    assert cli.main(argv) == 0
+    assert seen["cmd"][:3] == [sys.executable, "-m", "fastdl.cli"] and seen["cmd"][3:] == argv
+    assert seen["env"]["ATEN_CPU_CAPABILITY"] == "avx2" and seen["env"][isa.CHILD_MARK] == "avx2"
+
+
+def test_capped_subprocess_really_caps_pytorch():
+    """The child of --isa avx2 reports fastdl at avx2 and ATen at AVX2, oneDNN without bf16 (PyTorch's bf16 matmul
+    then takes the path of an AVX2-only CPU)."""
+    if isa.detected_level() == "scalar":
+        pytest.skip("this CPU has no AVX2: a cap cannot add it")
+    env = isa.child_env("avx2")
+    code = ("from fastdl.bench.isa import run_context, describe; import json; c = run_context(); "
+            "print(json.dumps({'level': c['isa_level'], 'pt': c['pytorch'], 'warn': c['warnings']})); "
+            "print(describe(c))")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    import json
+
+    d = json.loads(out.stdout.splitlines()[0])
+    assert d["level"] == "avx2"
+    assert d["pt"]["aten"] == "AVX2"
+    assert d["pt"]["onednn_bf16"] in (False, None)
+    assert d["warn"] == []
+    assert "ISA level avx2" in out.stdout
+
+
+def test_mismatched_caps_are_warned(monkeypatch):
+    monkeypatch.setattr("fastdl._extension.cpu_info", lambda: {
+        "model": "X", "level": "avx2", "detected_level": "avx512_bf16", "capped": True, "kernels": {}})
+    monkeypatch.setattr(isa, "pytorch_levels", lambda: {
+        "aten": "AVX512", "onednn_bf16": True, "onednn_max_isa": "native", "mkl_cap": "native", "fbgemm_cap": "native"})
+    ctx = isa.run_context()
+    assert any("ATen runs at AVX512" in w for w in ctx["warnings"])
+    assert any("oneDNN" in w for w in ctx["warnings"])
+
+
+def test_slow_call_is_timed_fewer_times_and_marked():
+    calls = []
+
+    def slow():
+        calls.append(1)
+        time.sleep(0.03)
+
+    t = common.time_fn(slow, slow_call_s=0.01, min_reps=10, budget_s=5)
+    assert t.reduced and t.reps <= 2 and len(calls) <= 3
+    fast = common.time_fn(lambda: None, min_reps=10, budget_s=0.01)
+    assert not fast.reduced and fast.reps >= 10
+    out = common.interleaved({"slow": slow, "fast": lambda: None}, budget_s=0.02, min_reps=5, slow_call_s=0.01)
+    assert out["slow"].reduced and not out["fast"].reduced and out["fast"].reps >= 5
+
+
+def test_call_predictor_skips_only_a_predicted_slow_call():
+    p = common.CallPredictor(max_call_s=2.0)
+    assert p.allowed("eager", 16) == (True, None)  # nothing seen yet
+    p.record("eager", 1, 0.5)
+    assert p.allowed("eager", 16) == (True, None)  # 16x from M = 1: no prediction (weight-read bound there)
+    p.record("eager", 16, 0.5)
+    ok, pred = p.allowed("eager", 128)
+    assert not ok and abs(pred - 4.0) < 1e-9
+    assert p.allowed("eager", 32)[0]
+    assert p.allowed("fastdl", 128) == (True, None)
+
+
+def test_slower_row_is_loud_and_listed_at_the_end(capsys, monkeypatch):
+    monkeypatch.setitem(common._CTX, "ctx", {"cpu_model": "Test CPU", "isa_level": "avx2", "isa_capped": True,
+                                             "detected_level": "avx512_bf16", "kernels": {}, "pytorch": {},
+                                             "warnings": []})  # fmt: skip
+    table = common.LiveTable([("provider", "provider"), ("M", "M"), ("ms", "ms"), ("x_eager", "x eager")])
+    fast = {"op": "fused_linear", "provider": "fastdl", "M": 16, "ms": 1.0, "x_eager": 1.5}
+    slow = {"op": "fused_linear", "provider": "fastdl", "M": 128, "ms": 2.0, "x_eager": 0.8}
+    assert common.mark_slower(fast, {"eager bf16": 1.5}) == ""
+    assert "0.80x eager bf16" in common.mark_slower(slow, {"eager bf16": 0.8, "eager fp32": 1.2})
+    table.add(fast)
+    table.add(slow)
+    slower = table.close("fastdl", "PyTorch")
+    out = capsys.readouterr().out
+    assert slower == [slow]
+    row_lines = [line for line in out.splitlines() if "<<< SLOWER" in line]
+    assert len(row_lines) == 1 and " 128 " in row_lines[0]
+    assert "SLOWER than PyTorch in 1 of 2" in out and "M=128" in out
+    assert "at least as fast" not in out
+
+
+def test_bench_all_summary_keeps_slower_rows():
+    rows = {
+        "fused_linear": [
+            {"provider": "eager", "M": 1, "K": 8, "N": 8, "x_eager": 1.0},  # a baseline: not judged
+            {"provider": "fastdl", "mode": "fwd", "M": 1, "K": 8, "N": 8, "x_eager": 0.7, "x_best": 0.5,
+             "slower": "0.70x eager bf16", "slower_than_pytorch": True},
+            {"provider": "fastdl", "mode": "fwd", "M": 16, "K": 8, "N": 8, "x_eager": 2.0, "x_best": 1.5,
+             "slower": "", "slower_than_pytorch": False},
+        ],
+        "loader": [{"loader": "fastdl", "kind": "torch", "speedup_vs_dl0": 0.9}, {"loader": "dl0"}],
+    }
+    summ = bench_all.summarize(rows)
+    assert len(summ) == 3
+    assert [s["slower"] != "" for s in summ] == [True, False, True]
+    assert summ[0]["x_replaced"] == 0.7 and summ[0]["shape"] == "1x8x8"
+
+
+def _fake_demo_results(int8_ms: float) -> dict:
+    acc = {"acc": 97.0}
+    return {
+        "dense_fastdl": {"acc": 97.0, "step_ms": 1.0},
+        "dense_pytorch_bf16": {"acc": 97.0, "step_ms": 2.0},
+        "dense_pytorch_fp32": {"acc": 97.1, "step_ms": 1.5},
+        "sparse_fastdl": {"acc": 96.8, "step_ms": 1.0, "masks_identical_on_all_ranks": True,
+                          "acc_right_after_pruning": 90.0},
+        "infer_fused": {"fastdl": {**acc, "ms": 0.1}, "pytorch_fp32": {**acc, "ms": 0.2},
+                        "pytorch_bf16": {**acc, "ms": 0.5}},
+        "infer_int8": {"fastdl": {**acc, "ms": int8_ms}, "pytorch_fp32": {**acc, "ms": 0.2},
+                       "pytorch_bf16": {**acc, "ms": 0.5}, "pytorch_int8": {"acc": 96.9, "ms": 0.15}},
+        "infer_sparse24": {"fastdl": {**acc, "ms": 0.1}, "pytorch_fp32": {**acc, "ms": 0.2},
+                           "pytorch_bf16": {**acc, "ms": 0.3}},
+    }  # fmt: skip
+
+
+def test_demo_verdict_never_calls_a_slower_stage_met():
+    cpu = {"model": "Test CPU", "level": "avx2", "capped": True}
+    r = _fake_demo_results(int8_ms=0.3)  # slower than PyTorch's int8 (0.15) and fp32 (0.2)
+    assert demo.check_bars(r) == []  # the accuracy bars alone hold...
+    st = {s["key"]: s for s in demo.stages(r)}
+    assert st["infer_int8"]["slower"] and st["infer_int8"]["best"] == "pytorch_int8"
+    assert abs(st["infer_int8"]["ratio"] - 0.5) < 1e-9
+    assert not st["train"]["slower"] and st["train"]["best"] == "pytorch_fp32"
+    lines = demo.verdict(r, cpu)
+    int8_line = next(line for line in lines if line.strip().startswith("inference int8"))
+    assert "SLOWER" in int8_line and "AVX2" in int8_line.upper() and "VNNI" in int8_line
+    assert "SLOWER" in lines[-1] and "inference int8 W8A8" in lines[-1]
+    assert "all met" not in lines[-1]
+    table = demo.format_table(r)
+    assert "<<< fastdl SLOWER" in table and "PyTorch int8" in table
+    ok = demo.verdict(_fake_demo_results(int8_ms=0.1), cpu)
+    assert "at least as fast" in ok[-1] and "SLOWER" not in "".join(ok)
+
+
+def test_demo_does_not_count_a_pytorch_option_with_broken_accuracy():
+    r = _fake_demo_results(int8_ms=0.18)  # slower than PyTorch int8 (0.15), faster than fp32 (0.2)
+    r["infer_int8"]["pytorch_int8"]["acc"] = 13.4  # per-tensor activation scale wrecked by an outlier
+    st = {s["key"]: s for s in demo.stages(r)}["infer_int8"]
+    assert st["unusable"] == ["pytorch_int8"] and st["best"] == "pytorch_fp32" and not st["slower"]
+    assert "not counted" in demo.format_table(r)
+    assert any("not counted" in line for line in demo.verdict(r, {"level": "avx2"}))
+
+
+def test_main_job_summary_last_line_says_slower():
+    r = _fake_demo_results(int8_ms=0.3)
+    r["stages"] = demo.stages(r)
+    r["missed"] = []
+    r["cpu"] = {"model": "Test CPU", "level": "avx2", "detected_level": "avx512_bf16", "capped": True,
+                "kernels": {"fused_linear": "avx2", "int8": "avx2", "sparse24": "avx2"}}
+    bench = {"context": {"cpu_model": "Test CPU", "isa_level": "avx2", "detected_level": "avx512_bf16",
+                         "isa_capped": True, "kernels": r["cpu"]["kernels"], "pytorch": {"aten": "AVX2"}},
+             "quick": True, "seconds": 100, "summary": [
+                 {"bench": "int8", "mode": "", "what": "fastdl_w8a8", "shape": "16x4096x4096", "M": 16,
+                  "x_replaced": 1.2, "x_best": 1.2, "slower": ""}]}  # fmt: skip
+    lines = report.summary_lines(r, bench, elapsed=300)
+    text = "\n".join(lines)
+    assert "Test CPU" in text and "avx2" in text and "CAPPED" in text and "int8: avx2" in text
+    assert lines[-1].startswith("RESULT") and "SLOWER" in lines[-1] and "inference int8" in lines[-1]
+    r2 = _fake_demo_results(int8_ms=0.1)
+    r2["stages"], r2["missed"], r2["cpu"] = demo.stages(r2), [], r["cpu"]
+    assert "at least as fast" in report.summary_lines(r2, bench)[-1]
+
+
+def test_overhead_bench_runs_and_judges(capsys):
+    import argparse
+
+    from fastdl.bench import overhead
+
+    p = argparse.ArgumentParser()
+    overhead.add_arguments(p)
+    rows = overhead.run(p.parse_args(["--budget", "0.01"]))
+    modules = {r["module"] for r in rows}
+    assert "FusedLinear" in modules
+    fastdl_rows = [r for r in rows if r["provider"] == "fastdl"]
+    assert fastdl_rows and all("slower" in r and "bar_met" in r for r in fastdl_rows)
+    assert all(r["cpu_model"] and r["isa_level"] and "isa_capped" in r for r in rows)
+    out = capsys.readouterr().out
+    assert "ISA level" in out
+
+
+def test_model_bench_builtin_encoder(tmp_path):
+    import argparse
+
+    from fastdl.bench import model
+
+    p = argparse.ArgumentParser()
+    model.add_arguments(p)
+    args = p.parse_args(["--builtin", "--models", "encoder", "--batch", "2", "--seq", "8", "--policies", "fp32",
+                         "fused", "int8", "--budget", "0.01", "--csv", str(tmp_path / "model.csv")])  # fmt: skip
+    rows = model.run(args)
+    by = {r["policy"]: r for r in rows}
+    assert set(by) == {"fp32", "fused", "int8"}
+    assert by["fp32"]["x_fp32"] == 1.0 and by["fused"]["cosine"] > 0.999 and by["int8"]["cosine"] > 0.98
+    assert "slower" in by["fused"] and "slower" not in by["fp32"]
+    assert os.path.exists(tmp_path / "model.csv")
