@@ -234,6 +234,28 @@ def test_int8_mm_extreme_values(backend):
     assert acc[0, 0].item() == 128 * 128 * K
 
 
+def test_torch_reference_exact_where_int_mm_saturates():
+    """On an AVX2-only CPU (here: oneDNN capped at AVX2, as on a Zen 2) torch._int_mm saturates its int16 pair sums;
+    the torch backend then uses its float64 product, bit for bit exact at +-127 x +-127 / -128."""
+    script = """
+import torch
+from fastdl.ops import int8 as o
+K = 4096
+a = torch.full((2, K), 127, dtype=torch.int8); a[1, ::2] = -127
+b = torch.full((3, K), 127, dtype=torch.int8); b[1] = -128; b[2, 1::2] = -128
+ref = (a.double() @ b.double().t()).to(torch.int64)
+print(o._cpu_int_mm_exact(), torch.equal(o.int32_acc_reference(a, b).to(torch.int64), ref))
+"""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "FASTDL_CPU_ISA"}
+    env["ONEDNN_MAX_CPU_ISA"] = "AVX2"
+    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split()[-1] == "True", res.stdout  # (the probe, first word, is False with torch 2.14.1)
+
+
 @pytest.mark.parametrize("backend", MM_BACKENDS)
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("M,K,N", SHAPES)

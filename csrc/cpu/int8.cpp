@@ -1,12 +1,17 @@
-// CPU kernels of the int8 capability, registered for the schemas that fastdl/ops/int8.py defines under fastdl_cpp:
-//   quantize_per_token(Tensor x) -> (Tensor, Tensor)
-//   int8_pack_weight(Tensor w_q) -> (Tensor, Tensor)
-//   int8_mm(Tensor a_q, Tensor b_q, Tensor a_scale, Tensor b_scale, Tensor? bias, ScalarType out_dtype,
-//           Tensor? b_packed, Tensor? b_comp) -> Tensor
-//   int8_linear(Tensor x, Tensor w_q, Tensor w_scale, Tensor? bias, Tensor? w_packed, Tensor? w_comp) -> Tensor
-//   int8_weight_only_linear(Tensor x, Tensor w_q, Tensor w_scale, Tensor? bias, Tensor? w_group_scale=None) -> Tensor
-// This file checks arguments, cuts the work into blocks and threads (at::parallel_for); the arithmetic lives in the
+// CPU kernels of the int8 capability, registered for the fastdl_cpp schemas that fastdl/ops/int8.py defines. This
+// file checks arguments, cuts the work into blocks and threads (at::parallel_for); the arithmetic lives in the
 // kernels of int8_kernels.h (AVX512-VNNI, AVX2, scalar), chosen once per process from cpuid.
+//
+// Op-level routing: every int8 op runs fastdl's kernels at every ISA level; no PyTorch path is both exact and faster.
+// - W8A8 (int8_mm, int8_linear): PyTorch's int8 GEMM, torch._int_mm (oneDNN), is exact only with VNNI; without it (an
+//   AVX2-only CPU, or ONEDNN_MAX_CPU_ISA=AVX2) it saturates its int16 pair sums, and it is slower: Zen 4 capped at
+//   AVX2, one core, 128 x 4096 x 4096, int32 out, 84.5 ms vs 40.4 ms for int8_mm (medians of thread CPU time). fbgemm's
+//   dynamic-quant nn.Linear is not an alternative either: it quantises activations to 7 bits (reduce_range).
+// - weight-only: the op has only the int8 weight, so PyTorch's alternative is a dequantised copy + F.linear, which
+//   loses to eager fp32 itself and to this kernel at every M (Zen 4 capped at AVX2, one core, 4096 x 4096, ms,
+//   kernel / copy + F.linear / eager fp32 F.linear: M = 64 34.9 / 55.5 / 43.0, 128 54.3 / 77.9 / 66.4, 256 119 / 124
+//   / 111, 512 260 / 264 / 244). From M = 256 the kernel is 0.84-0.98x eager fp32 on a kept fp32 weight: there
+//   Int8Linear's run-time choice (fastdl/dispatch.py) takes F.linear on its dequantised weight per M bucket.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>

@@ -317,13 +317,36 @@ def plain_weight(w_q: torch.Tensor, w_packed: torch.Tensor | None) -> torch.Tens
     return w_q
 
 
+_CPU_INT_MM_EXACT: list = []
+
+
+def _cpu_int_mm_exact() -> bool:
+    """Whether torch._int_mm is exact on this CPU, probed once per process at the extremes (+-127 x +-127 / -128).
+    With VNNI oneDNN runs vpdpbusd and is exact; on an AVX2-only CPU (or with ONEDNN_MAX_CPU_ISA=AVX2) its u8 x s8
+    vpmaddubsw kernel saturates the int16 pair sums (torch 2.14.1, Zen 4 capped at AVX2: 127 x 127 over K = 4096 gave
+    522240 instead of 66064384)."""
+    if not _CPU_INT_MM_EXACT:
+        g = torch.Generator().manual_seed(0)
+        ok = True
+        for M, K, N in ((1, 64, 16), (32, 64, 32)):
+            a = torch.where(torch.rand(M, K, generator=g, device="cpu") < 0.5, 127, -127).to(torch.int8)
+            b = torch.where(torch.rand(K, N, generator=g, device="cpu") < 0.5, 127, -128).to(torch.int8)
+            a[:, 0] = 127
+            b[:, 0] = 127
+            ref = (a.double() @ b.double()).to(torch.int64)
+            ok = ok and bool((torch._int_mm(a, b).to(torch.int64) == ref).all())
+        _CPU_INT_MM_EXACT.append(ok)
+    return _CPU_INT_MM_EXACT[0]
+
+
 def _int_mm_is_exact(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Where torch._int_mm is used by the reference (tested exact there): CPU with K >= 16 (on torch 2.14 it returns
-    garbage for K == 1), CUDA within its documented limits (M > 16, K and N multiples of 8)."""
+    garbage for K == 1) where the probe above finds it exact, CUDA within its documented limits (M > 16, K and N
+    multiples of 8)."""
     M, K = a.shape
     N = b.shape[0]
     if a.device.type == "cpu":
-        return K >= 16
+        return K >= 16 and _cpu_int_mm_exact()
     if a.device.type == "cuda":
         return M > 16 and K % 8 == 0 and N % 8 == 0 and K >= 16
     return False
