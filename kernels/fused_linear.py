@@ -1,6 +1,6 @@
 """Triton kernels for the fused mixed-precision linear (forward and backward).
 
-Public launchers (the op contract lives in fastdl/ops.py):
+Public launchers (the op contract lives in fastdl/ops/fused_linear.py):
 
     fused_linear_fwd(x, weight, bias, activation, residual, save_preact) -> (out, preact)
     fused_linear_bwd(grad_out, x, weight, preact, activation, output_mask) -> (grad_x, grad_weight, grad_bias)
@@ -39,7 +39,8 @@ Interpreter mode (``TRITON_INTERPRET=1``, CPU tensors): a single small config is
 the dot operands are upcast to fp32 after rounding to the compute dtype (bf16 ``tl.dot`` is broken in the
 interpreter; the products of two 16-bit values are exact in fp32, so the result is unchanged).
 
-This module imports triton and torch only (never ``fastdl``), and imports without a GPU.
+This module imports triton, torch and, of ``fastdl``, only the activation list (``fastdl.ops.fused_linear``);
+it imports without a GPU.
 """
 
 import functools
@@ -50,12 +51,16 @@ import torch
 import triton
 import triton.language as tl
 
+from fastdl.ops.fused_linear import ACTIVATIONS as _ACTIVATION_NAMES
+
 __all__ = ["fused_linear_fwd", "fused_linear_bwd", "ACTIVATIONS"]
 
 # Decided once, like triton.jit decides whether it builds an InterpretedFunction.
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-ACTIVATIONS = {"none": 0, "relu": 1, "gelu": 2, "gelu_tanh": 3, "silu": 4}
+# name -> the ACT constexpr of the kernels below: the position in fastdl's one activation list (the op definitions are
+# the one part of fastdl a launcher imports; they do not import triton)
+ACTIVATIONS = {name: code for code, name in enumerate(_ACTIVATION_NAMES)}
 _DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -509,7 +514,7 @@ def _in_prec(c):
 
 def _check_activation(activation, fn):
     if not isinstance(activation, str) or activation not in ACTIVATIONS:
-        raise ValueError(f"{fn}: activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+        raise ValueError(f"{fn}: activation must be one of {', '.join(map(repr, ACTIVATIONS))}, got {activation!r}")
     return ACTIVATIONS[activation]
 
 
@@ -517,7 +522,7 @@ def _check_float(t, name, fn, device):
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"{fn}: {name} must have a floating dtype, got {t.dtype}")
+        raise TypeError(f"{fn}: {name} must have a floating dtype, got {t.dtype}")
     if t.device != device:
         raise RuntimeError(f"{fn}: {name} must be on the same device as x ({device}), got {t.device}")
 
@@ -526,7 +531,7 @@ def _check_x(x, fn):
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{fn}: x must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in _DTYPE_CODE:
-        raise ValueError(f"{fn}: x must be float32, bfloat16 or float16 (the compute dtype), got {x.dtype}")
+        raise TypeError(f"{fn}: x must be float32, bfloat16 or float16 (the compute dtype), got {x.dtype}")
     if x.dim() < 1:
         raise ValueError(f"{fn}: x must have shape [..., K] (at least 1 dim), got a 0-dim tensor")
     if x.device.type != "cuda" and not _INTERPRET:
@@ -544,7 +549,7 @@ def _check_weight(weight, x, fn):
             f"{fn}: weight.shape[1] must equal x.shape[-1] (K={x.shape[-1]}), got weight shape {tuple(weight.shape)}"
         )
     if weight.dtype not in (x.dtype, torch.float32):
-        raise ValueError(f"{fn}: weight.dtype must be x.dtype ({x.dtype}) or torch.float32, got {weight.dtype}")
+        raise TypeError(f"{fn}: weight.dtype must be x.dtype ({x.dtype}) or torch.float32, got {weight.dtype}")
 
 
 def fused_linear_fwd(x, weight, bias, activation: str, residual, save_preact: bool):

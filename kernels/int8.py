@@ -22,8 +22,8 @@ Kernels:
   then the plain int8 GEMM (x read once, the GEMM reads 1-byte A tiles).
 * ``_wo_kernel``: weight-only int8: the int8 weight tile is loaded and converted to x's dtype in registers (exact:
   |w| <= 127 is representable in bf16/fp16), ``tl.dot`` with fp32 accumulation, then ``* w_scale + bias``. With
-  group scales (``HAS_GROUPS``) the uint8 code of each element's group (``k // 16``) is loaded alongside and
-  ``d = w * code`` is formed in fp32 (exact, |d| <= 127 * 255) before the cast to x's dtype (fp16 keeps 11
+  group scales (``HAS_GROUPS``) the uint8 code of each element's group (``k // WEIGHT_GROUP``) is loaded alongside
+  and ``d = w * code`` is formed in fp32 (exact, |d| <= 127 * 255) before the cast to x's dtype (fp16 keeps 11
   significant bits of d, bf16 8: the precision of a 16-bit GEMM on the dequantized weight).
 * ``_wo_gemv_kernel``: weight-only for M <= ``GEMV_MAX_M`` (decode): no tensor-core padding of M to 16, each
   program streams a [BLOCK_N, K] slab of the weight with coalesced 1-byte loads and keeps one accumulator row per
@@ -36,7 +36,8 @@ Divisions are ``tl.math.div_rn`` (IEEE), never the approximate ``/``.
 Interpreter mode (``TRITON_INTERPRET=1``, CPU tensors): one small config per kernel instead of autotuning; 16-bit
 dot operands are upcast to fp32 (bf16 ``tl.dot`` is broken in the interpreter; int8 dot works there).
 
-This module imports triton and torch only (never ``fastdl``), and imports without a GPU.
+This module imports triton, torch and, of ``fastdl``, only the op's constants (``fastdl.ops.int8``); it imports
+without a GPU.
 """
 
 import functools
@@ -47,6 +48,8 @@ import warnings
 import torch
 import triton
 import triton.language as tl
+
+from fastdl.ops.int8 import WEIGHT_GROUP as _WEIGHT_GROUP
 
 try:  # triton >= 3.0
     from triton.language.extra import libdevice
@@ -75,8 +78,10 @@ FUSE_MAX_M = _env_int("FASTDL_INT8_FUSE_MAX_M", 64)
 # int8_weight_only_linear uses the GEMV kernel for M <= GEMV_MAX_M.
 GEMV_MAX_M = _env_int("FASTDL_INT8_GEMV_MAX_M", 4)
 _GROUP = 8
-# k per group scale of int8_weight_only_linear (w_group_scale [N, ceil(K / 16)]); the kernels hard-code 16 too.
-WEIGHT_GROUP = 16
+# k per group scale of int8_weight_only_linear: the op's (fastdl/ops/int8.py). The kernels below write it as the
+# literal 16 (k // 16: a constant divisor the compiler turns into a shift).
+WEIGHT_GROUP = _WEIGHT_GROUP
+assert WEIGHT_GROUP == 16, "kernels/int8.py: the weight-only kernels take groups of 16 k"
 # Set to the error text if the fused-quantization GEMM fails to compile here (e.g. a Triton version without
 # register-operand int8 dots on this GPU): int8_linear then runs the two-kernel path, and says so once.
 _FUSED_ERROR = None
@@ -563,7 +568,7 @@ def _check_device(t, name, fn, ref=None):
 def _check_x(x, fn):
     _check_device(x, "x", fn)
     if x.dtype not in _X_DTYPES:
-        _fail(ValueError, f"{fn}: x must be float32, bfloat16 or float16, got dtype {x.dtype}")
+        _fail(TypeError, f"{fn}: x must be float32, bfloat16 or float16, got dtype {x.dtype}")
     if x.dim() < 1:
         _fail(ValueError, f"{fn}: x must have shape [..., K] (at least 1 dim), got a 0-dim tensor")
 
@@ -571,7 +576,7 @@ def _check_x(x, fn):
 def _check_int8(t, name, fn, ref, shape_doc):
     _check_device(t, name, fn, ref)
     if t.dtype != torch.int8:
-        _fail(ValueError, f"{fn}: {name} must be int8, got dtype {t.dtype}")
+        _fail(TypeError, f"{fn}: {name} must be int8, got dtype {t.dtype}")
     if t.dim() != 2:
         _fail(ValueError, f"{fn}: {name} must be 2-D {shape_doc}, got shape {tuple(t.shape)}")
 
@@ -579,9 +584,9 @@ def _check_int8(t, name, fn, ref, shape_doc):
 def _check_vec(t, name, fn, ref, n, what, fp32=True):
     _check_device(t, name, fn, ref)
     if fp32 and t.dtype != torch.float32:
-        _fail(ValueError, f"{fn}: {name} must be float32, got dtype {t.dtype}")
+        _fail(TypeError, f"{fn}: {name} must be float32, got dtype {t.dtype}")
     if not fp32 and t.dtype not in _FLOAT:
-        _fail(ValueError, f"{fn}: {name} must be a floating tensor, got dtype {t.dtype}")
+        _fail(TypeError, f"{fn}: {name} must be a floating tensor, got dtype {t.dtype}")
     if tuple(t.shape) != (n,):
         _fail(ValueError, f"{fn}: {name} must have shape [{what}] = [{n}], got {tuple(t.shape)}")
 
@@ -589,7 +594,7 @@ def _check_vec(t, name, fn, ref, n, what, fp32=True):
 def _check_group_scale(t, fn, ref, n, k):
     _check_device(t, "w_group_scale", fn, ref)
     if t.dtype != torch.uint8:
-        _fail(ValueError, f"{fn}: w_group_scale must be uint8 (from quantize_per_group), got dtype {t.dtype}")
+        _fail(TypeError, f"{fn}: w_group_scale must be uint8 (from quantize_per_group), got dtype {t.dtype}")
     g = -(-k // WEIGHT_GROUP)
     if tuple(t.shape) != (n, g):
         _fail(ValueError, f"{fn}: w_group_scale must have shape [N, ceil(K / {WEIGHT_GROUP})] = [{n}, {g}], "
@@ -604,11 +609,15 @@ def _check_packed(packed, comp, n, k, fn, ref, names):
     np_, kp = -(-n // 16) * 16, -(-k // 4) * 4
     _check_device(packed, names[0], fn, ref)
     _check_device(comp, names[1], fn, ref)
-    if packed.dtype != torch.int8 or tuple(packed.shape) != (np_, kp):
-        _fail(ValueError, f"{fn}: {names[0]} must be int8 of shape [roundup(N, 16), roundup(K, 4)] = [{np_}, {kp}], "
-                          f"got {packed.dtype} {tuple(packed.shape)}")  # fmt: skip
-    if comp.dtype != torch.int32 or tuple(comp.shape) != (np_,):
-        _fail(ValueError, f"{fn}: {names[1]} must be int32 of shape [{np_}], got {comp.dtype} {tuple(comp.shape)}")
+    if packed.dtype != torch.int8:
+        _fail(TypeError, f"{fn}: {names[0]} must be int8, got dtype {packed.dtype}")
+    if tuple(packed.shape) != (np_, kp):
+        _fail(ValueError, f"{fn}: {names[0]} must have shape [roundup(N, 16), roundup(K, 4)] = [{np_}, {kp}], "
+                          f"got {tuple(packed.shape)}")  # fmt: skip
+    if comp.dtype != torch.int32:
+        _fail(TypeError, f"{fn}: {names[1]} must be int32, got dtype {comp.dtype}")
+    if tuple(comp.shape) != (np_,):
+        _fail(ValueError, f"{fn}: {names[1]} must have shape [roundup(N, 16)] = [{np_}], got {tuple(comp.shape)}")
 
 
 def _plain_weight(w_q, w_packed):
@@ -712,7 +721,7 @@ def int8_mm(a_q, b_q, a_scale, b_scale, bias, out_dtype, b_packed, b_comp):
         _fail(ValueError, f"{fn}: b_q must have shape [N, K] with K = a_q.shape[1] = {K}, got {tuple(b_q.shape)} "
                           "(mismatched K)")  # fmt: skip
     if out_dtype not in _OUT_DTYPES:
-        _fail(ValueError, f"{fn}: out_dtype must be one of float32, bfloat16, float16, int32, got {out_dtype}")
+        _fail(TypeError, f"{fn}: out_dtype must be one of float32, bfloat16, float16, int32, got {out_dtype}")
     _check_vec(a_scale, "a_scale", fn, a_q, M, "M")
     _check_vec(b_scale, "b_scale", fn, a_q, N, "N")
     if bias is not None:

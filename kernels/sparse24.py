@@ -103,7 +103,7 @@ def compress_2_4(w: torch.Tensor):
     if w.dim() != 2:
         raise ValueError(f"compress_2_4: w must be 2-D [N, K], got shape {tuple(w.shape)}")
     if w.dtype not in _DTYPES:
-        raise ValueError(f"compress_2_4: the Triton kernel takes float32/float16/bfloat16 w, got {w.dtype}")
+        raise TypeError(f"compress_2_4: the Triton kernel takes float32/float16/bfloat16 w, got {w.dtype}")
     N, K = w.shape
     if K % 4:
         raise ValueError(f"compress_2_4: K = w.shape[1] = {K} is not a multiple of 4")

@@ -113,14 +113,25 @@ def test_auto_rejects_candidates_over_the_error_bound(timer, monkeypatch):
     assert all("error" in r["candidates"]["fused"]["rejected"] for r in fastdl.report(model))
 
 
-def test_auto_real_timing_is_no_slower_than_original():
-    """Real measurement: every replaced layer was measured faster than the original on the captured inputs."""
+def test_auto_with_the_real_timer_measures_every_layer_and_reports_its_choice():
+    """The real timer (no fake): every layer is timed against its original on the captured inputs, and what the
+    report states is what the layer runs: a layer is replaced only where its candidate was measured faster.
+    (That the choice is faster than the original in another measurement is the benchmarks' claim, `fastdl bench
+    model`: a wall-time assertion here would flake on a busy machine.)"""
     convert_mod._DECISIONS.clear()
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))  # too small for any kernel to matter
     x = torch.randn(2, 8)
+    ref = model(x)
     fastdl.convert(model, "auto", example_inputs=(x,), candidates=("fused",))
-    for r in fastdl.report(model):
-        assert r["kernel"] == "original" or r["time_ms"] < r["orig_ms"]
+    rep = fastdl.report(model)
+    assert len(rep) == 2
+    for r, layer in zip(rep, (model[0], model[2]), strict=True):
+        cand = r["candidates"]["fused"]
+        assert r["orig_ms"] > 0 and cand["ms"] and all(t > 0 for t in cand["ms"])  # both were really timed
+        replaced = r["kernel"] != "original"
+        assert replaced == isinstance(layer, FusedLinear) == ("rejected" not in cand), (r, layer)
+        assert not replaced or r["time_ms"] < r["orig_ms"]
+    torch.testing.assert_close(model(x), ref, rtol=1e-5, atol=1e-5)
 
 
 def test_converted_checkpoint_loads_in_another_process_state():

@@ -15,7 +15,7 @@ from fastdl import backends
 from fastdl._distributed import finish_worker
 from fastdl.nn import FusedLinear
 from fastdl.ops import ACTIVATIONS, fused_linear
-from fastdl.ops.fused_linear import activation_fn
+from fastdl.ops.fused_linear import activation_fn, fused_linear_backward_op
 
 BACKENDS = cpu_backends("fused_linear")
 HAS_CPP = "cpp" in BACKENDS
@@ -309,27 +309,55 @@ def test_compile_inductor_fullgraph():
 
 
 # ---------------------------------------------------------------------------------------------- bad inputs
+# Each bad argument: (call, exception type, message). The message names the argument and the expected value; the
+# type is the kind of mistake (TypeError: dtype, ValueError: shape or value, RuntimeError: device), on every backend.
+_X, _W = torch.randn(4, 8), torch.randn(5, 8)
+_G = torch.randn(4, 5)
+BAD_FORWARD = {
+    "mismatched K": (lambda: fused_linear(_X, torch.randn(5, 7)), ValueError,
+                     r"weight must have shape \[N, K\] with K = x.shape\[-1\] = 8, got weight of shape \[5, 7\]"),
+    "int x": (lambda: fused_linear(_X.to(torch.int32), _W), TypeError,
+              r"x must be a floating tensor \(float32, bfloat16, float16\), got dtype torch.int32"),
+    "0-d x": (lambda: fused_linear(torch.tensor(1.0), _W), ValueError, r"x must have at least one dimension"),
+    "activation": (lambda: fused_linear(_X, _W, None, "tanh"), ValueError,
+                   r"activation must be one of 'none', 'relu', 'gelu', 'gelu_tanh', 'silu', got 'tanh'"),
+    "residual shape": (lambda: fused_linear(_X, _W, None, "relu", torch.randn(4, 6)), ValueError,
+                       r"residual must have shape \[4, 5\], got \[4, 6\]"),
+    "bias shape": (lambda: fused_linear(_X, _W, torch.randn(6)), ValueError,
+                   r"bias must have shape \[5\], got \[6\]"),
+    "int bias": (lambda: fused_linear(_X, _W, torch.ones(5, dtype=torch.int32)), TypeError,
+                 r"bias must be a floating tensor, got dtype torch.int32"),
+    "weight dtype": (lambda: fused_linear(_X, torch.randn(5, 8, dtype=torch.float64)), TypeError,
+                     r"weight.dtype must be x.dtype \(torch.float32\) or float32, got torch.float64"),
+    "3-D weight": (lambda: fused_linear(_X, torch.randn(5, 8, 1)), ValueError,
+                   r"weight must be 2-D \[N, K\], got shape \[5, 8, 1\]"),
+}
+BAD_BACKWARD = {
+    "grad_out shape": (lambda: fused_linear_backward_op(torch.randn(4, 6), _X, _W, _G, "relu", [True] * 3),
+                       ValueError, r"grad_out must have shape \[4, 5\], got \[4, 6\]"),
+    "preact missing": (lambda: fused_linear_backward_op(_G, _X, _W, torch.empty(0), "gelu", [True] * 3),
+                       ValueError, r"preact must have shape \[4, 5\], got \[0\] \(activation 'gelu' needs it"),
+    "activation": (lambda: fused_linear_backward_op(_G, _X, _W, _G, "gelu_erf", [True] * 3), ValueError,
+                   r"fused_linear_backward: activation must be one of 'none', .*, got 'gelu_erf'"),
+    "mismatched K": (lambda: fused_linear_backward_op(_G, _X, torch.randn(5, 9), _G, "relu", [True] * 3),
+                     ValueError, r"weight must have shape \[N, K\] with K = x.shape\[-1\] = 8"),
+    "int grad_out": (lambda: fused_linear_backward_op(_G.int(), _X, _W, _G, "relu", [True] * 3), TypeError,
+                     r"grad_out must be a floating tensor, got dtype torch.int32"),
+}
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_bad_inputs_raise_clear_errors(backend):
-    x, w = torch.randn(4, 8), torch.randn(5, 8)
-    with fastdl.use_backend(backend):
-        with pytest.raises((ValueError, RuntimeError), match="K"):
-            fused_linear(x, torch.randn(5, 7))
-        with pytest.raises((ValueError, RuntimeError), match="floating|float32"):
-            fused_linear(x.to(torch.int32), w)
-        with pytest.raises((ValueError, RuntimeError), match="activation"):
-            fused_linear(x, w, None, "tanh")
-        with pytest.raises((ValueError, RuntimeError), match="residual"):
-            fused_linear(x, w, None, "relu", torch.randn(4, 6))
-        with pytest.raises((ValueError, RuntimeError), match="bias"):
-            fused_linear(x, w, torch.randn(6))
-        with pytest.raises((ValueError, RuntimeError), match="weight"):
-            fused_linear(x, torch.randn(5, 8, dtype=torch.float64))
+@pytest.mark.parametrize("case", [*BAD_FORWARD, *(f"backward {k}" for k in BAD_BACKWARD)])
+def test_bad_inputs_raise_one_type_naming_argument_and_expected_value(backend, case):
+    call, exc, message = BAD_BACKWARD[case[9:]] if case.startswith("backward ") else BAD_FORWARD[case]
+    with fastdl.use_backend(backend), pytest.raises(exc, match=message) as info:
+        call()
+    assert type(info.value) is exc, (type(info.value), info.value)  # not a subclass (e.g. NotImplementedError)
 
 
 @requires_cuda
 def test_device_mismatch_raises():
-    with pytest.raises((ValueError, RuntimeError), match="device"):
+    with pytest.raises(RuntimeError, match=r"weight must be on device cpu \(the device of x\), got cuda:0"):
         fused_linear(torch.randn(4, 8), torch.randn(5, 8, device="cuda"))
 
 

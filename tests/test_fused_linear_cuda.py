@@ -302,28 +302,36 @@ def test_deterministic():
 
 
 def test_bad_arguments():
+    """The CUDA kernel's own checks (called directly, without the op router): one exception type per kind of mistake
+    (TypeError: dtype, ValueError: shape or value, RuntimeError: device), the message naming the argument and the
+    expected value, as the Python checks word it."""
     x = torch.randn(4, 8, device=DEV)
     w = torch.randn(6, 8, device=DEV)
     fl = ops().fused_linear
-    with pytest.raises(RuntimeError, match="weight"):
-        fl(x, torch.randn(6, 7, device=DEV), None, "none", None, False)  # mismatched K
-    with pytest.raises(RuntimeError, match="x.dtype"):
+    with pytest.raises(ValueError, match=r"weight must have shape \[N, K\] with K = x.shape\[-1\] = 8, got weight of "
+                                         r"shape \[6, 7\]"):
+        fl(x, torch.randn(6, 7, device=DEV), None, "none", None, False)
+    with pytest.raises(TypeError, match=r"x must be a floating tensor \(float32, bfloat16, float16\), got dtype Int"):
         fl(torch.ones(4, 8, device=DEV, dtype=torch.int32), w, None, "none", None, False)
-    with pytest.raises(RuntimeError, match="activation"):
+    with pytest.raises(ValueError, match=r"activation must be one of 'none', 'relu', 'gelu', 'gelu_tanh', 'silu', "
+                                         r"got 'tanh'"):
         fl(x, w, None, "tanh", None, False)
-    with pytest.raises(RuntimeError, match="bias"):
+    with pytest.raises(ValueError, match=r"bias must have shape \[6\], got \[5\]"):
         fl(x, w, torch.randn(5, device=DEV), "none", None, False)
-    with pytest.raises(RuntimeError, match="residual"):
+    with pytest.raises(ValueError, match=r"residual must have shape \[4, 6\], got \[4, 5\]"):
         fl(x, w, None, "none", torch.randn(4, 5, device=DEV), False)
-    with pytest.raises(RuntimeError, match="weight"):
+    with pytest.raises(RuntimeError, match=r"weight must be on device cuda:0 \(the device of x\), got cpu"):
         fl(x, w.cpu(), None, "none", None, False)
-    with pytest.raises(RuntimeError, match="weight"):
+    with pytest.raises(TypeError, match=r"weight.dtype must be x.dtype \(Half\) or float32, got BFloat16"):
         fl(x.half(), w.bfloat16(), None, "none", None, False)  # weight dtype neither x's nor fp32
     bw = ops().fused_linear_backward
-    with pytest.raises(RuntimeError, match="preact"):
-        bw(torch.randn(4, 6, device=DEV), x, w, torch.empty(0, device=DEV), "gelu", [True, True, True])
-    with pytest.raises(RuntimeError, match="grad_out"):
+    with pytest.raises(ValueError, match=r"grad_out must have shape \[4, 6\], got \[4, 5\]"):
         bw(torch.randn(4, 5, device=DEV), x, w, torch.empty(0, device=DEV), "none", [True, True, True])
+    with pytest.raises(ValueError, match=r"preact must have shape \[4, 6\], got \[0\] \(activation 'gelu' needs it"):
+        bw(torch.randn(4, 6, device=DEV), x, w, torch.empty(0, device=DEV), "gelu", [True, True, True])
+    # through the op router: the same types (the Python checks re-run when a kernel raises)
+    with pytest.raises(TypeError, match=r"weight.dtype must be x.dtype \(torch.float16\) or float32"):
+        torch.ops.fastdl.fused_linear(x.half(), w.bfloat16(), None, "none", None, False)
 
 
 @pytest.mark.skipif(

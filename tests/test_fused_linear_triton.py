@@ -226,21 +226,26 @@ def test_forward_empty_inputs():
 
 
 def test_forward_errors():
+    """The launcher's own checks: one type per kind of mistake, the message naming the argument and its value."""
     x = torch.randn(4, 8, device=DEV)
     w = torch.randn(5, 8, device=DEV)
-    with pytest.raises(ValueError, match="weight.shape"):
+    with pytest.raises(ValueError, match=r"weight.shape\[1\] must equal x.shape\[-1\] \(K=8\), got weight shape "
+                                         r"\(5, 7\)"):
         fused_linear_fwd(x, torch.randn(5, 7, device=DEV), None, "none", None, False)
-    with pytest.raises(ValueError, match="activation"):
+    with pytest.raises(ValueError, match=r"activation must be one of 'none', 'relu', 'gelu', 'gelu_tanh', 'silu', "
+                                         r"got 'tanh'"):
         fused_linear_fwd(x, w, None, "tanh", None, False)
-    with pytest.raises(ValueError, match="x must be"):
+    with pytest.raises(TypeError, match=r"x must be float32, bfloat16 or float16 \(the compute dtype\), got "
+                                        r"torch.int32"):
         fused_linear_fwd(x.to(torch.int32), w, None, "none", None, False)
-    with pytest.raises(ValueError, match="weight must have a floating dtype"):
+    with pytest.raises(TypeError, match="weight must have a floating dtype, got torch.int64"):
         fused_linear_fwd(x, w.to(torch.int64), None, "none", None, False)
-    with pytest.raises(ValueError, match="weight.dtype"):
+    with pytest.raises(TypeError, match=r"weight.dtype must be x.dtype \(torch.float32\) or torch.float32, got "
+                                        r"torch.float16"):
         fused_linear_fwd(x, w.half(), None, "none", None, False)
-    with pytest.raises(ValueError, match="bias"):
+    with pytest.raises(ValueError, match=r"bias must have shape \[N\] = \[5\], got \(4,\)"):
         fused_linear_fwd(x, w, torch.randn(4, device=DEV), "none", None, False)
-    with pytest.raises(ValueError, match="residual"):
+    with pytest.raises(ValueError, match=r"residual must have the output shape \[4, 5\], got \[4, 4\]"):
         fused_linear_fwd(x, w, None, "none", torch.randn(4, 4, device=DEV), False)
     with pytest.raises(RuntimeError, match="weight must be on the same device"):
         fused_linear_fwd(x, torch.randn(5, 8, device="meta"), None, "none", None, False)
@@ -387,16 +392,20 @@ def test_backward_errors():
     x = torch.randn(4, 8, device=DEV)
     w = torch.randn(5, 8, device=DEV)
     g = torch.randn(4, 5, device=DEV)
-    with pytest.raises(ValueError, match="grad_out"):
+    with pytest.raises(ValueError, match=r"grad_out must have shape \[4, 5\] \(x.shape\[:-1\] \+ \[N\]\), "
+                                         r"got \[4, 6\]"):
         fused_linear_bwd(torch.randn(4, 6, device=DEV), x, w, g, "relu", [True, True, True])
-    with pytest.raises(ValueError, match="preact"):
+    with pytest.raises(ValueError, match=r"preact must have the shape of grad_out \[4, 5\] for activation 'relu', "
+                                         r"got \[0\]"):
         fused_linear_bwd(g, x, w, torch.empty(0, device=DEV), "relu", [True, True, True])
-    with pytest.raises(ValueError, match="output_mask"):
+    with pytest.raises(ValueError, match=r"output_mask must be 3 booleans .*, got \[True, True\]"):
         fused_linear_bwd(g, x, w, g, "relu", [True, True])
-    with pytest.raises(ValueError, match="activation"):
+    with pytest.raises(ValueError, match=r"activation must be one of .*, got 'gelu_erf'"):
         fused_linear_bwd(g, x, w, g, "gelu_erf", [True, True, True])
-    with pytest.raises(ValueError, match="weight.shape"):
+    with pytest.raises(ValueError, match=r"weight.shape\[1\] must equal x.shape\[-1\] \(K=8\)"):
         fused_linear_bwd(g, x, torch.randn(5, 9, device=DEV), g, "relu", [True, True, True])
+    with pytest.raises(TypeError, match="grad_out must have a floating dtype, got torch.int32"):
+        fused_linear_bwd(g.int(), x, w, g, "relu", [True, True, True])
     # activation "none" ignores preact (may be empty)
     gx, _, _ = fused_linear_bwd(g, x, w, torch.empty(0, device=DEV), "none", [True, False, False])
     assert gx.shape == x.shape

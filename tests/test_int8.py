@@ -584,53 +584,75 @@ def test_accuracy_gaussian_k4096(backend):
 
 
 # ------------------------------------------------------------------------------------------------- bad inputs
-@pytest.mark.parametrize("backend", LIN_BACKENDS)
-def test_bad_inputs_raise_clear_errors(backend):
+# Each bad argument: (call, exception type, message naming the argument and the expected value); the type is the
+# kind of mistake (TypeError: dtype, ValueError: shape or value, RuntimeError: device), the same on every backend.
+def _bad_linear_cases():
     x = torch.randn(4, 8)
     w_q, w_scale = make_weight(5, 8)
-    err = (ValueError, RuntimeError, TypeError)
-    with fastdl.use_backend(backend):
-        with pytest.raises(err, match="K"):
-            int8_linear(x, rand_int8(5, 7), w_scale)
-        with pytest.raises(err, match="x"):
-            int8_linear(x.to(torch.int32), w_q, w_scale)
-        with pytest.raises(err, match="w_q"):
-            int8_linear(x, w_q.float(), w_scale)
-        with pytest.raises(err, match="w_scale"):
-            int8_linear(x, w_q, torch.rand(4))
-        with pytest.raises(err, match="w_scale"):
-            int8_linear(x, w_q, w_scale.half())
-        with pytest.raises(err, match="bias"):
-            int8_linear(x, w_q, w_scale, torch.randn(6))
-        with pytest.raises(err, match="w_packed|w_comp"):
-            int8_linear(x, w_q, w_scale, None, torch.zeros(16, 4, dtype=torch.int8), torch.zeros(16, dtype=torch.int32))
-        with pytest.raises(err, match="K"):
-            int8_weight_only_linear(x, rand_int8(5, 9), w_scale)
-        with pytest.raises(err, match="w_group_scale"):
-            int8_weight_only_linear(x, w_q, w_scale, None, torch.ones(5, 1, dtype=torch.int32))
-        with pytest.raises(err, match="w_group_scale"):
-            int8_weight_only_linear(x, w_q, w_scale, None, torch.ones(5, 2, dtype=torch.uint8))
-        with pytest.raises(err, match="w_group_scale"):
-            int8_weight_only_linear(x, w_q, w_scale, None, torch.ones(4, 1, dtype=torch.uint8))
-        with pytest.raises(err, match="K"):
-            int8_mm(rand_int8(4, 8), rand_int8(5, 9), torch.rand(4), torch.rand(5))
-        with pytest.raises(err, match="out_dtype"):
-            int8_mm(rand_int8(4, 8), w_q, torch.rand(4), w_scale, None, torch.float64)
-        with pytest.raises(err, match="a_scale"):
-            int8_mm(rand_int8(4, 8), w_q, torch.rand(3), w_scale)
-        with pytest.raises(err, match="a_q"):
-            int8_mm(x, w_q, torch.rand(4), w_scale)
-    for backend_q in Q_BACKENDS:
-        with fastdl.use_backend(backend_q), pytest.raises(err, match="x"):
-            quantize_per_token(torch.randint(0, 5, (3, 4)))
-    with pytest.raises(err, match="w_q"):
+    a_q = rand_int8(4, 8)
+    wo = int8_weight_only_linear
+    return {
+        "mismatched K": (lambda: int8_linear(x, rand_int8(5, 7), w_scale), ValueError,
+                         r"int8_linear: w_q must have shape \[N, K\] with K = x.shape\[-1\] = 8, got \(5, 7\)"),
+        "int x": (lambda: int8_linear(x.to(torch.int32), w_q, w_scale), TypeError,
+                  r"x must be float32, bfloat16 or float16, got dtype torch.int32"),
+        "float w_q": (lambda: int8_linear(x, w_q.float(), w_scale), TypeError,
+                      r"w_q must be int8, got dtype torch.float32"),
+        "w_scale shape": (lambda: int8_linear(x, w_q, torch.rand(4)), ValueError,
+                          r"w_scale must have shape \[N\] = \[5\], got \(4,\)"),
+        "w_scale dtype": (lambda: int8_linear(x, w_q, w_scale.half()), TypeError,
+                          r"w_scale must be float32, got dtype torch.float16"),
+        "bias shape": (lambda: int8_linear(x, w_q, w_scale, torch.randn(6)), ValueError,
+                       r"bias must have shape \[N\] = \[5\], got \(6,\)"),
+        "w_packed shape": (lambda: int8_linear(x, w_q, w_scale, None, torch.zeros(16, 4, dtype=torch.int8),
+                                               torch.zeros(16, dtype=torch.int32)), ValueError,
+                           r"w_packed must have shape \[roundup\(N, 16\), roundup\(K, 4\)\] = \[16, 8\]"),
+        "w_comp alone": (lambda: int8_linear(x, w_q, w_scale, None, None, torch.zeros(16, dtype=torch.int32)),
+                         ValueError, r"w_packed and w_comp must be given together"),
+        "weight-only mismatched K": (lambda: wo(x, rand_int8(5, 9), w_scale), ValueError,
+                                     r"w_q must have shape \[N, K\] with K = x.shape\[-1\] = 8, got \(5, 9\)"),
+        "w_group_scale dtype": (lambda: wo(x, w_q, w_scale, None, torch.ones(5, 1, dtype=torch.int32)), TypeError,
+                                r"w_group_scale must be uint8 \(from quantize_per_group\), got dtype torch.int32"),
+        "w_group_scale shape": (lambda: wo(x, w_q, w_scale, None, torch.ones(4, 1, dtype=torch.uint8)), ValueError,
+                                r"w_group_scale must have shape \[N, ceil\(K / \d+\)\] = \[5, 1\], got \(4, 1\)"),
+        "mm mismatched K": (lambda: int8_mm(a_q, rand_int8(5, 9), torch.rand(4), torch.rand(5)), ValueError,
+                            r"b_q must have shape \[N, K\] with K = a_q.shape\[1\] = 8, got \(5, 9\)"),
+        "mm out_dtype": (lambda: int8_mm(a_q, w_q, torch.rand(4), w_scale, None, torch.float64), TypeError,
+                         r"out_dtype must be one of float32, bfloat16, float16, int32, got torch.float64"),
+        "mm a_scale shape": (lambda: int8_mm(a_q, w_q, torch.rand(3), w_scale), ValueError,
+                             r"a_scale must have shape \[M\] = \[4\], got \(3,\)"),
+        "mm float a_q": (lambda: int8_mm(x, w_q, torch.rand(4), w_scale), TypeError,
+                         r"a_q must be int8, got dtype torch.float32"),
+    }
+
+
+BAD_LINEAR = _bad_linear_cases()
+
+
+@pytest.mark.parametrize("backend", LIN_BACKENDS)
+@pytest.mark.parametrize("case", list(BAD_LINEAR))
+def test_bad_inputs_raise_one_type_naming_argument_and_expected_value(backend, case):
+    call, exc, message = BAD_LINEAR[case]
+    with fastdl.use_backend(backend), pytest.raises(exc, match=message) as info:
+        call()
+    assert type(info.value) is exc, (type(info.value), info.value)
+
+
+@pytest.mark.parametrize("backend", Q_BACKENDS)
+def test_bad_quantize_and_pack_inputs(backend):
+    with fastdl.use_backend(backend), pytest.raises(TypeError, match=r"quantize_per_token: x must be float32, "
+                                                                        r"bfloat16 or float16, got dtype torch.int64"):
+        quantize_per_token(torch.randint(0, 5, (3, 4)))
+    with pytest.raises(TypeError, match=r"int8_pack_weight: w_q must be int8, got dtype torch.float32"):
         int8_pack_weight(torch.randn(4, 4))
+    with pytest.raises(ValueError, match=r"int8_pack_weight: w_q must be 2-D \[N, K\], got shape \(4,\)"):
+        int8_pack_weight(rand_int8(4, 1)[:, 0])
 
 
 @requires_cuda
 def test_device_mismatch_raises():
     w_q, w_scale = make_weight(5, 8)
-    with pytest.raises((ValueError, RuntimeError), match="device"):
+    with pytest.raises(RuntimeError, match=r"w_q must be on the same device as x \(cpu\), got cuda:0"):
         int8_linear(torch.randn(4, 8), w_q.cuda(), w_scale)
 
 

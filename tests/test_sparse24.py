@@ -278,32 +278,44 @@ def test_empty_inputs(backend):
 def test_k_not_multiple_of_4_is_rejected(backend):
     with fastdl.use_backend(backend):
         for op in (sp.mask_2_4, sp.compress_2_4):
-            with pytest.raises((ValueError, RuntimeError), match="K = w.shape\\[1\\] = 10 is not a multiple of 4"):
+            with pytest.raises(ValueError, match=r"K = w.shape\[1\] = 10 is not a multiple of 4"):
                 op(torch.randn(3, 10))
-        with pytest.raises((ValueError, RuntimeError), match="multiple of 4"):
+        with pytest.raises(ValueError, match=r"values.shape\[1\] = 3 must be K/2 with K a multiple of 4"):
             sp.sparse24_linear(torch.randn(2, 6), torch.randn(3, 3), torch.zeros(3, 1, dtype=torch.uint8), None)
-    with pytest.raises((ValueError, RuntimeError), match="multiple of 4"):
+    with pytest.raises(ValueError, match=r"K = w.shape\[1\] = 6 is not a multiple of 4"):
         sparsity.kept_magnitude_fraction(torch.randn(2, 6))
-    with pytest.raises(ValueError, match="multiple of 4"):
+    with pytest.raises(ValueError, match=r"in_features = 10 is not a multiple of 4"):
         Sparse24Linear.from_linear(nn.Linear(10, 4))
 
 
+# Each bad argument: (call, exception type, message naming the argument and the expected value); the type is the
+# kind of mistake (TypeError: dtype, ValueError: shape or value, RuntimeError: device), the same on every backend.
+_VALUES, _META = sp.compress_2_4(torch.randn(5, 16))
+BAD = {
+    "mismatched K": (lambda: sp.sparse24_linear(torch.randn(2, 12), _VALUES, _META, None), ValueError,
+                     r"x.shape\[-1\] = 12 must equal K = 2 \* values.shape\[1\] = 16"),
+    "meta shape": (lambda: sp.sparse24_linear(torch.randn(2, 16), _VALUES, _META[:, :1], None), ValueError,
+                   r"meta must have shape \[N, ceil\(K/8\)\] = \[5, 2\] .*got \(5, 1\)"),
+    "meta dtype": (lambda: sp.decompress_2_4(_VALUES, _META.to(torch.int32)), TypeError,
+                   r"decompress_2_4: meta must be torch.uint8, got torch.int32"),
+    "bias shape": (lambda: sp.sparse24_linear(torch.randn(2, 16), _VALUES, _META, torch.randn(4)), ValueError,
+                   r"bias must have shape \[N\] = \[5\], got \(4,\)"),
+    "int w": (lambda: sp.mask_2_4(torch.ones(4, 8, dtype=torch.int32)), TypeError,
+              r"mask_2_4: w must be a floating tensor \(float32, bfloat16, float16, float64\), got dtype torch.int32"),
+    "3-D w": (lambda: sp.compress_2_4(torch.randn(2, 2, 8)), ValueError,
+              r"compress_2_4: w must be 2-D \[N, K\], got shape \(2, 2, 8\)"),
+    "int x": (lambda: sp.sparse24_linear(torch.ones(2, 16, dtype=torch.int32), _VALUES, _META, None), TypeError,
+              r"x must be a floating tensor \(float32, bfloat16, float16\), got dtype torch.int32"),
+}
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_bad_inputs_raise_clear_errors(backend):
-    values, meta = sp.compress_2_4(torch.randn(5, 16))
-    with fastdl.use_backend(backend):
-        with pytest.raises((ValueError, RuntimeError), match="K"):
-            sp.sparse24_linear(torch.randn(2, 12), values, meta, None)
-        with pytest.raises((ValueError, RuntimeError), match="meta"):
-            sp.sparse24_linear(torch.randn(2, 16), values, meta[:, :1], None)
-        with pytest.raises((ValueError, RuntimeError), match="uint8"):
-            sp.decompress_2_4(values, meta.to(torch.int32))
-        with pytest.raises((ValueError, RuntimeError), match="bias"):
-            sp.sparse24_linear(torch.randn(2, 16), values, meta, torch.randn(4))
-        with pytest.raises((ValueError, RuntimeError), match="floating"):
-            sp.mask_2_4(torch.ones(4, 8, dtype=torch.int32))
-        with pytest.raises((ValueError, RuntimeError), match="2-D"):
-            sp.compress_2_4(torch.randn(2, 2, 8))
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_inputs_raise_one_type_naming_argument_and_expected_value(backend, case):
+    call, exc, message = BAD[case]
+    with fastdl.use_backend(backend), pytest.raises(exc, match=message) as info:
+        call()
+    assert type(info.value) is exc, (type(info.value), info.value)
 
 
 # ------------------------------------------------------------------------------------------ opcheck, autograd

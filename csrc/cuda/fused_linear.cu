@@ -206,19 +206,10 @@ void log_path(const char *fn, const char *what) {
 }
 
 Act parse_act(c10::string_view s, const char *fn) {
-    const std::string a(s.data(), s.size());
-    if (a == "none")
-        return Act::None;
-    if (a == "relu")
-        return Act::Relu;
-    if (a == "gelu")
-        return Act::Gelu;
-    if (a == "gelu_tanh")
-        return Act::GeluTanh;
-    if (a == "silu")
-        return Act::Silu;
-    TORCH_CHECK(false, fn, ": activation must be one of 'none', 'relu', 'gelu', 'gelu_tanh', 'silu', got '", a, "'");
-    return Act::None;
+    Act act = Act::None;
+    TORCH_CHECK_VALUE(activation_from_name(std::string_view(s.data(), s.size()), &act), fn,
+                      ": activation must be one of ", kActivationList, ", got '", std::string(s.data(), s.size()), "'");
+    return act;
 }
 
 int64_t ceil_div(int64_t a, int64_t b) {
@@ -501,121 +492,134 @@ std::map<LtKey, LtCacheEntry> &lt_cache() {
     return cache;
 }
 
+// The cuBLASLt objects of one GEMM: the matmul description and the layouts of A, B, C (C = D unless g.C is set), D.
+struct LtProblem {
+    LtDescGuard desc;
+    LtLayoutGuard la, lb, lc, ld;
+    const void *c_ptr = nullptr;
+    cublasLtMatrixLayout_t c_layout = nullptr;
+};
+
+void lt_describe(const LtGemm &g, LtProblem &p) {
+    FL_LT_CHECK(cublasLtMatmulDescCreate(&p.desc.d, CUBLAS_COMPUTE_32F, CUDA_R_32F), "MatmulDescCreate");
+    lt_desc_set(p.desc.d, CUBLASLT_MATMUL_DESC_TRANSA, static_cast<int32_t>(g.transa));
+    lt_desc_set(p.desc.d, CUBLASLT_MATMUL_DESC_TRANSB, static_cast<int32_t>(g.transb));
+    lt_desc_set(p.desc.d, CUBLASLT_MATMUL_DESC_EPILOGUE, static_cast<uint32_t>(g.epilogue));
+    if (g.bias != nullptr) {
+        lt_desc_set(p.desc.d, CUBLASLT_MATMUL_DESC_BIAS_POINTER, g.bias);
+        if (g.bias_type >= 0)
+            lt_desc_set(p.desc.d, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, g.bias_type);
+    }
+    if (g.aux != nullptr) {
+        lt_desc_set(p.desc.d, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, g.aux);
+        lt_desc_set(p.desc.d, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, g.aux_ld);
+    }
+    const bool ta = g.transa != CUBLAS_OP_N;
+    const bool tb = g.transb != CUBLAS_OP_N;
+    FL_LT_CHECK(cublasLtMatrixLayoutCreate(&p.la.l, g.ab_type, static_cast<uint64_t>(ta ? g.k : g.m),
+                                           static_cast<uint64_t>(ta ? g.m : g.k), g.lda),
+                "MatrixLayoutCreate(A)");
+    FL_LT_CHECK(cublasLtMatrixLayoutCreate(&p.lb.l, g.ab_type, static_cast<uint64_t>(tb ? g.n : g.k),
+                                           static_cast<uint64_t>(tb ? g.k : g.n), g.ldb),
+                "MatrixLayoutCreate(B)");
+    FL_LT_CHECK(
+        cublasLtMatrixLayoutCreate(&p.ld.l, g.d_type, static_cast<uint64_t>(g.m), static_cast<uint64_t>(g.n), g.ldd),
+        "MatrixLayoutCreate(D)");
+    p.c_ptr = g.C != nullptr ? g.C : g.D;
+    p.c_layout = p.ld.l;
+    if (g.C != nullptr) {
+        FL_LT_CHECK(cublasLtMatrixLayoutCreate(&p.lc.l, g.d_type, static_cast<uint64_t>(g.m),
+                                               static_cast<uint64_t>(g.n), g.ldd),
+                    "MatrixLayoutCreate(C)");
+        p.c_layout = p.lc.l;
+    }
+}
+
+// The heuristic cache key of a problem: device, shape, types, epilogue, pointer alignments, workspace cap.
+LtKey lt_key(const LtGemm &g, const void *c_ptr, uint64_t max_ws) {
+    return {static_cast<int64_t>(at::cuda::current_device()),
+            static_cast<int64_t>(g.transa),
+            static_cast<int64_t>(g.transb),
+            g.m,
+            g.n,
+            g.k,
+            g.lda,
+            g.ldb,
+            g.ldd,
+            static_cast<int64_t>(g.ab_type),
+            static_cast<int64_t>(g.d_type),
+            g.C != nullptr ? 1 : 0,
+            static_cast<int64_t>(g.epilogue),
+            g.bias != nullptr ? static_cast<int64_t>(ptr_alignment(g.bias)) : 0,
+            static_cast<int64_t>(g.bias_type),
+            g.aux != nullptr ? static_cast<int64_t>(ptr_alignment(g.aux)) : 0,
+            g.aux_ld,
+            static_cast<int64_t>(ptr_alignment(g.A)),
+            static_cast<int64_t>(ptr_alignment(g.B)),
+            static_cast<int64_t>(ptr_alignment(c_ptr)),
+            static_cast<int64_t>(ptr_alignment(g.D)),
+            static_cast<int64_t>(max_ws)};
+}
+
+// The algorithm for a problem, cached per key (the heuristic query costs tens of microseconds of CPU time per call
+// otherwise; misses are cached too). False: cuBLASLt has none.
+bool lt_algo(cublasLtHandle_t handle, const LtGemm &g, const LtProblem &p, const LtKey &key, uint64_t max_ws,
+             const char *fn, cublasLtMatmulHeuristicResult_t *heur) {
+    {
+        std::lock_guard<std::mutex> lock(lt_cache_mutex());
+        auto &cache = lt_cache();
+        auto it = cache.find(key);
+        if (it != cache.end()) {
+            *heur = it->second.result;
+            return it->second.found;
+        }
+    }
+    LtPrefGuard pref;
+    FL_LT_CHECK(cublasLtMatmulPreferenceCreate(&pref.p), "MatmulPreferenceCreate");
+    lt_pref_set(pref.p, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, max_ws);
+    // Only non-split-K algorithms or split-K reduced in the fp32 compute type (fixed order, fp32 accumulation).
+    lt_pref_set(pref.p, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
+                static_cast<uint32_t>(CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE));
+    lt_pref_set(pref.p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, ptr_alignment(g.A));
+    lt_pref_set(pref.p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, ptr_alignment(g.B));
+    lt_pref_set(pref.p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, ptr_alignment(p.c_ptr));
+    lt_pref_set(pref.p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, ptr_alignment(g.D));
+
+    int n_results = 0;
+    const cublasStatus_t hst = cublasLtMatmulAlgoGetHeuristic(handle, p.desc.d, p.la.l, p.lb.l, p.c_layout, p.ld.l,
+                                                              pref.p, 1, heur, &n_results);
+    const bool found = hst == CUBLAS_STATUS_SUCCESS && n_results > 0;
+    if (!found && env_verbose()) {
+        std::fprintf(stderr,
+                     "[fastdl fused_linear CUDA] %s: cuBLASLt heuristic found no algorithm (%s; m=%lld n=%lld "
+                     "k=%lld epilogue=%u)\n",
+                     fn, cublasLtGetStatusString(hst), static_cast<long long>(g.m), static_cast<long long>(g.n),
+                     static_cast<long long>(g.k), static_cast<unsigned>(g.epilogue));
+    }
+    if (hst == CUBLAS_STATUS_SUCCESS || hst == CUBLAS_STATUS_NOT_SUPPORTED) { // definite answers only
+        std::lock_guard<std::mutex> lock(lt_cache_mutex());
+        auto &cache = lt_cache();
+        if (cache.size() >= 4096)
+            cache.clear();
+        cache[key] = LtCacheEntry{found, *heur};
+    }
+    return found;
+}
+
 // Returns false (nothing launched) when cuBLASLt has no algorithm for the problem or rejects the configuration;
 // throws on other errors.
 bool lt_matmul(const LtGemm &g, const at::Tensor &like, const char *fn) {
     TORCH_INTERNAL_ASSERT(g.m > 0 && g.n > 0 && g.k > 0);
     cublasLtHandle_t handle = at::cuda::getCurrentCUDABlasLtHandle();
     cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-
-    LtDescGuard desc;
-    FL_LT_CHECK(cublasLtMatmulDescCreate(&desc.d, CUBLAS_COMPUTE_32F, CUDA_R_32F), "MatmulDescCreate");
-    lt_desc_set(desc.d, CUBLASLT_MATMUL_DESC_TRANSA, static_cast<int32_t>(g.transa));
-    lt_desc_set(desc.d, CUBLASLT_MATMUL_DESC_TRANSB, static_cast<int32_t>(g.transb));
-    lt_desc_set(desc.d, CUBLASLT_MATMUL_DESC_EPILOGUE, static_cast<uint32_t>(g.epilogue));
-    if (g.bias != nullptr) {
-        lt_desc_set(desc.d, CUBLASLT_MATMUL_DESC_BIAS_POINTER, g.bias);
-        if (g.bias_type >= 0)
-            lt_desc_set(desc.d, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, g.bias_type);
-    }
-    if (g.aux != nullptr) {
-        lt_desc_set(desc.d, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, g.aux);
-        lt_desc_set(desc.d, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, g.aux_ld);
-    }
-
-    LtLayoutGuard la, lb, lc, ld;
-    const bool ta = g.transa != CUBLAS_OP_N;
-    const bool tb = g.transb != CUBLAS_OP_N;
-    FL_LT_CHECK(cublasLtMatrixLayoutCreate(&la.l, g.ab_type, static_cast<uint64_t>(ta ? g.k : g.m),
-                                           static_cast<uint64_t>(ta ? g.m : g.k), g.lda),
-                "MatrixLayoutCreate(A)");
-    FL_LT_CHECK(cublasLtMatrixLayoutCreate(&lb.l, g.ab_type, static_cast<uint64_t>(tb ? g.n : g.k),
-                                           static_cast<uint64_t>(tb ? g.k : g.n), g.ldb),
-                "MatrixLayoutCreate(B)");
-    FL_LT_CHECK(
-        cublasLtMatrixLayoutCreate(&ld.l, g.d_type, static_cast<uint64_t>(g.m), static_cast<uint64_t>(g.n), g.ldd),
-        "MatrixLayoutCreate(D)");
-    const void *c_ptr = g.C != nullptr ? g.C : g.D;
-    cublasLtMatrixLayout_t c_layout = ld.l;
-    if (g.C != nullptr) {
-        FL_LT_CHECK(
-            cublasLtMatrixLayoutCreate(&lc.l, g.d_type, static_cast<uint64_t>(g.m), static_cast<uint64_t>(g.n), g.ldd),
-            "MatrixLayoutCreate(C)");
-        c_layout = lc.l;
-    }
-
+    LtProblem p;
+    lt_describe(g, p);
     const int major = at::cuda::getCurrentDeviceProperties()->major;
     const uint64_t max_ws = major >= 9 ? (uint64_t{32} << 20) : (uint64_t{4} << 20);
-    // Heuristic results are cached per problem (shape, types, epilogue, pointer alignments, device): the query
-    // costs tens of microseconds of CPU time per call otherwise. Misses (no algorithm) are cached too.
-    const LtKey key = {static_cast<int64_t>(at::cuda::current_device()),
-                       static_cast<int64_t>(g.transa),
-                       static_cast<int64_t>(g.transb),
-                       g.m,
-                       g.n,
-                       g.k,
-                       g.lda,
-                       g.ldb,
-                       g.ldd,
-                       static_cast<int64_t>(g.ab_type),
-                       static_cast<int64_t>(g.d_type),
-                       g.C != nullptr ? 1 : 0,
-                       static_cast<int64_t>(g.epilogue),
-                       g.bias != nullptr ? static_cast<int64_t>(ptr_alignment(g.bias)) : 0,
-                       static_cast<int64_t>(g.bias_type),
-                       g.aux != nullptr ? static_cast<int64_t>(ptr_alignment(g.aux)) : 0,
-                       g.aux_ld,
-                       static_cast<int64_t>(ptr_alignment(g.A)),
-                       static_cast<int64_t>(ptr_alignment(g.B)),
-                       static_cast<int64_t>(ptr_alignment(c_ptr)),
-                       static_cast<int64_t>(ptr_alignment(g.D)),
-                       static_cast<int64_t>(max_ws)};
+    const LtKey key = lt_key(g, p.c_ptr, max_ws);
     cublasLtMatmulHeuristicResult_t heur;
     std::memset(&heur, 0, sizeof(heur));
-    bool found = false;
-    bool cached = false;
-    {
-        std::lock_guard<std::mutex> lock(lt_cache_mutex());
-        auto &cache = lt_cache();
-        auto it = cache.find(key);
-        if (it != cache.end()) {
-            cached = true;
-            found = it->second.found;
-            heur = it->second.result;
-        }
-    }
-    if (!cached) {
-        LtPrefGuard pref;
-        FL_LT_CHECK(cublasLtMatmulPreferenceCreate(&pref.p), "MatmulPreferenceCreate");
-        lt_pref_set(pref.p, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, max_ws);
-        // Only non-split-K algorithms or split-K reduced in the fp32 compute type (fixed order, fp32 accumulation).
-        lt_pref_set(pref.p, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
-                    static_cast<uint32_t>(CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE));
-        lt_pref_set(pref.p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, ptr_alignment(g.A));
-        lt_pref_set(pref.p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, ptr_alignment(g.B));
-        lt_pref_set(pref.p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, ptr_alignment(c_ptr));
-        lt_pref_set(pref.p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, ptr_alignment(g.D));
-
-        int n_results = 0;
-        const cublasStatus_t hst =
-            cublasLtMatmulAlgoGetHeuristic(handle, desc.d, la.l, lb.l, c_layout, ld.l, pref.p, 1, &heur, &n_results);
-        found = hst == CUBLAS_STATUS_SUCCESS && n_results > 0;
-        if (!found && env_verbose()) {
-            std::fprintf(stderr,
-                         "[fastdl fused_linear CUDA] %s: cuBLASLt heuristic found no algorithm (%s; m=%lld n=%lld "
-                         "k=%lld epilogue=%u)\n",
-                         fn, cublasLtGetStatusString(hst), static_cast<long long>(g.m), static_cast<long long>(g.n),
-                         static_cast<long long>(g.k), static_cast<unsigned>(g.epilogue));
-        }
-        if (hst == CUBLAS_STATUS_SUCCESS || hst == CUBLAS_STATUS_NOT_SUPPORTED) { // definite answers only
-            std::lock_guard<std::mutex> lock(lt_cache_mutex());
-            auto &cache = lt_cache();
-            if (cache.size() >= 4096)
-                cache.clear();
-            cache[key] = LtCacheEntry{found, heur};
-        }
-    }
-    if (!found)
+    if (!lt_algo(handle, g, p, key, max_ws, fn, &heur))
         return false;
 
     // Workspace from the caching allocator (stream-ordered, CUDA-graph safe), only as large as the algorithm needs.
@@ -627,8 +631,8 @@ bool lt_matmul(const LtGemm &g, const at::Tensor &like, const char *fn) {
     }
     const float alpha = 1.f;
     const float beta = g.C != nullptr ? g.beta : 0.f;
-    const cublasStatus_t st = cublasLtMatmul(handle, desc.d, &alpha, g.A, la.l, g.B, lb.l, &beta, c_ptr, c_layout, g.D,
-                                             ld.l, &heur.algo, ws_ptr, heur.workspaceSize, stream);
+    const cublasStatus_t st = cublasLtMatmul(handle, p.desc.d, &alpha, g.A, p.la.l, g.B, p.lb.l, &beta, p.c_ptr,
+                                             p.c_layout, g.D, p.ld.l, &heur.algo, ws_ptr, heur.workspaceSize, stream);
     if (st == CUBLAS_STATUS_NOT_SUPPORTED || st == CUBLAS_STATUS_INVALID_VALUE) {
         { // remember the rejection: later calls with this problem go straight to the fallback
             std::lock_guard<std::mutex> lock(lt_cache_mutex());
@@ -644,24 +648,32 @@ bool lt_matmul(const LtGemm &g, const at::Tensor &like, const char *fn) {
     return true;
 }
 
+// Column-major D[m, n] (ldd) = op(A)[m, k] (lda) @ op(B)[k, n] (ldb), no epilogue yet.
+LtGemm lt_gemm(cublasOperation_t transa, cublasOperation_t transb, int64_t m, int64_t n, int64_t k, const void *A,
+               int64_t lda, const void *B, int64_t ldb, cudaDataType_t ab_type, void *D, int64_t ldd,
+               cudaDataType_t d_type) {
+    LtGemm g;
+    g.transa = transa;
+    g.transb = transb;
+    g.m = m;
+    g.n = n;
+    g.k = k;
+    g.A = A;
+    g.lda = lda;
+    g.B = B;
+    g.ldb = ldb;
+    g.ab_type = ab_type;
+    g.D = D;
+    g.ldd = ldd;
+    g.d_type = d_type;
+    return g;
+}
+
 // Row-major out[M, N] = x[M, K] @ w[N, K]^T  <=>  column-major out^T[N, M] = w^T (op T on stored K x N) @ x^T.
 LtGemm forward_gemm(const at::Tensor &x2d, const at::Tensor &w_c, void *D, cudaDataType_t d_type, int64_t M, int64_t N,
                     int64_t K) {
-    LtGemm g;
-    g.transa = CUBLAS_OP_T;
-    g.transb = CUBLAS_OP_N;
-    g.m = N;
-    g.n = M;
-    g.k = K;
-    g.A = w_c.data_ptr();
-    g.lda = K;
-    g.B = x2d.data_ptr();
-    g.ldb = K;
-    g.ab_type = cuda_dtype(x2d.scalar_type());
-    g.D = D;
-    g.ldd = N;
-    g.d_type = d_type;
-    return g;
+    return lt_gemm(CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, w_c.data_ptr(), K, x2d.data_ptr(), K,
+                   cuda_dtype(x2d.scalar_type()), D, N, d_type);
 }
 
 at::Tensor aligned16(at::Tensor t) {
@@ -683,193 +695,280 @@ int64_t leading_rows(const at::Tensor &x) {
     return M;
 }
 
+// ----------------------------------------------------------------------------------------------------------------
+// Argument checks: one exception type per kind of mistake, the messages of the Python checks
+// (fastdl/ops/fused_linear.py; the op router re-runs those when a kernel raises): TORCH_CHECK_TYPE for a dtype,
+// TORCH_CHECK_VALUE for a shape or value, TORCH_CHECK for a device.
+// ----------------------------------------------------------------------------------------------------------------
+
 void check_x_weight(const char *fn, const at::Tensor &x, const at::Tensor &weight) {
-    TORCH_CHECK(x.defined(), fn, ": x must be a defined tensor");
+    TORCH_CHECK_VALUE(x.defined() && weight.defined(), fn, ": x and weight must be defined tensors");
     TORCH_CHECK(x.is_cuda(), fn, ": x must be a CUDA tensor, got device ", x.device());
+    TORCH_CHECK_VALUE(x.dim() >= 1, fn, ": x must have at least one dimension [..., K], got a 0-d tensor");
     const auto c = x.scalar_type();
-    TORCH_CHECK(c == at::kFloat || c == at::kBFloat16 || c == at::kHalf, fn,
-                ": x.dtype must be float32, bfloat16 or float16, got ", c);
-    TORCH_CHECK(x.dim() >= 1, fn, ": x must have shape [..., K] (at least 1 dimension), got a 0-d tensor");
-    TORCH_CHECK(weight.defined(), fn, ": weight must be a defined tensor");
-    TORCH_CHECK(weight.device() == x.device(), fn, ": weight must be on x's device ", x.device(), ", got ",
-                weight.device());
-    TORCH_CHECK(weight.dim() == 2, fn, ": weight must have shape [N, K] (2-D), got ", weight.dim(), "-D");
-    TORCH_CHECK(weight.scalar_type() == c || weight.scalar_type() == at::kFloat, fn, ": weight.dtype must be ", c,
-                " (x.dtype) or float32, got ", weight.scalar_type());
-    TORCH_CHECK(weight.size(1) == x.size(-1), fn, ": weight.shape[1] must equal x.shape[-1] = ", x.size(-1),
-                " (K), got ", weight.size(1));
+    TORCH_CHECK_TYPE(c == at::kFloat || c == at::kBFloat16 || c == at::kHalf, fn,
+                     ": x must be a floating tensor (float32, bfloat16, float16), got dtype ", c);
+    TORCH_CHECK_VALUE(weight.dim() == 2, fn, ": weight must be 2-D [N, K], got shape ", weight.sizes());
+    TORCH_CHECK_VALUE(weight.size(1) == x.size(-1), fn,
+                      ": weight must have shape [N, K] with K = x.shape[-1] = ", x.size(-1), ", got weight of shape ",
+                      weight.sizes(), " (mismatched K)");
+    TORCH_CHECK_TYPE(weight.scalar_type() == c || weight.scalar_type() == at::kFloat, fn, ": weight.dtype must be ",
+                     "x.dtype (", c, ") or float32, got ", weight.scalar_type());
+    TORCH_CHECK(weight.device() == x.device(), fn, ": weight must be on device ", x.device(),
+                " (the device of x), got ", weight.device());
+}
+
+// bias / residual / grad_out / preact: a floating tensor of the given shape on x's device.
+void check_optional(const char *fn, const char *name, const at::Tensor &t, at::IntArrayRef shape, const at::Tensor &x) {
+    TORCH_CHECK_TYPE(at::isFloatingType(t.scalar_type()), fn, ": ", name, " must be a floating tensor, got dtype ",
+                     t.scalar_type());
+    TORCH_CHECK(t.device() == x.device(), fn, ": ", name, " must be on device ", x.device(), " (the device of x), got ",
+                t.device());
+    TORCH_CHECK_VALUE(t.sizes() == shape, fn, ": ", name, " must have shape ", shape, ", got ", t.sizes());
 }
 
 // ----------------------------------------------------------------------------------------------------------------
-// Forward
+// Forward: the tiers of the header comment, each a step of its own; the first that applies wins. The choice is by
+// what cuBLASLt can fuse (choose_lt_epilogue) and by what it accepts at run time (lt_matmul returns false), not by
+// a measured crossover: every tier computes the same rounding of the same fp32 accumulator.
 // ----------------------------------------------------------------------------------------------------------------
+
+// One forward call, flattened to 2-D: what every tier reads and writes.
+struct FwdCall {
+    const char *fn;
+    Act act;
+    at::ScalarType c;
+    int64_t M, N, K;
+    const std::optional<at::Tensor> *bias; // as given (tier 1 passes a bias in dtype c as is)
+    bool has_bias, has_res, want_pre;
+    at::Tensor x2d, w_c; // [M, K], [N, K] in dtype c, contiguous
+    at::Tensor bias32;   // [N] fp32, 16-byte aligned (or undefined)
+    at::Tensor res2d;    // [M, N] contiguous, dtype c or fp32 (or undefined)
+    at::Tensor out2d;    // [M, N] dtype c
+    at::Tensor pre2d;    // [M, N] dtype c when want_pre (or undefined)
+};
+
+// Tier 1 rule: the cuBLASLt epilogue computing the whole op for this call, set on g; false when there is none
+// (silu and erf gelu have none; the GELU epilogue may use a fast tanh, trusted only within bf16 rounding; a residual
+// can only ride as the C matrix when nothing follows the bias). *relu_after: the epilogue stops at the bias (into
+// preact) and the epilogue kernel applies relu.
+bool choose_lt_epilogue(const FwdCall &f, LtGemm &g, bool *relu_after) {
+    *relu_after = false;
+    switch (f.act) {
+    case Act::None:
+        if (f.has_res) {
+            if (f.res2d.scalar_type() != f.c)
+                return false;
+            g.C = f.res2d.data_ptr();
+            g.beta = 1.f;
+        }
+        g.epilogue = f.has_bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
+        return true;
+    case Act::Relu:
+        if (f.has_res)
+            return false;
+        if (f.want_pre) {
+            g.D = f.pre2d.data_ptr();
+            g.epilogue = f.has_bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
+            *relu_after = true;
+        } else {
+            g.epilogue = f.has_bias ? CUBLASLT_EPILOGUE_RELU_BIAS : CUBLASLT_EPILOGUE_RELU;
+        }
+        return true;
+    case Act::GeluTanh:
+        if (f.c != at::kBFloat16 || f.has_res || (f.want_pre && f.N % 8 != 0))
+            return false;
+        if (f.want_pre) {
+            g.epilogue = f.has_bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX;
+            g.aux = f.pre2d.data_ptr();
+            g.aux_ld = f.N;
+        } else {
+            g.epilogue = f.has_bias ? CUBLASLT_EPILOGUE_GELU_BIAS : CUBLASLT_EPILOGUE_GELU;
+        }
+        return true;
+    default:
+        return false;
+    }
+}
+
+// Tier 1: everything in the cuBLASLt epilogue. False: nothing ran.
+bool fwd_lt_fused(const FwdCall &f) {
+    LtGemm g = forward_gemm(f.x2d, f.w_c, f.out2d.data_ptr(), cuda_dtype(f.c), f.M, f.N, f.K);
+    bool relu_after = false;
+    if (!choose_lt_epilogue(f, g, &relu_after))
+        return false;
+    at::Tensor bias_lt;
+    if (f.has_bias) {
+        const at::Tensor &b = **f.bias;
+        if (b.scalar_type() == f.c) {
+            bias_lt = aligned16(b.contiguous());
+        } else {
+            bias_lt = f.bias32;
+            if (f.c != at::kFloat)
+                g.bias_type = static_cast<int32_t>(CUDA_R_32F);
+        }
+        g.bias = bias_lt.data_ptr();
+    }
+    if (!lt_matmul(g, f.x2d, f.fn))
+        return false;
+    if (relu_after) {
+        log_path(f.fn, "tier 1: cuBLASLt bias epilogue into preact + relu kernel");
+        run_fwd_epilogue(f.pre2d, at::Tensor(), at::Tensor(), f.out2d, at::Tensor(), f.M, f.N, Act::Relu);
+    } else {
+        log_path(f.fn, "tier 1: cuBLASLt fused epilogue");
+    }
+    return true;
+}
+
+// Tier 2: cuBLASLt GEMM (+ fp32 bias) into fp32, then the epilogue kernel. False: nothing ran.
+bool fwd_lt_then_epilogue(const FwdCall &f) {
+    at::Tensor acc32;
+    at::Tensor preact_store = f.pre2d;
+    if (f.c == at::kFloat) {
+        acc32 = f.want_pre ? f.pre2d : f.out2d; // epilogue runs in place
+        if (f.want_pre)
+            preact_store = at::Tensor();
+    } else {
+        acc32 = at::empty({f.M, f.N}, f.out2d.options().dtype(at::kFloat));
+    }
+    LtGemm g = forward_gemm(f.x2d, f.w_c, acc32.data_ptr(), CUDA_R_32F, f.M, f.N, f.K);
+    if (f.has_bias) {
+        g.epilogue = CUBLASLT_EPILOGUE_BIAS;
+        g.bias = f.bias32.data_ptr();
+    }
+    if (!lt_matmul(g, f.x2d, f.fn))
+        return false;
+    log_path(f.fn, "tier 2: cuBLASLt fp32 GEMM + epilogue kernel");
+    const bool noop = f.c == at::kFloat && f.act == Act::None && !f.has_res; // acc32 is out already
+    if (!noop)
+        run_fwd_epilogue(acc32, at::Tensor(), f.res2d, f.out2d, preact_store, f.M, f.N, f.act);
+    return true;
+}
+
+// Tier 3: ATen GEMM in dtype c, then the epilogue kernel (bias added there).
+void fwd_aten_then_epilogue(const FwdCall &f) {
+    log_path(f.fn, "tier 3: at::mm + epilogue kernel");
+    at::Tensor target = f.want_pre ? f.pre2d : f.out2d;
+    at::mm_out(target, f.x2d, f.w_c.t());
+    run_fwd_epilogue(target, f.bias32, f.res2d, f.out2d, f.pre2d, f.M, f.N, f.act);
+}
 
 std::tuple<at::Tensor, at::Tensor> fused_linear_cuda(const at::Tensor &x, const at::Tensor &weight,
                                                      const std::optional<at::Tensor> &bias, c10::string_view activation,
                                                      const std::optional<at::Tensor> &residual, bool save_preact) {
-    constexpr const char *fn = "fused_linear";
-    const Act act = parse_act(activation, fn);
-    check_x_weight(fn, x, weight);
-    const at::ScalarType c = x.scalar_type();
-    const int64_t K = x.size(-1);
-    const int64_t N = weight.size(0);
-    const int64_t M = leading_rows(x);
-    const std::vector<int64_t> oshape = out_shape(x, N);
-
-    const bool has_bias = bias.has_value() && bias->defined();
-    if (has_bias) {
-        TORCH_CHECK(bias->device() == x.device(), fn, ": bias must be on x's device ", x.device(), ", got ",
-                    bias->device());
-        TORCH_CHECK(at::isFloatingType(bias->scalar_type()), fn, ": bias.dtype must be a floating point type, got ",
-                    bias->scalar_type());
-        TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, fn, ": bias must have shape [", N,
-                    "] (N = weight.shape[0]), got ", bias->sizes());
-    }
-    const bool has_res = residual.has_value() && residual->defined();
-    if (has_res) {
-        TORCH_CHECK(residual->device() == x.device(), fn, ": residual must be on x's device ", x.device(), ", got ",
-                    residual->device());
-        TORCH_CHECK(at::isFloatingType(residual->scalar_type()), fn,
-                    ": residual.dtype must be a floating point type, got ", residual->scalar_type());
-        TORCH_CHECK(residual->sizes() == at::IntArrayRef(oshape), fn, ": residual must have the output shape ",
-                    at::IntArrayRef(oshape), ", got ", residual->sizes());
-    }
+    FwdCall f;
+    f.fn = "fused_linear";
+    f.act = parse_act(activation, f.fn);
+    check_x_weight(f.fn, x, weight);
+    f.c = x.scalar_type();
+    f.K = x.size(-1);
+    f.N = weight.size(0);
+    f.M = leading_rows(x);
+    const std::vector<int64_t> oshape = out_shape(x, f.N);
+    f.bias = &bias;
+    f.has_bias = bias.has_value() && bias->defined();
+    if (f.has_bias)
+        check_optional(f.fn, "bias", *bias, {f.N}, x);
+    f.has_res = residual.has_value() && residual->defined();
+    if (f.has_res)
+        check_optional(f.fn, "residual", *residual, oshape, x);
 
     c10::cuda::CUDAGuard device_guard(x.device());
-    const auto opts = x.options().dtype(c);
-    const bool want_pre = save_preact && act != Act::None;
+    const auto opts = x.options().dtype(f.c);
+    f.want_pre = save_preact && f.act != Act::None;
     at::Tensor out = at::empty(oshape, opts);
-    at::Tensor preact = want_pre ? at::empty(oshape, opts) : at::empty({0}, opts);
-    if (M == 0 || N == 0)
+    at::Tensor preact = f.want_pre ? at::empty(oshape, opts) : at::empty({0}, opts);
+    if (f.M == 0 || f.N == 0)
         return {out, preact};
 
-    at::Tensor out2d = out.view({M, N});
-    at::Tensor pre2d = want_pre ? preact.view({M, N}) : at::Tensor();
-    at::Tensor bias32;
-    if (has_bias)
-        bias32 = aligned16(bias->to(at::kFloat).contiguous());
-    at::Tensor res2d;
-    if (has_res) {
-        at::Tensor r = residual->reshape({M, N});
-        if (r.scalar_type() != c && r.scalar_type() != at::kFloat)
+    f.out2d = out.view({f.M, f.N});
+    if (f.want_pre)
+        f.pre2d = preact.view({f.M, f.N});
+    if (f.has_bias)
+        f.bias32 = aligned16(bias->to(at::kFloat).contiguous());
+    if (f.has_res) {
+        at::Tensor r = residual->reshape({f.M, f.N});
+        if (r.scalar_type() != f.c && r.scalar_type() != at::kFloat)
             r = r.to(at::kFloat);
-        res2d = r.contiguous();
+        f.res2d = r.contiguous();
     }
-
-    if (K == 0) { // acc = 0
-        log_path(fn, "K == 0: epilogue on zeros");
-        at::Tensor zeros = at::zeros({M, N}, opts.dtype(at::kFloat));
-        run_fwd_epilogue(zeros, bias32, res2d, out2d, pre2d, M, N, act);
+    if (f.K == 0) { // acc = 0
+        log_path(f.fn, "K == 0: epilogue on zeros");
+        at::Tensor zeros = at::zeros({f.M, f.N}, opts.dtype(at::kFloat));
+        run_fwd_epilogue(zeros, f.bias32, f.res2d, f.out2d, f.pre2d, f.M, f.N, f.act);
         return {out, preact};
     }
-
-    const at::Tensor x2d = x.reshape({M, K}).contiguous();
-    const at::Tensor w_c = weight.to(c).contiguous();
-    const int mode = env_path_mode();
-    const cudaDataType_t c_type = cuda_dtype(c);
-
-    // ---- tier 1: everything in the cuBLASLt epilogue ----
-    if (mode == 0) {
-        bool applicable = true;
-        bool relu_after = false;
-        LtGemm g = forward_gemm(x2d, w_c, out2d.data_ptr(), c_type, M, N, K);
-        switch (act) {
-        case Act::None:
-            if (has_res) {
-                if (res2d.scalar_type() == c) {
-                    g.C = res2d.data_ptr();
-                    g.beta = 1.f;
-                } else {
-                    applicable = false;
-                }
-            }
-            g.epilogue = has_bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
-            break;
-        case Act::Relu:
-            if (has_res) {
-                applicable = false;
-            } else if (want_pre) {
-                g.D = pre2d.data_ptr();
-                g.epilogue = has_bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
-                relu_after = true;
-            } else {
-                g.epilogue = has_bias ? CUBLASLT_EPILOGUE_RELU_BIAS : CUBLASLT_EPILOGUE_RELU;
-            }
-            break;
-        case Act::GeluTanh:
-            // cuBLASLt's GELU may use a fast tanh; only trusted within bf16 rounding.
-            if (c != at::kBFloat16 || has_res || (want_pre && N % 8 != 0)) {
-                applicable = false;
-            } else if (want_pre) {
-                g.epilogue = has_bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX;
-                g.aux = pre2d.data_ptr();
-                g.aux_ld = N;
-            } else {
-                g.epilogue = has_bias ? CUBLASLT_EPILOGUE_GELU_BIAS : CUBLASLT_EPILOGUE_GELU;
-            }
-            break;
-        default:
-            applicable = false;
-            break;
-        }
-        at::Tensor bias_lt;
-        if (applicable && has_bias) {
-            if (bias->scalar_type() == c) {
-                bias_lt = aligned16(bias->contiguous());
-            } else {
-                bias_lt = bias32;
-                if (c != at::kFloat)
-                    g.bias_type = static_cast<int32_t>(CUDA_R_32F);
-            }
-            g.bias = bias_lt.data_ptr();
-        }
-        if (applicable && lt_matmul(g, x, fn)) {
-            if (relu_after) {
-                log_path(fn, "tier 1: cuBLASLt bias epilogue into preact + relu kernel");
-                run_fwd_epilogue(pre2d, at::Tensor(), at::Tensor(), out2d, at::Tensor(), M, N, Act::Relu);
-            } else {
-                log_path(fn, "tier 1: cuBLASLt fused epilogue");
-            }
-            return {out, preact};
-        }
-    }
-
-    // ---- tier 2: cuBLASLt GEMM (+ fp32 bias) into fp32, then the epilogue kernel ----
-    if (mode <= 1) {
-        at::Tensor acc32;
-        at::Tensor preact_store = pre2d;
-        if (c == at::kFloat) {
-            acc32 = want_pre ? pre2d : out2d; // epilogue runs in place
-            if (want_pre)
-                preact_store = at::Tensor();
-        } else {
-            acc32 = at::empty({M, N}, opts.dtype(at::kFloat));
-        }
-        LtGemm g = forward_gemm(x2d, w_c, acc32.data_ptr(), CUDA_R_32F, M, N, K);
-        if (has_bias) {
-            g.epilogue = CUBLASLT_EPILOGUE_BIAS;
-            g.bias = bias32.data_ptr();
-        }
-        if (lt_matmul(g, x, fn)) {
-            log_path(fn, "tier 2: cuBLASLt fp32 GEMM + epilogue kernel");
-            const bool noop = c == at::kFloat && act == Act::None && !has_res; // acc32 is out already
-            if (!noop)
-                run_fwd_epilogue(acc32, at::Tensor(), res2d, out2d, preact_store, M, N, act);
-            return {out, preact};
-        }
-    }
-
-    // ---- tier 3: ATen GEMM in dtype c, then the epilogue kernel (bias added there) ----
-    log_path(fn, "tier 3: at::mm + epilogue kernel");
-    at::Tensor target = want_pre ? pre2d : out2d;
-    at::mm_out(target, x2d, w_c.t());
-    run_fwd_epilogue(target, bias32, res2d, out2d, pre2d, M, N, act);
+    f.x2d = x.reshape({f.M, f.K}).contiguous();
+    f.w_c = weight.to(f.c).contiguous();
+    const int mode = env_path_mode(); // FASTDL_FUSED_LINEAR_PATH: 0 all tiers, 1 from tier 2, 2 tier 3 only
+    if (mode == 0 && fwd_lt_fused(f))
+        return {out, preact};
+    if (mode <= 1 && fwd_lt_then_epilogue(f))
+        return {out, preact};
+    fwd_aten_then_epilogue(f);
     return {out, preact};
 }
 
 // ----------------------------------------------------------------------------------------------------------------
-// Backward
+// Backward: dpre (one kernel: act' and the fp32 bias gradient), then grad_x and grad_weight as GEMMs.
 // ----------------------------------------------------------------------------------------------------------------
+
+// dpre_c = round_c(g * act'(p)) [M, N] (grad_out itself when act is none and grad_out has dtype c), and grad_b (fp32
+// column sums of the unrounded dpre) when grad_b is defined. need_dpre: grad_x or grad_weight needs it.
+at::Tensor backward_dpre(const at::Tensor &grad_out, const at::Tensor &preact, at::ScalarType c, Act act, int64_t M,
+                         int64_t N, bool need_dpre, const at::Tensor &grad_b) {
+    const auto opts_c = grad_out.options().dtype(c);
+    if (M == 0 || N == 0) {
+        if (grad_b.defined())
+            grad_b.zero_();
+        return need_dpre ? at::zeros({M, N}, opts_c) : at::Tensor();
+    }
+    at::Tensor g2d = grad_out.reshape({M, N});
+    if (g2d.scalar_type() != c && g2d.scalar_type() != at::kFloat)
+        g2d = g2d.to(at::kFloat);
+    g2d = g2d.contiguous();
+    at::Tensor p2d;
+    if (act != Act::None)
+        p2d = preact.reshape({M, N}).to(c).contiguous();
+    const bool dpre_is_g = act == Act::None && g2d.scalar_type() == c;
+    at::Tensor dpre_out;
+    if (need_dpre && !dpre_is_g)
+        dpre_out = at::empty({M, N}, opts_c);
+    if (dpre_out.defined() || grad_b.defined()) {
+        dispatch_c(c, [&](auto tag) {
+            using T = decltype(tag);
+            launch_bwd<T>(g2d, p2d, dpre_out, grad_b, M, N, act);
+        });
+    }
+    if (!need_dpre)
+        return at::Tensor();
+    return dpre_is_g ? g2d : dpre_out;
+}
+
+// grad_weight of an fp32 master weight with 16-bit x, in fp32 straight from the GEMM (no 16-bit round trip).
+// Rule: cuBLASLt 16-bit x 16-bit -> fp32 when allowed (FASTDL_FUSED_LINEAR_PATH) and it has an algorithm; else the
+// exact fallback (16-bit values are exact in fp32 and in TF32, products accumulate in fp32).
+at::Tensor grad_weight_fp32(const at::Tensor &dpre_c, const at::Tensor &x2d, int64_t M, int64_t N, int64_t K,
+                            const char *fn) {
+    at::Tensor grad_w = at::empty({N, K}, x2d.options().dtype(at::kFloat));
+    if (N == 0 || K == 0)
+        return grad_w;
+    if (M == 0)
+        return grad_w.zero_();
+    if (env_path_mode() < 2) {
+        // Row-major gw[N, K] = dpre^T @ x  <=>  column-major gw^T[K, N] = x^T[K, M] @ dpre[M, N]
+        // (dpre stored column-major as N x M -> op T).
+        const LtGemm g = lt_gemm(CUBLAS_OP_N, CUBLAS_OP_T, K, N, M, x2d.data_ptr(), K, dpre_c.data_ptr(), N,
+                                 cuda_dtype(x2d.scalar_type()), grad_w.data_ptr(), K, CUDA_R_32F);
+        if (lt_matmul(g, x2d, fn)) {
+            log_path(fn, "grad_weight: cuBLASLt 16-bit x 16-bit -> fp32");
+            return grad_w;
+        }
+    }
+    log_path(fn, "grad_weight: at::mm in fp32");
+    at::mm_out(grad_w, dpre_c.t().to(at::kFloat), x2d.to(at::kFloat));
+    return grad_w;
+}
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor>
 fused_linear_backward_cuda(const at::Tensor &grad_out, const at::Tensor &x, const at::Tensor &weight,
@@ -882,27 +981,17 @@ fused_linear_backward_cuda(const at::Tensor &grad_out, const at::Tensor &x, cons
     const int64_t N = weight.size(0);
     const int64_t M = leading_rows(x);
     const std::vector<int64_t> oshape = out_shape(x, N);
-    const bool need_gx = output_mask[0];
-    const bool need_gw = output_mask[1];
-    const bool need_gb = output_mask[2];
-
-    TORCH_CHECK(grad_out.defined(), fn, ": grad_out must be a defined tensor");
-    TORCH_CHECK(grad_out.device() == x.device(), fn, ": grad_out must be on x's device ", x.device(), ", got ",
-                grad_out.device());
-    TORCH_CHECK(at::isFloatingType(grad_out.scalar_type()), fn, ": grad_out.dtype must be a floating point type, got ",
-                grad_out.scalar_type());
-    TORCH_CHECK(grad_out.sizes() == at::IntArrayRef(oshape), fn, ": grad_out must have the output shape ",
-                at::IntArrayRef(oshape), ", got ", grad_out.sizes());
+    const auto [need_gx, need_gw, need_gb] = output_mask;
+    TORCH_CHECK_VALUE(grad_out.defined(), fn, ": grad_out must be a defined tensor");
+    check_optional(fn, "grad_out", grad_out, oshape, x);
     const bool any = need_gx || need_gw || need_gb;
     if (act != Act::None && any) {
-        TORCH_CHECK(preact.defined(), fn, ": preact must be a defined tensor for activation '",
-                    std::string(activation.data(), activation.size()), "'");
-        TORCH_CHECK(preact.device() == x.device(), fn, ": preact must be on x's device ", x.device(), ", got ",
-                    preact.device());
-        TORCH_CHECK(at::isFloatingType(preact.scalar_type()), fn, ": preact.dtype must be a floating point type, got ",
-                    preact.scalar_type());
-        TORCH_CHECK(preact.sizes() == at::IntArrayRef(oshape), fn, ": preact must have the output shape ",
-                    at::IntArrayRef(oshape), " (save_preact=True in the forward), got ", preact.sizes());
+        TORCH_CHECK_VALUE(preact.defined() && preact.sizes() == at::IntArrayRef(oshape), fn,
+                          ": preact must have shape ", at::IntArrayRef(oshape), ", got ",
+                          preact.defined() ? preact.sizes() : at::IntArrayRef{}, " (activation '",
+                          std::string(activation.data(), activation.size()),
+                          "' needs it: call fused_linear with save_preact=True when gradients are needed)");
+        check_optional(fn, "preact", preact, oshape, x);
     }
 
     c10::cuda::CUDAGuard device_guard(x.device());
@@ -912,87 +1001,15 @@ fused_linear_backward_cuda(const at::Tensor &grad_out, const at::Tensor &x, cons
     at::Tensor grad_b = at::empty({0}, opts_c.dtype(at::kFloat));
     if (!any)
         return {grad_x, grad_w, grad_b};
-
-    const bool need_dpre = need_gx || need_gw;
-    at::Tensor dpre_c;
     if (need_gb)
         grad_b = at::empty({N}, opts_c.dtype(at::kFloat));
-    if (M > 0 && N > 0) {
-        at::Tensor g2d = grad_out.reshape({M, N});
-        if (g2d.scalar_type() != c && g2d.scalar_type() != at::kFloat)
-            g2d = g2d.to(at::kFloat);
-        g2d = g2d.contiguous();
-        at::Tensor p2d;
-        if (act != Act::None)
-            p2d = preact.reshape({M, N}).to(c).contiguous();
-        const bool dpre_is_g = act == Act::None && g2d.scalar_type() == c;
-        at::Tensor dpre_out;
-        if (need_dpre) {
-            if (dpre_is_g) {
-                dpre_c = g2d;
-            } else {
-                dpre_out = at::empty({M, N}, opts_c);
-                dpre_c = dpre_out;
-            }
-        }
-        if (dpre_out.defined() || need_gb) {
-            const at::Tensor gb = need_gb ? grad_b : at::Tensor();
-            dispatch_c(c, [&](auto tag) {
-                using T = decltype(tag);
-                launch_bwd<T>(g2d, p2d, dpre_out, gb, M, N, act);
-            });
-        }
-    } else {
-        if (need_gb)
-            grad_b.zero_();
-        if (need_dpre)
-            dpre_c = at::zeros({M, N}, opts_c);
-    }
-
-    if (need_gx) {
-        const at::Tensor w_c = weight.to(c).contiguous();
-        grad_x = at::mm(dpre_c, w_c).view(x.sizes());
-    }
+    const at::Tensor dpre_c =
+        backward_dpre(grad_out, preact, c, act, M, N, need_gx || need_gw, need_gb ? grad_b : at::Tensor());
+    if (need_gx)
+        grad_x = at::mm(dpre_c, weight.to(c).contiguous()).view(x.sizes());
     if (need_gw) {
         const at::Tensor x2d = x.reshape({M, K}).contiguous();
-        if (weight.scalar_type() == c) {
-            grad_w = at::mm(dpre_c.t(), x2d);
-        } else {
-            // fp32 master weight, 16-bit activations: fp32 output straight from the GEMM.
-            grad_w = at::empty({N, K}, opts_c.dtype(at::kFloat));
-            if (N > 0 && K > 0) {
-                bool done = false;
-                if (M == 0) {
-                    grad_w.zero_();
-                    done = true;
-                } else if (env_path_mode() < 2) {
-                    // Row-major gw[N, K] = dpre^T @ x  <=>  column-major gw^T[K, N] = x^T[K, M] @ dpre[M, N]
-                    // (dpre stored column-major as N x M -> op T).
-                    LtGemm g;
-                    g.transa = CUBLAS_OP_N;
-                    g.transb = CUBLAS_OP_T;
-                    g.m = K;
-                    g.n = N;
-                    g.k = M;
-                    g.A = x2d.data_ptr();
-                    g.lda = K;
-                    g.B = dpre_c.data_ptr();
-                    g.ldb = N;
-                    g.ab_type = cuda_dtype(c);
-                    g.D = grad_w.data_ptr();
-                    g.ldd = K;
-                    g.d_type = CUDA_R_32F;
-                    done = lt_matmul(g, x, fn);
-                    if (done)
-                        log_path(fn, "grad_weight: cuBLASLt 16-bit x 16-bit -> fp32");
-                }
-                if (!done) {
-                    // Exact fallback: 16-bit values are exact in fp32 (and in TF32), products accumulate in fp32.
-                    log_path(fn, "grad_weight: at::mm in fp32");
-                    at::mm_out(grad_w, dpre_c.t().to(at::kFloat), x2d.to(at::kFloat));
-                }
-            }
-        }
+        grad_w = weight.scalar_type() == c ? at::mm(dpre_c.t(), x2d) : grad_weight_fp32(dpre_c, x2d, M, N, K, fn);
     }
     return {grad_x, grad_w, grad_b};
 }

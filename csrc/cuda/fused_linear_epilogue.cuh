@@ -8,9 +8,9 @@
 
 #include <cstdint>
 
-namespace fastdl::fused_linear {
+#include "activation.h" // fastdl::Act
 
-enum class Act : int { None = 0, Relu = 1, Gelu = 2, GeluTanh = 3, Silu = 4 };
+namespace fastdl::fused_linear {
 
 // 16-bit storage types carried as raw bits: no dependence on the __CUDA_NO_*_CONVERSIONS__ macros torch sets.
 struct bf16_t {

@@ -1,17 +1,14 @@
 // CUDA kernels of the int8 capability, registered under fastdl_cpp (schemas are defined in Python,
 // fastdl/ops/int8.py).
 //
-// quantize_per_token(x) -> (q int8 [..., K], scale fp32 [...]): symmetric per-row int8 quantization, bit-exact with
-// the contract: amax = max|x| in fp32 (a NaN counts as +inf); a non-finite amax gives scale = NaN and q = 0; amax == 0
-// gives scale = 0 and q = 0; else inv = 127 / amax and scale = amax / 127 (IEEE divisions, __fdiv_rn) and
-// q = clamp(rint(x * inv), -127, 127) (one IEEE multiply, __fmul_rn: never contracted into an fma; round half to
-// even with __float2int_rn). Where 127 / amax overflows (amax < ~3.7e-37) a zero x gives 0 * inf = NaN -> q = 0.
+// quantize_per_token: bit-exact with the contract in fastdl/ops/int8.py. Here the IEEE divisions are __fdiv_rn, the
+// multiply x * inv is __fmul_rn (never contracted into an fma) and the rounding (half to even) __float2int_rn.
 //
 // One pass over x when the row fits in registers is not worth the register pressure here: the kernel reads each row
 // twice (amax, then quantize) and the second read hits L1/L2 (a row is at most a few tens of KiB). Loads are 16 bytes
 // wide (8 x bf16/fp16 or 4 x fp32) when the rows are 16-byte aligned, and the int8 stores are 8 / 4 bytes wide.
-// Rows of up to 2048 elements are handled by one warp each (8 rows per 256-thread block, warp-shuffle reduction);
-// longer rows by a whole 256-thread block (shuffle + shared-memory reduction).
+// Rows of up to kWarpRowMax elements are handled by one warp each (kThreads / kWarp rows per block, warp-shuffle
+// reduction); longer rows by a whole block (shuffle + shared-memory reduction).
 //
 // int8_mm / int8_linear / int8_weight_only_linear have no CUDA C++ kernel: the Triton kernels (kernels/int8.py) serve
 // them on CUDA with the dequant fused in the GEMM epilogue. The alternatives available here - torch._int_mm or

@@ -50,6 +50,14 @@ def require_device(cond, message: Callable[[], str]) -> None:
         raise RuntimeError(message())
 
 
+def _recheck(check: Callable, args) -> None:
+    """Run ``check`` after a C++ kernel raised; its argument error replaces the C++ one."""
+    try:
+        check(*args)
+    except (TypeError, ValueError, RuntimeError) as err:
+        raise err from None
+
+
 def _device_type(args) -> str:
     for a in args:
         if isinstance(a, torch.Tensor):
@@ -147,9 +155,16 @@ def define(
     def route(*args):
         backend = backends.select(name, _device_type(args), args)
         if backend == "cpp":
-            # the C++ kernels check every argument themselves (TORCH_CHECK naming the argument and the expected
-            # value), so the Python checks are skipped: ~5 us per call, which matters at M = 1
-            return getattr(torch.ops.fastdl_cpp, name)(*args)
+            # the C++ kernels check every argument themselves, so the Python checks are skipped (~5 us per call,
+            # which matters at M = 1). When a C++ kernel raises, the Python check runs: a bad argument is reported
+            # with the type and message of every other backend (some C++ checks raise RuntimeError for a dtype or a
+            # shape); an error that is not about the arguments propagates as raised.
+            try:
+                return getattr(torch.ops.fastdl_cpp, name)(*args)
+            except (RuntimeError, TypeError, ValueError, IndexError):
+                if check is not None:
+                    _recheck(check, args)
+                raise
         if check is not None:
             check(*args)
         if backend == "triton":

@@ -12,14 +12,25 @@ Semantics (every backend implements exactly this):
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from ._library import define, register_autocast_rule, require, require_device
+from ._library import define, register_autocast_rule, require, require_device, require_dtype
 
-ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu")
+# The activations of fused_linear, defined once for Python (C++ and CUDA: csrc/activation.h, in the same order: the
+# position is the code the Triton kernels take). name -> (the PyTorch function, the module computing it).
+_ACTIVATION_TABLE = {
+    "none": (lambda x: x, None),
+    "relu": (F.relu, nn.ReLU),
+    "gelu": (F.gelu, nn.GELU),  # the exact erf form
+    "gelu_tanh": (functools.partial(F.gelu, approximate="tanh"), functools.partial(nn.GELU, approximate="tanh")),
+    "silu": (F.silu, nn.SiLU),
+}
+ACTIVATIONS = tuple(_ACTIVATION_TABLE)
 _FLOAT = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 SCHEMA = (
@@ -32,79 +43,78 @@ BACKWARD_SCHEMA = (
 
 
 # ----------------------------------------------------------------------------------------------- argument checks
-def check_activation(activation: str) -> None:
+def check_activation(activation: str, fn: str = "fused_linear") -> None:
     require(
         activation in ACTIVATIONS,
-        lambda: f"fused_linear: unknown activation {activation!r}; expected one of {', '.join(ACTIVATIONS)}",
+        lambda: f"{fn}: activation must be one of {', '.join(repr(a) for a in ACTIVATIONS)}, got {activation!r}",
     )
+
+
+# The messages are those of the C++ kernels (csrc/cpu/fused_linear.cpp), which skip these checks: every backend reports
+# a bad input with the same words and exception type (dtypes print as torch.float32 here, Float there).
+def _check_optional(t, name, shape, x, fn) -> None:
+    require_dtype(t.dtype in _FLOAT, lambda: f"{fn}: {name} must be a floating tensor, got dtype {t.dtype}")
+    require_device(
+        t.device == x.device, lambda: f"{fn}: {name} must be on device {x.device} (the device of x), got {t.device}"
+    )
+    require(tuple(t.shape) == tuple(shape), lambda: f"{fn}: {name} must have shape {list(shape)}, got {list(t.shape)}")
 
 
 def check_args(x, weight, bias, activation, residual) -> tuple[int, int]:
     """Validate the forward arguments; returns (K, N). Shared by the fake kernel and the reference."""
-    check_activation(activation)
-    require(
-        x.dtype in _FLOAT,
-        lambda: f"fused_linear: x must be a floating tensor (float32, bfloat16, float16), got dtype {x.dtype}",
-    )
-    require(x.dim() >= 1, lambda: "fused_linear: x must have at least 1 dimension [..., K]")
-    require(
-        weight.dim() == 2, lambda: f"fused_linear: weight must be 2-D [N, K], got shape {tuple(weight.shape)}"
-    )
-    require(
-        weight.dtype == x.dtype or weight.dtype == torch.float32,
-        lambda: f"fused_linear: weight dtype must be x's dtype ({x.dtype}) or torch.float32, got {weight.dtype}",
-    )
+    fn = "fused_linear"
+    _check_x_weight(x, weight, activation, fn)
     K, N = x.shape[-1], weight.shape[0]
+    if bias is not None:
+        _check_optional(bias, "bias", (N,), x, fn)
+    if residual is not None:
+        _check_optional(residual, "residual", (*x.shape[:-1], N), x, fn)
+    return K, N
+
+
+def _check_x_weight(x, weight, activation, fn) -> None:
+    """The checks the forward and the backward share: activation, x, weight."""
+    check_activation(activation, fn)
+    require(x.dim() >= 1, lambda: f"{fn}: x must have at least one dimension [..., K], got a 0-d tensor")
+    require_dtype(
+        x.dtype in _FLOAT,
+        lambda: f"{fn}: x must be a floating tensor (float32, bfloat16, float16), got dtype {x.dtype}",
+    )
+    require(weight.dim() == 2, lambda: f"{fn}: weight must be 2-D [N, K], got shape {list(weight.shape)}")
+    K = x.shape[-1]
     require(
         weight.shape[1] == K,
-        lambda: f"fused_linear: weight must have shape [N, K] with K = x.shape[-1] = {K}, "
-        f"got weight of shape {tuple(weight.shape)} (mismatched K)",
+        lambda: f"{fn}: weight must have shape [N, K] with K = x.shape[-1] = {K}, got weight of shape "
+        f"{list(weight.shape)} (mismatched K)",
+    )
+    require_dtype(
+        weight.dtype == x.dtype or weight.dtype == torch.float32,
+        lambda: f"{fn}: weight.dtype must be x.dtype ({x.dtype}) or float32, got {weight.dtype}",
     )
     require_device(
         weight.device == x.device,
-        lambda: f"fused_linear: x and weight must be on the same device, got x on {x.device}, "
-        f"weight on {weight.device}",
+        lambda: f"{fn}: weight must be on device {x.device} (the device of x), got {weight.device}",
     )
-    if bias is not None:
-        require(
-            bias.dtype in _FLOAT, lambda: f"fused_linear: bias must be a floating tensor, got dtype {bias.dtype}"
-        )
-        require(
-            bias.dim() == 1 and bias.shape[0] == N,
-            lambda: f"fused_linear: bias must have shape [N] = [{N}], got {tuple(bias.shape)}",
-        )
-        require_device(
-            bias.device == x.device,
-            lambda: f"fused_linear: bias must be on x's device {x.device}, got {bias.device}",
-        )
-    if residual is not None:
-        out_shape = (*x.shape[:-1], N)
-        require(
-            residual.dtype in _FLOAT,
-            lambda: f"fused_linear: residual must be a floating tensor, got dtype {residual.dtype}",
-        )
-        require(
-            tuple(residual.shape) == out_shape,
-            lambda: f"fused_linear: residual must have the output's shape {out_shape}, got {tuple(residual.shape)}",
-        )
-        require_device(
-            residual.device == x.device,
-            lambda: f"fused_linear: residual must be on x's device {x.device}, got {residual.device}",
-        )
-    return K, N
 
 
 # -------------------------------------------------------------------------------------- activations (reference)
 def activation_fn(x: torch.Tensor, activation: str) -> torch.Tensor:
-    if activation == "relu":
-        return F.relu(x)
-    if activation == "gelu":
-        return F.gelu(x)
-    if activation == "gelu_tanh":
-        return F.gelu(x, approximate="tanh")
-    if activation == "silu":
-        return F.silu(x)
-    return x
+    return _ACTIVATION_TABLE[activation][0](x)
+
+
+def activation_module(activation: str) -> nn.Module | None:
+    """The stock PyTorch module computing ``activation`` (None for 'none')."""
+    module = _ACTIVATION_TABLE[activation][1]
+    return None if module is None else module()
+
+
+def activation_of(module: nn.Module) -> str | None:
+    """The name of the activation a stock PyTorch module computes (None when it is not one of ACTIVATIONS)."""
+    for name, (_, cls) in _ACTIVATION_TABLE.items():
+        made = cls() if cls is not None else None
+        if type(module) is type(made) and getattr(module, "approximate", None) == getattr(made, "approximate", None):
+            return name
+    return None
 
 
 def activation_grad(p: torch.Tensor, activation: str) -> torch.Tensor:
@@ -180,19 +190,17 @@ fused_linear_op = define(
 
 # ----------------------------------------------------------------------------------------------- backward op
 def _check_backward(grad_out, x, weight, preact, activation):
-    check_activation(activation)
-    N = weight.shape[0]
-    out_shape = (*x.shape[:-1], N)
-    require(
-        tuple(grad_out.shape) == out_shape,
-        lambda: f"fused_linear_backward: grad_out must have shape {out_shape}, got {tuple(grad_out.shape)}",
-    )
+    fn = "fused_linear_backward"
+    _check_x_weight(x, weight, activation, fn)
+    out_shape = (*x.shape[:-1], weight.shape[0])
+    _check_optional(grad_out, "grad_out", out_shape, x, fn)
     if activation != "none":
         require(
             tuple(preact.shape) == out_shape,
-            lambda: f"fused_linear_backward: preact must have shape {out_shape} for activation {activation!r}, "
-            f"got {tuple(preact.shape)} (call fused_linear with save_preact=True when gradients are needed)",
+            lambda: f"{fn}: preact must have shape {list(out_shape)}, got {list(preact.shape)} (activation "
+            f"{activation!r} needs it: call fused_linear with save_preact=True when gradients are needed)",
         )
+        _check_optional(preact, "preact", out_shape, x, fn)
 
 
 def _fake_backward(grad_out, x, weight, preact, activation, output_mask):
@@ -285,7 +293,7 @@ def fused_linear(
     """``act(x @ weight.T + bias) + residual`` in one kernel (fp32 accumulation, epilogue fused).
 
     x: ``[..., K]`` float32/bfloat16 (float16 on CUDA); weight: ``[N, K]`` in x's dtype or float32 (master weights);
-    bias: ``[N]`` or None; activation: one of ``none, relu, gelu, gelu_tanh, silu`` ("gelu" is the erf form);
+    bias: ``[N]`` or None; activation: one of ``ACTIVATIONS`` ("gelu" is the erf form);
     residual: ``[..., N]`` or None (added after the activation). Returns ``[..., N]`` in x's dtype (under autocast,
     the autocast dtype). Differentiable in x, weight, bias and residual.
     """

@@ -54,7 +54,7 @@ import math
 
 import torch
 
-from ._library import LIB, define, register_autocast_rule, require, require_device
+from ._library import LIB, define, register_autocast_rule, require, require_device, require_dtype
 from .fused_linear import fused_linear_backward_op
 
 __all__ = [
@@ -103,7 +103,7 @@ def packed_shape(n, k) -> tuple:
 
 # ----------------------------------------------------------------------------------------------- argument checks
 def _check_x(fn, x):
-    require(
+    require_dtype(
         x.dtype in _X_DTYPES,
         lambda: f"{fn}: x must be float32, bfloat16 or float16, got dtype {x.dtype}",
     )
@@ -111,17 +111,17 @@ def _check_x(fn, x):
 
 
 def _check_int8_2d(fn, name, t, shape_doc):
-    require(t.dtype == torch.int8, lambda: f"{fn}: {name} must be int8, got dtype {t.dtype}")
+    require_dtype(t.dtype == torch.int8, lambda: f"{fn}: {name} must be int8, got dtype {t.dtype}")
     require(t.dim() == 2, lambda: f"{fn}: {name} must be 2-D {shape_doc}, got shape {tuple(t.shape)}")
 
 
 def _check_vector(fn, name, t, n, ref, what, fp32=True):
     if fp32:
-        require(
+        require_dtype(
             t.dtype == torch.float32, lambda: f"{fn}: {name} must be float32, got dtype {t.dtype}"
         )
     else:
-        require(t.dtype in _FLOAT, lambda: f"{fn}: {name} must be a floating tensor, got dtype {t.dtype}")
+        require_dtype(t.dtype in _FLOAT, lambda: f"{fn}: {name} must be a floating tensor, got dtype {t.dtype}")
     require(
         t.dim() == 1 and t.shape[0] == n,
         lambda: f"{fn}: {name} must have shape [{what}] = [{n}], got {tuple(t.shape)}",
@@ -148,13 +148,13 @@ def _check_packed(fn, packed, comp, N, K, ref, names=("w_packed", "w_comp")):
     if packed is None:
         return
     Np, Kp = packed_shape(N, K)
-    require(packed.dtype == torch.int8, lambda: f"{fn}: {pn} must be int8, got dtype {packed.dtype}")
+    require_dtype(packed.dtype == torch.int8, lambda: f"{fn}: {pn} must be int8, got dtype {packed.dtype}")
     require(
         packed.dim() == 2 and packed.shape[0] == Np and packed.shape[1] == Kp,
         lambda: f"{fn}: {pn} must have shape [roundup(N, 16), roundup(K, 4)] = [{Np}, {Kp}] "
         f"(from int8_pack_weight), got {tuple(packed.shape)}",
     )
-    require(comp.dtype == torch.int32, lambda: f"{fn}: {cn} must be int32, got dtype {comp.dtype}")
+    require_dtype(comp.dtype == torch.int32, lambda: f"{fn}: {cn} must be int32, got dtype {comp.dtype}")
     require(
         comp.dim() == 1 and comp.shape[0] == Np,
         lambda: f"{fn}: {cn} must have shape [roundup(N, 16)] = [{Np}], got {tuple(comp.shape)}",
@@ -198,7 +198,7 @@ def check_mm(a_q, b_q, a_scale, b_scale, bias, out_dtype, b_packed, b_comp):
         lambda: f"{fn}: b_q must have shape [N, K] with K = a_q.shape[1] = {K}, got {tuple(b_q.shape)} (mismatched K)",
     )
     _check_same_device(fn, "b_q", b_q, a_q, "a_q")
-    require(
+    require_dtype(
         out_dtype in _OUT_DTYPES,
         lambda: f"{fn}: out_dtype must be one of float32, bfloat16, float16, int32, got {out_dtype}",
     )
@@ -221,7 +221,7 @@ def check_weight_only(x, w_q, w_scale, bias, w_group_scale=None):
     K, N = _check_weight(fn, x, w_q, w_scale, bias)
     if w_group_scale is not None:
         G = group_count(K)
-        require(
+        require_dtype(
             w_group_scale.dtype == torch.uint8,
             lambda: f"{fn}: w_group_scale must be uint8 (from quantize_per_group), got dtype {w_group_scale.dtype}",
         )
@@ -245,7 +245,7 @@ def check_qat(x, weight, bias):
     require(
         weight.dim() == 2, lambda: f"{fn}: weight must be 2-D [N, K], got shape {tuple(weight.shape)}"
     )
-    require(
+    require_dtype(
         weight.dtype == x.dtype or weight.dtype == torch.float32,
         lambda: f"{fn}: weight (the float master weight) must have x's dtype ({x.dtype}) or float32, "
         f"got {weight.dtype}",

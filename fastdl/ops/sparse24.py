@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from ._library import define, register_autocast_rule, require, require_device
+from ._library import define, register_autocast_rule, require, require_device, require_dtype
 
 _FLOAT = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -42,7 +42,7 @@ LINEAR_SCHEMA = "(Tensor x, Tensor values, Tensor meta, Tensor? bias) -> Tensor"
 # ----------------------------------------------------------------------------------------------- argument checks
 def check_weight(w: torch.Tensor, op: str) -> tuple[int, int]:
     """[N, K] floating weight with K % 4 == 0; returns (N, K)."""
-    require(
+    require_dtype(
         w.dtype in _FLOAT,
         lambda: f"{op}: w must be a floating tensor (float32, bfloat16, float16, float64), got dtype {w.dtype}",
     )
@@ -58,13 +58,13 @@ def check_weight(w: torch.Tensor, op: str) -> tuple[int, int]:
 
 def check_compressed(values: torch.Tensor, meta: torch.Tensor, op: str) -> tuple[int, int]:
     """values [N, K/2] floating, meta uint8 [N, ceil(K/8)]; returns (N, K)."""
-    require(
+    require_dtype(
         values.dtype in _FLOAT, lambda: f"{op}: values must be a floating tensor, got dtype {values.dtype}"
     )
     require(
         values.dim() == 2, lambda: f"{op}: values must be 2-D [N, K/2], got shape {tuple(values.shape)}"
     )
-    require(meta.dtype == torch.uint8, lambda: f"{op}: meta must be torch.uint8, got {meta.dtype}")
+    require_dtype(meta.dtype == torch.uint8, lambda: f"{op}: meta must be torch.uint8, got {meta.dtype}")
     N, half = values.shape
     K = 2 * half
     require(
@@ -85,7 +85,7 @@ def check_compressed(values: torch.Tensor, meta: torch.Tensor, op: str) -> tuple
 
 def check_linear(x, values, meta, bias) -> tuple[int, int]:
     N, K = check_compressed(values, meta, "sparse24_linear")
-    require(
+    require_dtype(
         x.dtype in _FLOAT,
         lambda: f"sparse24_linear: x must be a floating tensor (float32, bfloat16, float16), got dtype {x.dtype}",
     )
@@ -101,7 +101,7 @@ def check_linear(x, values, meta, bias) -> tuple[int, int]:
         f"values on {values.device}",
     )
     if bias is not None:
-        require(
+        require_dtype(
             bias.dtype in _FLOAT, lambda: f"sparse24_linear: bias must be a floating tensor, got dtype {bias.dtype}"
         )
         require(
@@ -195,6 +195,7 @@ mask_2_4_op = define(
     fake=_mask_fake,
     prefer={"cpu": ("cpp", "torch"), "cuda": ("torch",)},
     supports=_cpp_weight_supports,
+    check=lambda w: check_weight(w, "mask_2_4"),
 )
 
 
@@ -219,6 +220,7 @@ compress_2_4_op = define(
     prefer={"cpu": ("cpp", "torch"), "cuda": ("triton", "torch")},
     triton="sparse24:compress_2_4",
     supports=_cpp_weight_supports,
+    check=lambda w: check_weight(w, "compress_2_4"),
 )
 
 
@@ -269,6 +271,7 @@ decompress_2_4_op = define(
     fake=_decompress_fake,
     prefer={"cpu": ("cpp", "torch"), "cuda": ("torch",)},
     supports=_cpp_compressed_supports,
+    check=lambda values, meta: check_compressed(values, meta, "decompress_2_4"),
 )
 
 
@@ -314,6 +317,7 @@ sparse24_linear_op = define(
     fake=_linear_fake,
     prefer={"cpu": ("cpp", "torch"), "cuda": ("torch",)},
     supports=_linear_supports,
+    check=check_linear,
 )
 
 
