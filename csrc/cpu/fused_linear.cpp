@@ -162,8 +162,8 @@ constexpr int64_t kAvx2StreamMaxM = 32;
 
 Act parse_activation(c10::string_view s, const char *fn) {
     Act act = Act::None;
-    TORCH_CHECK(find_activation(std::string_view(s.data(), s.size()), act), fn, ": activation must be one of ",
-                activation_names(), ", got '", std::string(s.data(), s.size()), "'");
+    TORCH_CHECK_VALUE(find_activation(std::string_view(s.data(), s.size()), act), fn, ": activation must be one of ",
+                      activation_names(), ", got '", std::string(s.data(), s.size()), "'");
     return act;
 }
 
