@@ -161,18 +161,10 @@ constexpr int64_t kFwdF32SmallM = 64;
 constexpr int64_t kAvx2StreamMaxM = 32;
 
 Act parse_activation(c10::string_view s, const char *fn) {
-    if (s == "none")
-        return Act::None;
-    if (s == "relu")
-        return Act::Relu;
-    if (s == "gelu")
-        return Act::Gelu;
-    if (s == "gelu_tanh")
-        return Act::GeluTanh;
-    if (s == "silu")
-        return Act::Silu;
-    TORCH_CHECK(false, fn, ": activation must be one of 'none', 'relu', 'gelu', 'gelu_tanh', 'silu', got '",
-                std::string(s.data(), s.size()), "'");
+    Act act = Act::None;
+    TORCH_CHECK_VALUE(find_activation(std::string_view(s.data(), s.size()), act), fn, ": activation must be one of ",
+                      activation_names(), ", got '", std::string(s.data(), s.size()), "'");
+    return act;
 }
 
 bool native_io(at::ScalarType t) {
@@ -586,35 +578,35 @@ std::tuple<at::Tensor, at::Tensor> fused_linear_cpu(const at::Tensor &x, const a
     return {out.view(out_shape), store_pre ? pre.view(out_shape) : at::empty({0}, x.options())};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor>
-fused_linear_backward_cpu(const at::Tensor &grad_out, const at::Tensor &x, const at::Tensor &weight,
-                          const at::Tensor &preact, c10::string_view activation, std::array<bool, 3> output_mask) {
-    constexpr const char *fn = "fused_linear_backward";
-    const Act act = parse_activation(activation, fn);
-    TORCH_CHECK(x.dim() >= 1, fn, ": x must have at least one dimension [..., K], got a 0-d tensor");
-    check_compute_dtype(x, fn);
-    check_weight(x, weight, fn);
-    const auto c = x.scalar_type();
-    const int64_t K = x.size(-1), N = weight.size(0), M = leading_rows(x);
-    std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
-    out_shape.back() = N;
-    check_optional(grad_out, "grad_out", out_shape, x, fn);
-    if (act != Act::None)
-        check_optional(preact, "preact", out_shape, x, fn);
-    const bool need_gx = output_mask[0], need_gw = output_mask[1], need_gb = output_mask[2];
-    const bool need_d = need_gx || need_gw;
-    const Kernels &kr = kernels();
-    const bool fast_bf16 = c == at::kBFloat16 && kr.pb_bf16.block && kr.gemm_bf16.tile && kr.small_bf16.grad_x;
-    const bool f32_pb = c == at::kFloat && kr.pb_f32.block && kr.pb_f32.pack_a && weight.scalar_type() == at::kFloat;
-    // fgemm: the AVX2 family for bf16 and fp32, the AVX-512 F family for bf16, fp32 grad_x of large weights
-    const bool fg = kr.fgemm.block && (c == at::kBFloat16 || (c == at::kFloat && !kr.pb_f32.block));
-    const bool fg_gx = fg || (kr.fgemm.block && f32_pb && gx_f32_fgemm(M, N, K));
+// ---- Backward, in named steps: backward_dpre (step 1), then grad_x and grad_weight, each through its choose_*_path
+// rule (the numbers behind each rule are at gx_bf16_pb, gx_f32_pb, gx_f32_fgemm, gw_f32_pb above).
 
-    // 1. dpre = g * act'(p) (fp32) -> grad_bias (fp32 column sums) and dpre_c = round_c(dpre), one pass.
+// What the family of this process offers the backward for compute dtype c and this weight.
+struct BackwardFamily {
+    bool fast_bf16 = false; // AVX512_BF16: pb, packed bf16 GEMM and small-M kernels
+    bool f32_pb = false;    // AVX-512 F with an fp32 weight: the fp32 pb kernels
+    bool fg = false;        // fgemm for both GEMMs: the AVX2 family (bf16, fp32), the AVX-512 F family's bf16
+    bool fg_gx = false;     // fgemm for grad_x: as fg, plus AVX-512 fp32 grad_x of large weights at M <= 64
+};
+
+BackwardFamily backward_family(at::ScalarType c, at::ScalarType wt, int64_t M, int64_t N, int64_t K) {
+    const Kernels &kr = kernels();
+    BackwardFamily f;
+    f.fast_bf16 = c == at::kBFloat16 && kr.pb_bf16.block && kr.gemm_bf16.tile && kr.small_bf16.grad_x;
+    f.f32_pb = c == at::kFloat && kr.pb_f32.block && kr.pb_f32.pack_a && wt == at::kFloat;
+    f.fg = kr.fgemm.block && (c == at::kBFloat16 || (c == at::kFloat && !kr.pb_f32.block));
+    f.fg_gx = f.fg || (kr.fgemm.block && f.f32_pb && gx_f32_fgemm(M, N, K));
+    return f;
+}
+
+// Step 1: dpre = g * act'(p) (fp32) -> grad_bias (fp32 column sums, into gb when need_gb) and dpre_c = round_c(dpre)
+// as [M, N] (returned when need_d; fp16: computed in fp32, rounded here), one pass over grad_out and preact.
+at::Tensor backward_dpre(const at::Tensor &grad_out, const at::Tensor &preact, const at::Tensor &x, Act act, int64_t M,
+                         int64_t N, bool need_d, bool need_gb, at::Tensor &gb) {
+    const Kernels &kr = kernels();
+    const auto c = x.scalar_type();
     const at::Tensor g2 = as_matrix(grad_out, M, N);
-    at::Tensor dpre; // dpre_c as [M, N] (fp16: computed in fp32, rounded below)
-    at::Tensor gb =
-        need_gb ? at::empty({N}, x.options().dtype(at::kFloat)) : at::empty({0}, x.options().dtype(at::kFloat));
+    at::Tensor dpre;
     const bool dpre_is_g = need_d && act == Act::None && g2.scalar_type() == c; // round_c(g) == g: nothing to write
     if (dpre_is_g)
         dpre = g2;
@@ -670,154 +662,219 @@ fused_linear_backward_cpu(const at::Tensor &grad_out, const at::Tensor &x, const
     }
     if (c == at::kHalf && need_d)
         dpre = dpre.to(c);
+    return dpre;
+}
 
-    const at::Tensor x2 = need_gw ? x.reshape({M, K}).contiguous() : at::Tensor();
-    const at::Tensor w = need_gx ? weight.contiguous() : at::Tensor();
-    const bool empty = M == 0 || N == 0 || K == 0;
+Epilogue store_only(const at::Tensor &out, int64_t ld, DType dt, bool stream) {
+    Epilogue e;
+    e.out = out.data_ptr();
+    e.ld_out = ld;
+    e.out_dtype = dt;
+    e.stream = stream;
+    return e;
+}
 
-    // 2. grad_x = dpre_c @ w_c -> [..., K] in c.
+// ---- Step 2: grad_x = dpre_c @ w_c -> [M, K] in c.
+enum class GradXPath { Zeros, PbBf16, PbF32, SmallBf16, GemmBf16, Fgemm, AtenF32, AtenRounded };
+
+// AVX512_BF16: pb (gx_bf16_pb: M > 16 and a small weight or M >= 512; 359,512,512 298 -> 214 us), else M <= 16 the
+// small-M kernel streaming the weight rows once (16,512,512 22 vs 26 us for pb), else the packed bf16 GEMM
+// (64,4096,4096 4.6 vs 5.0 ms for pb). AVX-512 fp32: pb from M = 2 (gx_f32_pb: 16,512,512 101 -> 38 us vs at::mm)
+// unless fgemm takes it (gx_f32_fgemm: large weight, M <= 64: 16,4096,4096 54 -> 10 ms). AVX2 family / AVX-512 F's
+// bf16: fgemm. Otherwise (scalar family, fp16, AVX-512 fp32 at M = 1: 1,4096,4096 2.1 vs 3.4 ms for pb) at::mm.
+GradXPath choose_grad_x_path(const BackwardFamily &f, at::ScalarType c, int64_t M, int64_t N, int64_t K) {
+    if (M == 0 || N == 0 || K == 0)
+        return GradXPath::Zeros;
+    if (f.fast_bf16 && gx_bf16_pb(M, N, K))
+        return GradXPath::PbBf16;
+    if (f.f32_pb && gx_f32_pb(M) && !f.fg_gx)
+        return GradXPath::PbF32;
+    if (f.fast_bf16)
+        return M <= kSmallGradXMax ? GradXPath::SmallBf16 : GradXPath::GemmBf16;
+    if (f.fg_gx)
+        return GradXPath::Fgemm;
+    return c == at::kFloat ? GradXPath::AtenF32 : GradXPath::AtenRounded;
+}
+
+at::Tensor backward_grad_x(GradXPath path, const at::Tensor &dpre, const at::Tensor &w, const at::Tensor &x, int64_t M,
+                           int64_t N, int64_t K) {
+    const Kernels &kr = kernels();
+    const auto c = x.scalar_type();
+    const DType wd = dtype_of(w.scalar_type());
+    if (path == GradXPath::Zeros)
+        return at::zeros({M, K}, x.options());
+    if (path == GradXPath::AtenF32)
+        return at::mm(dpre, w);
+    if (path == GradXPath::AtenRounded)
+        return at::mm(dpre.to(at::kFloat), w.to(c).to(at::kFloat)).to(c);
+    at::Tensor gx = empty_output({M, K}, x.options());
+    switch (path) {
+    case GradXPath::PbBf16: {
+        const GemmOperand wb{w.data_ptr(), K, wd, false};
+        run_pb(
+            DType::BF16, dpre.data_ptr(), N, PbA::Rows, M, K, N,
+            [&](int64_t p0, int64_t p1, uint32_t *bp) { kr.pb_bf16.pack_rows(wb, K, N, p0, p1, bp); },
+            store_only(gx, K, DType::BF16, false));
+        break;
+    }
+    case GradXPath::PbF32: {
+        const GemmOperand wb{w.data_ptr(), K, DType::F32, false};
+        run_pb(
+            DType::F32, dpre.data_ptr(), N, PbA::Rows, M, K, N,
+            [&](int64_t p0, int64_t p1, uint32_t *bp) { kr.pb_f32.pack_rows(wb, K, N, p0, p1, bp); },
+            store_only(gx, K, DType::F32, false));
+        break;
+    }
+    case GradXPath::SmallBf16: { // stream the weight rows once (threads split the columns of grad_x)
+        const int64_t grain = std::max<int64_t>(64, (int64_t{1} << 18) / std::max<int64_t>(1, M * N));
+        parallel_for(0, K, grain, [&](int64_t k0, int64_t k1) {
+            const Scratch ws = thread_scratch(kTaskSlot, small_grad_x_workspace_bytes(M, k1 - k0));
+            kr.small_bf16.grad_x(dpre.data_ptr(), N, M, w.data_ptr(), wd, K, N, k0, k1, gx.data_ptr(), K, ws.ptr);
+        });
+        break;
+    }
+    case GradXPath::GemmBf16:
+        run_gemm_bf16({dpre.data_ptr(), N, DType::BF16, false}, {w.data_ptr(), K, wd, false}, M, K, N,
+                      store_only(gx, K, DType::BF16, false));
+        break;
+    case GradXPath::Fgemm: { // A = dpre, B = the weight's rows
+        FgemmArgs g;
+        g.a = GemmOperand{dpre.data_ptr(), N, dtype_of(dpre.scalar_type()), false};
+        g.b = GemmOperand{w.data_ptr(), K, wd, false};
+        g.round_b = c == at::kBFloat16 && w.scalar_type() == at::kFloat;
+        g.M = M;
+        g.N = K;
+        g.K = N;
+        run_fgemm(g, store_only(gx, K, dtype_of(c), false));
+        break;
+    }
+    default:
+        break;
+    }
+    return gx;
+}
+
+// ---- Step 3: grad_weight = dpre_c^T @ x_c, fp32 accumulation, in weight.dtype.
+enum class GradWPath { Zeros, PbBf16, PbF32, SmallBf16, Fgemm, AtenF32, AtenRounded };
+
+// AVX512_BF16: pb for M > 16 (359,512,512 317 -> 255 us), else the small-M rank-M update (16,512,512 20 vs 43 us for
+// pb). AVX-512 fp32: pb (gw_f32_pb: M >= 2 or N * K >= 1M; 359,512,512 986 -> 476 us vs at::mm), at M = 1 with a
+// small weight at::mm (1,512,512 27 vs 56 us). AVX2 family / AVX-512 F's bf16: fgemm. Otherwise at::mm.
+GradWPath choose_grad_weight_path(const BackwardFamily &f, at::ScalarType c, int64_t M, int64_t N, int64_t K) {
+    if (M == 0 || N == 0 || K == 0)
+        return GradWPath::Zeros;
+    if (f.fast_bf16)
+        return M > kSmallGradXMax ? GradWPath::PbBf16 : GradWPath::SmallBf16;
+    if (f.f32_pb && gw_f32_pb(M, N, K))
+        return GradWPath::PbF32;
+    if (f.fg)
+        return GradWPath::Fgemm;
+    return c == at::kFloat ? GradWPath::AtenF32 : GradWPath::AtenRounded;
+}
+
+at::Tensor backward_grad_weight(GradWPath path, const at::Tensor &dpre, const at::Tensor &x2, const at::Tensor &weight,
+                                int64_t M, int64_t N, int64_t K) {
+    const Kernels &kr = kernels();
+    if (path == GradWPath::Zeros)
+        return at::zeros({N, K}, weight.options());
+    if (path == GradWPath::AtenF32)
+        return at::mm(dpre.t(), x2);
+    if (path == GradWPath::AtenRounded)
+        return at::mm(dpre.to(at::kFloat).t(), x2.to(at::kFloat)).to(weight.scalar_type());
+    at::Tensor gw = empty_output({N, K}, weight.options());
+    const DType wd = dtype_of(weight.scalar_type());
+    // grad_weight is not read back by this op: streaming stores skip the read-for-ownership traffic (also for a
+    // grad_weight that fits the L3: 64,384,1536 fp32 797 vs 937 us with normal stores)
+    const Epilogue e = store_only(gw, K, wd, true);
+    switch (path) {
+    case GradWPath::PbBf16: {
+        // B = x packed per thread. A = dpre^T: read in place with its pairs interleaved on the fly when grad_weight
+        // has at most 3 panels (K <= 128), packed once (shared) otherwise - the on-the-fly interleave is redone
+        // per panel: 359,64,512 69 -> 51 us, 512,128,128 48 -> 31 us, but 359,512,512 252 vs 266 us and
+        // 4096,256,1024 3.4 vs 4.1 ms.
+        const GemmOperand xb{x2.data_ptr(), K, DType::BF16, false};
+        auto pack_x = [&](int64_t p0, int64_t p1, uint32_t *bp) { kr.pb_bf16.pack_rows(xb, K, M, p0, p1, bp); };
+        if (K <= 128) {
+            run_pb(DType::BF16, dpre.data_ptr(), N, PbA::Cols, N, K, M, pack_x, e);
+            break;
+        }
+        const Scratch ap = thread_scratch(kSharedSlot, sizeof(uint16_t) * gemm_packed_a_elems(N, M));
+        uint16_t *app = static_cast<uint16_t *>(ap.ptr);
+        const GemmOperand at_{dpre.data_ptr(), N, DType::BF16, true};
+        const int64_t apanels = (N + kGemmMR - 1) / kGemmMR, pairs = (apanels + 1) / 2;
+        parallel_for(0, pairs, std::max<int64_t>(1, 4096 / std::max<int64_t>(M, 1)), [&](int64_t p0, int64_t p1) {
+            kr.gemm_bf16.pack_a(at_, N, M, 2 * p0, std::min(apanels, 2 * p1), app);
+        });
+        run_pb(DType::BF16, app, 0, PbA::Packed, N, K, M, pack_x, e);
+        break;
+    }
+    case GradWPath::PbF32: {
+        // A = dpre^T in panels of 8 rows (shared, plain 8-float copies), B = x rows packed per thread
+        const int64_t apanels = (N + kGemmMR - 1) / kGemmMR;
+        const Scratch ap = thread_scratch(kSharedSlot, sizeof(float) * apanels * kGemmMR * M);
+        float *app = static_cast<float *>(ap.ptr);
+        const float *dp = dpre.data_ptr<float>();
+        parallel_for(0, apanels, std::max<int64_t>(1, 8192 / std::max<int64_t>(M, 1)),
+                     [&](int64_t p0, int64_t p1) { kr.pb_f32.pack_a(dp, N, N, M, p0, p1, app); });
+        const GemmOperand xb{x2.data_ptr(), K, DType::F32, false};
+        run_pb(
+            DType::F32, app, 0, PbA::Packed, N, K, M,
+            [&](int64_t p0, int64_t p1, uint32_t *bp) { kr.pb_f32.pack_rows(xb, K, M, p0, p1, bp); }, e);
+        break;
+    }
+    case GradWPath::SmallBf16: { // rank-M update written row by row (threads split the rows of grad_weight)
+        const int64_t grain = std::max<int64_t>(8, (int64_t{1} << 18) / std::max<int64_t>(1, M * K));
+        parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+            const Scratch ws = thread_scratch(kTaskSlot, small_grad_w_workspace_bytes(M, K));
+            kr.small_bf16.grad_w(dpre.data_ptr(), N, x2.data_ptr(), K, M, K, n0, n1, gw.data_ptr(), wd, K, ws.ptr);
+        });
+        break;
+    }
+    case GradWPath::Fgemm: { // A = dpre^T, B = x
+        FgemmArgs g;
+        g.a = GemmOperand{dpre.data_ptr(), N, dtype_of(dpre.scalar_type()), true};
+        g.b = GemmOperand{x2.data_ptr(), K, dtype_of(x2.scalar_type()), false};
+        g.M = N;
+        g.N = K;
+        g.K = M;
+        run_fgemm(g, e);
+        break;
+    }
+    default:
+        break;
+    }
+    return gw;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor>
+fused_linear_backward_cpu(const at::Tensor &grad_out, const at::Tensor &x, const at::Tensor &weight,
+                          const at::Tensor &preact, c10::string_view activation, std::array<bool, 3> output_mask) {
+    constexpr const char *fn = "fused_linear_backward";
+    const Act act = parse_activation(activation, fn);
+    TORCH_CHECK(x.dim() >= 1, fn, ": x must have at least one dimension [..., K], got a 0-d tensor");
+    check_compute_dtype(x, fn);
+    check_weight(x, weight, fn);
+    const auto c = x.scalar_type();
+    const int64_t K = x.size(-1), N = weight.size(0), M = leading_rows(x);
+    std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+    out_shape.back() = N;
+    check_optional(grad_out, "grad_out", out_shape, x, fn);
+    if (act != Act::None)
+        check_optional(preact, "preact", out_shape, x, fn);
+    const bool need_gx = output_mask[0], need_gw = output_mask[1], need_gb = output_mask[2];
+    const BackwardFamily fam = backward_family(c, weight.scalar_type(), M, N, K);
+
+    at::Tensor gb =
+        need_gb ? at::empty({N}, x.options().dtype(at::kFloat)) : at::empty({0}, x.options().dtype(at::kFloat));
+    const at::Tensor dpre = backward_dpre(grad_out, preact, x, act, M, N, need_gx || need_gw, need_gb, gb);
     at::Tensor gx = at::empty({0}, x.options());
-    if (need_gx) {
-        if (empty) {
-            gx = at::zeros({M, K}, x.options());
-        } else if (fast_bf16 && gx_bf16_pb(M, N, K)) {
-            gx = empty_output({M, K}, x.options());
-            Epilogue e;
-            e.out = gx.data_ptr();
-            e.ld_out = K;
-            e.out_dtype = DType::BF16;
-            const GemmOperand wb{w.data_ptr(), K, dtype_of(w.scalar_type()), false};
-            run_pb(
-                DType::BF16, dpre.data_ptr(), N, PbA::Rows, M, K, N,
-                [&](int64_t p0, int64_t p1, uint32_t *bp) { kr.pb_bf16.pack_rows(wb, K, N, p0, p1, bp); }, e);
-        } else if (f32_pb && gx_f32_pb(M) && !fg_gx) {
-            gx = empty_output({M, K}, x.options());
-            Epilogue e;
-            e.out = gx.data_ptr();
-            e.ld_out = K;
-            e.out_dtype = DType::F32;
-            const GemmOperand wb{w.data_ptr(), K, DType::F32, false};
-            run_pb(
-                DType::F32, dpre.data_ptr(), N, PbA::Rows, M, K, N,
-                [&](int64_t p0, int64_t p1, uint32_t *bp) { kr.pb_f32.pack_rows(wb, K, N, p0, p1, bp); }, e);
-        } else if (fast_bf16 && M <= kSmallGradXMax) {
-            // Small M: stream the weight rows once (threads split the columns of grad_x).
-            gx = empty_output({M, K}, x.options());
-            const int64_t grain = std::max<int64_t>(64, (int64_t{1} << 18) / std::max<int64_t>(1, M * N));
-            parallel_for(0, K, grain, [&](int64_t k0, int64_t k1) {
-                const Scratch ws = thread_scratch(kTaskSlot, small_grad_x_workspace_bytes(M, k1 - k0));
-                kr.small_bf16.grad_x(dpre.data_ptr(), N, M, w.data_ptr(), dtype_of(w.scalar_type()), K, N, k0, k1,
-                                     gx.data_ptr(), K, ws.ptr);
-            });
-        } else if (fast_bf16) {
-            gx = empty_output({M, K}, x.options());
-            Epilogue e;
-            e.out = gx.data_ptr();
-            e.ld_out = K;
-            e.out_dtype = DType::BF16;
-            run_gemm_bf16({dpre.data_ptr(), N, DType::BF16, false}, {w.data_ptr(), K, dtype_of(w.scalar_type()), false},
-                          M, K, N, e);
-        } else if (fg_gx) {
-            gx = empty_output({M, K}, x.options());
-            Epilogue e;
-            e.out = gx.data_ptr();
-            e.ld_out = K;
-            e.out_dtype = dtype_of(c);
-            FgemmArgs g;
-            g.a = GemmOperand{dpre.data_ptr(), N, dtype_of(dpre.scalar_type()), false};
-            g.b = GemmOperand{w.data_ptr(), K, dtype_of(w.scalar_type()), false};
-            g.round_b = c == at::kBFloat16 && w.scalar_type() == at::kFloat;
-            g.M = M;
-            g.N = K;
-            g.K = N;
-            run_fgemm(g, e);
-        } else if (c == at::kFloat) {
-            gx = at::mm(dpre, w);
-        } else {
-            gx = at::mm(dpre.to(at::kFloat), w.to(c).to(at::kFloat)).to(c);
-        }
-        gx = gx.view(x.sizes());
-    }
-
-    // 3. grad_weight = dpre_c^T @ x_c, fp32 accumulation, in weight.dtype.
+    if (need_gx)
+        gx =
+            backward_grad_x(choose_grad_x_path(fam, c, M, N, K), dpre, weight.contiguous(), x, M, N, K).view(x.sizes());
     at::Tensor gw = at::empty({0}, weight.options());
-    if (need_gw) {
-        if (empty) {
-            gw = at::zeros({N, K}, weight.options());
-        } else if (fast_bf16 && M > kSmallGradXMax) {
-            gw = empty_output({N, K}, weight.options());
-            Epilogue e;
-            e.out = gw.data_ptr();
-            e.ld_out = K;
-            e.out_dtype = dtype_of(weight.scalar_type());
-            e.stream = true; // grad_weight is not read back by this op: skip the read-for-ownership traffic
-            // B = x packed per thread. A = dpre^T: read in place with its pairs interleaved on the fly when grad_weight
-            // has at most 3 panels (K <= 128), packed once (shared) otherwise - the on-the-fly interleave is redone
-            // per panel: 359,64,512 69 -> 51 us, 512,128,128 48 -> 31 us, but 359,512,512 252 vs 266 us and
-            // 4096,256,1024 3.4 vs 4.1 ms.
-            const GemmOperand xb{x2.data_ptr(), K, DType::BF16, false};
-            auto pack_x = [&](int64_t p0, int64_t p1, uint32_t *bp) { kr.pb_bf16.pack_rows(xb, K, M, p0, p1, bp); };
-            if (K <= 128) {
-                run_pb(DType::BF16, dpre.data_ptr(), N, PbA::Cols, N, K, M, pack_x, e);
-            } else {
-                const Scratch ap = thread_scratch(kSharedSlot, sizeof(uint16_t) * gemm_packed_a_elems(N, M));
-                uint16_t *app = static_cast<uint16_t *>(ap.ptr);
-                const GemmOperand at_{dpre.data_ptr(), N, DType::BF16, true};
-                const int64_t apanels = (N + kGemmMR - 1) / kGemmMR, pairs = (apanels + 1) / 2;
-                parallel_for(0, pairs, std::max<int64_t>(1, 4096 / std::max<int64_t>(M, 1)),
-                             [&](int64_t p0, int64_t p1) {
-                                 kr.gemm_bf16.pack_a(at_, N, M, 2 * p0, std::min(apanels, 2 * p1), app);
-                             });
-                run_pb(DType::BF16, app, 0, PbA::Packed, N, K, M, pack_x, e);
-            }
-        } else if (f32_pb && gw_f32_pb(M, N, K)) {
-            gw = empty_output({N, K}, weight.options());
-            Epilogue e;
-            e.out = gw.data_ptr();
-            e.ld_out = K;
-            e.out_dtype = DType::F32;
-            e.stream =
-                true; // (also for grad_weight that fits the L3: 64,384,1536 fp32 797 vs 937 us with normal stores)
-            // A = dpre^T in panels of 8 rows (shared, plain 8-float copies), B = x rows packed per thread
-            const int64_t apanels = (N + kGemmMR - 1) / kGemmMR;
-            const Scratch ap = thread_scratch(kSharedSlot, sizeof(float) * apanels * kGemmMR * M);
-            float *app = static_cast<float *>(ap.ptr);
-            const float *dp = dpre.data_ptr<float>();
-            parallel_for(0, apanels, std::max<int64_t>(1, 8192 / std::max<int64_t>(M, 1)),
-                         [&](int64_t p0, int64_t p1) { kr.pb_f32.pack_a(dp, N, N, M, p0, p1, app); });
-            const GemmOperand xb{x2.data_ptr(), K, DType::F32, false};
-            run_pb(
-                DType::F32, app, 0, PbA::Packed, N, K, M,
-                [&](int64_t p0, int64_t p1, uint32_t *bp) { kr.pb_f32.pack_rows(xb, K, M, p0, p1, bp); }, e);
-        } else if (fast_bf16) { // M <= kSmallGradXMax
-            // Small M: rank-M update written row by row (threads split the rows of grad_weight).
-            gw = empty_output({N, K}, weight.options());
-            const int64_t grain = std::max<int64_t>(8, (int64_t{1} << 18) / std::max<int64_t>(1, M * K));
-            parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-                const Scratch ws = thread_scratch(kTaskSlot, small_grad_w_workspace_bytes(M, K));
-                kr.small_bf16.grad_w(dpre.data_ptr(), N, x2.data_ptr(), K, M, K, n0, n1, gw.data_ptr(),
-                                     dtype_of(weight.scalar_type()), K, ws.ptr);
-            });
-        } else if (fg) {
-            gw = empty_output({N, K}, weight.options());
-            Epilogue e;
-            e.out = gw.data_ptr();
-            e.ld_out = K;
-            e.out_dtype = dtype_of(weight.scalar_type());
-            e.stream = true;
-            FgemmArgs g;
-            g.a = GemmOperand{dpre.data_ptr(), N, dtype_of(dpre.scalar_type()), true}; // A = dpre^T
-            g.b = GemmOperand{x2.data_ptr(), K, dtype_of(x2.scalar_type()), false};
-            g.M = N;
-            g.N = K;
-            g.K = M;
-            run_fgemm(g, e);
-        } else if (c == at::kFloat) {
-            gw = at::mm(dpre.t(), x2);
-        } else {
-            gw = at::mm(dpre.to(at::kFloat).t(), x2.to(at::kFloat)).to(weight.scalar_type());
-        }
-    }
+    if (need_gw)
+        gw = backward_grad_weight(choose_grad_weight_path(fam, c, M, N, K), dpre, x.reshape({M, K}).contiguous(),
+                                  weight, M, N, K);
     if (need_gb && M == 0)
         gb.zero_();
     return {gx, gw, gb};

@@ -15,13 +15,13 @@
 #include <cstdint>
 #include <cstring>
 
+#include "fused_linear_activation.h"
+
 // The kernel family fused_linear runs in this process, for `fastdl info` (csrc/module.cpp).
 const char *fastdl_fused_linear_cpu_kernels();
 
 namespace fastdl {
 namespace fused_linear {
-
-enum class Act : int { None = 0, Relu, Gelu, GeluTanh, Silu };
 
 // Element types the kernels read or write natively. Anything else is converted by the glue code first.
 enum class DType : int { F32 = 0, BF16 };
