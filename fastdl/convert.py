@@ -42,15 +42,10 @@ from torch import nn
 from . import dispatch
 from ._layers import LayerSite, find_layers, replace_layer
 from .nn.fused_linear import FusedActivation, FusedLinear
-from .ops.fused_linear import activation_fn
+from .ops.fused_linear import activation_fn, activation_of
 from .serialization import note_conversion
 
 POLICIES = ("fused", "int8", "int8_weight_only", "sparse24", "auto")
-_ACTS: dict[type, Callable[[nn.Module], str | None]] = {
-    nn.ReLU: lambda m: "relu",
-    nn.SiLU: lambda m: "silu",
-    nn.GELU: lambda m: "gelu" if m.approximate == "none" else "gelu_tanh",
-}
 # "auto" times each (layer shape, bucket) once, when asked: longer than a run-time decision (fastdl.dispatch), so that
 # one noisy timing does not reject a candidate (it must not be slower than the original at *any* bucket): at least
 # 10 ms per path until two calls agree within 3 %, at most 40 ms per path or 40 rounds.
@@ -80,19 +75,14 @@ class _Site:
         return self.layer.module
 
 
-def _activation_of(mod: nn.Module) -> str | None:
-    fn = _ACTS.get(type(mod))
-    return fn(mod) if fn else None
-
-
 def _find_sites(model: nn.Module, filter_fn, fuse_activations: bool) -> tuple[list[_Site], list[str]]:
     skipped: dict[str, str] = {}
     sites = []
     for layer in find_layers(model, filter_fn=filter_fn, skipped=skipped, where="fastdl.convert"):
         site = _Site(layer)
         following = layer.next_sibling() if fuse_activations and isinstance(layer.parent, nn.Sequential) else None
-        if following is not None and _activation_of(following[1]) is not None:
-            site.act_attr, site.activation = following[0], _activation_of(following[1])
+        if following is not None and activation_of(following[1]) is not None:
+            site.act_attr, site.activation = following[0], activation_of(following[1])
         sites.append(site)
     return sites, [f"{name}: {why}" for name, why in skipped.items()]
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from .. import backends
 from ..ops import fused_linear
-from ..ops.fused_linear import activation_fn
+from ..ops.fused_linear import ACTIVATIONS, activation_fn
 from .common import (
     CallPredictor,
     LiveTable,
@@ -52,7 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="in/out features; repeatable; default 4096 4096 plus the LLaMA-7B MLP shapes")
     p.add_argument("--llama-m", type=int, nargs="*", default=None,
                    help="M for the LLaMA shapes (default: 16 128 on CPU, 4096 on CUDA; no value: skip them)")
-    p.add_argument("--activation", default="gelu", help="none|relu|gelu|gelu_tanh|silu")
+    p.add_argument("--activation", default="gelu", choices=ACTIVATIONS)
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     p.add_argument("--backends", nargs="+", default=None,
                    help="fastdl backends to time besides auto (default: every available one other than auto's choice)")

@@ -19,18 +19,22 @@ import copy
 import torch
 from torch import nn
 
+from ..ops.fused_linear import ACTIVATIONS, activation_module
 from .common import LiveTable, activity, env_columns, interleaved, mark_slower, over_time, print_header, say, write_csv
 
 BARS = {"no_grad": 1.3, "grad": 1.5}
 QUICK_ARGS = ["--budget", "0.3"]
-_ACT_MODULES = {"gelu": nn.GELU, "relu": nn.ReLU, "silu": nn.SiLU, "none": nn.Identity}
+
+
+def _act_module(act: str) -> nn.Module:
+    return activation_module(act) or nn.Identity()
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--m", type=int, default=1, help="rows of x (default 1)")
     p.add_argument("--k", type=int, default=64, help="in features (default 64)")
     p.add_argument("--n", type=int, default=64, help="out features (default 64)")
-    p.add_argument("--activation", default="gelu", choices=sorted(_ACT_MODULES))
+    p.add_argument("--activation", default="gelu", choices=ACTIVATIONS)
     p.add_argument("--budget", type=float, default=1.0, help="seconds of interleaved timed calls per case")
     p.add_argument("--csv", default=None, help="write rows to this CSV file")
 
@@ -42,11 +46,10 @@ def _cases(K: int, N: int, act: str):
 
     torch.manual_seed(0)
     lin = nn.Linear(K, N)
-    act_mod = _ACT_MODULES[act]
     out = []
 
     def baseline(linear):
-        return nn.Sequential(copy.deepcopy(linear), act_mod())
+        return nn.Sequential(copy.deepcopy(linear), _act_module(act))
 
     out.append(("FusedLinear", False, FusedLinear.from_linear(copy.deepcopy(lin), activation=act), baseline(lin)))
     out.append(("FusedLinear", True, FusedLinear.from_linear(copy.deepcopy(lin), activation=act), baseline(lin)))
@@ -55,9 +58,9 @@ def _cases(K: int, N: int, act: str):
 
         for mode in ("dynamic", "weight_only"):
             q = Int8Linear.from_linear(copy.deepcopy(lin), mode=mode).eval()
-            out.append((f"Int8Linear[{mode}]", False, nn.Sequential(q, act_mod()), baseline(lin)))
+            out.append((f"Int8Linear[{mode}]", False, nn.Sequential(q, _act_module(act)), baseline(lin)))
         qat = Int8Linear.from_linear(copy.deepcopy(lin), mode="dynamic", trainable=True).train()
-        out.append(("Int8Linear[dynamic, QAT]", True, nn.Sequential(qat, act_mod()), baseline(lin)))
+        out.append(("Int8Linear[dynamic, QAT]", True, nn.Sequential(qat, _act_module(act)), baseline(lin)))
     except Exception as exc:  # reported, the other modules still run
         say(f"  Int8Linear unavailable: {type(exc).__name__}: {exc}")
     if K % 4 == 0:
@@ -105,7 +108,8 @@ def run(args) -> list[dict]:
     env = env_columns("cpu")
     M, K, N, act = args.m, args.k, args.n, args.activation
     say(f"   module call at M={M}, K={K}, N={N}, fp32, activation {act}; baseline nn.Sequential(nn.Linear, "
-        f"{_ACT_MODULES[act].__name__}); bars: time <= {BARS['no_grad']}x without grad, <= {BARS['grad']}x with grad")
+        f"{type(_act_module(act)).__name__}); bars: time <= {BARS['no_grad']}x without grad, "
+        f"<= {BARS['grad']}x with grad")
     table = LiveTable(COLUMNS)
     missed = []
     try:

@@ -10,18 +10,7 @@ from torch import nn
 
 from .. import ops
 from ..dispatch import RuntimeChoice
-from ..ops.fused_linear import check_activation
-
-_ACT_MODULES = {"relu": nn.ReLU, "gelu": nn.GELU, "silu": nn.SiLU}
-
-
-def activation_module(activation: str) -> nn.Module | None:
-    """The stock PyTorch module computing ``activation`` (None for 'none')."""
-    if activation == "none":
-        return None
-    if activation == "gelu_tanh":
-        return nn.GELU(approximate="tanh")
-    return _ACT_MODULES[activation]()
+from ..ops.fused_linear import activation_fn, activation_module, check_activation
 
 
 class FusedActivation(nn.Identity):
@@ -120,15 +109,12 @@ class FusedLinear(RuntimeChoice, nn.Module):
             return ops.fused_linear(x, self.weight, self.bias, self.activation, residual)
         out = F.linear(x, self.weight, self.bias)
         inplace = not out.requires_grad
-        act = self.activation
-        if act == "relu":
-            out = torch.relu_(out) if inplace else torch.relu(out)
-        elif act == "gelu":
-            out = F.gelu(out)
-        elif act == "gelu_tanh":
-            out = F.gelu(out, approximate="tanh")
-        elif act == "silu":
-            out = F.silu(out, inplace=inplace)
+        if self.activation == "relu" and inplace:  # in place where autograd does not need the pre-activation
+            out = torch.relu_(out)
+        elif self.activation == "silu" and inplace:
+            out = F.silu(out, inplace=True)
+        else:
+            out = activation_fn(out, self.activation)
         if residual is not None:
             out = out.add_(residual) if inplace else out + residual
         return out

@@ -208,7 +208,7 @@ class Sparse24Linear(RuntimeChoice, VersionedModule):
 
     def to_linear(self) -> nn.Module:
         """The dense ``nn.Linear`` (``nn.Sequential(Linear, activation)`` when an activation is fused)."""
-        from .fused_linear import activation_module
+        from ..ops.fused_linear import activation_module
 
         lin = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
         w = self.dense_weight()
