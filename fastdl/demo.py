@@ -502,10 +502,10 @@ def run(args) -> dict:
     return results
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="fastdl demo", description=__doc__)
-    add_arguments(p)
-    run(p.parse_args(argv))
+def main(argv=None):
+    from .bench.common import module_main
+
+    return module_main("fastdl demo", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

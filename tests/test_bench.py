@@ -255,3 +255,20 @@ def test_model_bench_builtin_encoder(tmp_path):
     assert by["fp32"]["x_fp32"] == 1.0 and by["fused"]["cosine"] > 0.999 and by["int8"]["cosine"] > 0.98
     assert "slower" in by["fused"] and "slower" not in by["fp32"]
     assert os.path.exists(tmp_path / "model.csv")
+
+
+def test_model_bench_judges_against_the_best_pytorch_policy_so_far():
+    from fastdl.bench.model import _judge
+
+    best = ("fp32", 1.0)
+    bf16 = {"policy": "bf16_autocast", "x_fp32": 1.6}
+    best = _judge(bf16, best)
+    assert best == ("bf16_autocast", 1.6) and bf16["x_best"] == 1.0 and "slower" not in bf16
+    fused = {"policy": "fused", "x_fp32": 1.2}  # faster than fp32, slower than bf16 autocast
+    assert _judge(fused, best) == best
+    assert abs(fused["x_best"] - 0.75) < 1e-12 and "best PyTorch (bf16_autocast)" in fused["slower"]
+    int8 = {"policy": "int8", "x_fp32": 2.0}
+    _judge(int8, best)
+    assert int8["slower"] == "" and abs(int8["x_best"] - 1.25) < 1e-12
+    compiled = {"policy": "compile", "x_fp32": 0.9}  # a slower PyTorch policy does not become the best
+    assert _judge(compiled, best) == best

@@ -16,7 +16,7 @@ import os
 import time
 
 from . import BENCHMARKS
-from .common import context, print_table, say, set_deadline, stop_requested, write_csv
+from .common import context, print_table, pyplot, say, set_deadline, stop_requested, write_csv
 
 # Share of the time box per benchmark (the model benchmark converts and runs whole models; overhead is cheap).
 WEIGHTS = {"fused_linear": 0.22, "int8": 0.18, "sparse24": 0.1, "overhead": 0.06, "model": 0.36, "loader": 0.08}
@@ -92,13 +92,8 @@ def summarize(rows_by_bench: dict[str, list[dict]]) -> list[dict]:
 
 def plot(summary: list[dict], path: str) -> str | None:
     """Speedup vs M per op (log-2 x axis) against the path fastdl replaces; None when matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        say("matplotlib is not installed: no plot (pip install matplotlib)")
+    plt = pyplot()
+    if plt is None:
         return None
     benches = [b for b in dict.fromkeys(s["bench"] for s in summary) if any(s["M"] for s in summary if s["bench"] == b)]
     if not benches:

@@ -6,6 +6,7 @@ Every benchmark times fastdl and its PyTorch baselines in the same process on th
 
 from __future__ import annotations
 
+import argparse
 import csv
 import datetime
 import os
@@ -16,6 +17,10 @@ import time
 from collections.abc import Callable
 
 import torch
+
+# LLaMA-7B MLP: gate/up projections 4096 -> 11008, down projection 11008 -> 4096
+LLAMA_SHAPES = ((4096, 11008), (11008, 4096))
+DEFAULT_M = (1, 16, 128, 512)
 
 # A call slower than this is timed with fewer repetitions (and marked so): eager bf16 F.linear at M = 512,
 # K = N = 4096 takes ~1.5 s a call on an AVX2-only Zen 2, where 3 warm-up + 10 timed calls would take 20 s.
@@ -478,3 +483,49 @@ def progress(iterable, total: int | None = None, desc: str = ""):
     except ImportError:
         return iterable
     return tqdm(iterable, total=total, desc=desc, leave=False, disable=None)
+
+
+def add_shape_arguments(p: argparse.ArgumentParser, llama_default: str) -> None:
+    """--device, --m, --kn and --llama-m, shared by the GEMM benchmarks; read back with :func:`gemm_shapes`."""
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--m", type=int, nargs="+", default=None,
+                   help="batch sizes (rows of x) for K = N = 4096; default " + " ".join(map(str, DEFAULT_M)))
+    p.add_argument("--kn", type=int, nargs=2, action="append", default=None, metavar=("K", "N"),
+                   help="in/out features instead of the defaults (repeatable)")
+    p.add_argument("--llama-m", type=int, nargs="*", default=None,
+                   help=f"M for the LLaMA-7B MLP shapes (default: {llama_default}; give no value to skip them)")
+
+
+def gemm_shapes(args, cpu_llama_m: list[int], cuda_llama_m: list[int]) -> list[tuple[int, int, int]]:
+    """(M, K, N) to time from :func:`add_shape_arguments`' options: --kn x --m, or K = N = 4096 x --m plus the
+    LLaMA-7B MLP shapes x --llama-m (``cpu_llama_m`` / ``cuda_llama_m`` when not given)."""
+    ms = args.m or list(DEFAULT_M)
+    if args.kn:
+        return [(m, k, n) for k, n in args.kn for m in ms]
+    out = [(m, 4096, 4096) for m in ms]
+    if args.llama_m is not None:
+        llama_m = args.llama_m
+    else:
+        llama_m = cuda_llama_m if args.device.startswith("cuda") else cpu_llama_m
+    out += [(m, k, n) for k, n in LLAMA_SHAPES for m in llama_m]
+    return out
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend, or None (said once) when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        say("matplotlib is not installed: no plot (pip install matplotlib)")
+        return None
+    return plt
+
+
+def module_main(prog: str, doc: str | None, add_arguments: Callable, run: Callable, argv: list[str] | None = None):
+    """The ``python -m fastdl.bench.<name>`` (or demo) entry point: the module's options, parsed, then its run."""
+    p = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return run(p.parse_args(argv))

@@ -27,31 +27,26 @@ from .common import (
     CallPredictor,
     LiveTable,
     activity,
+    add_shape_arguments,
     env_columns,
+    gemm_shapes,
     interleaved,
     mark_slower,
     measured_matmul_peak,
+    module_main,
     over_time,
     print_header,
     say,
     write_csv,
 )
 
-DEFAULT_M = (1, 16, 128, 512)
-# LLaMA-7B MLP: gate/up projections 4096 -> 11008, down projection 11008 -> 4096
-LLAMA_SHAPES = ((4096, 11008), (11008, 4096))
 MODES = ("fwd", "fwd_fp32", "train")
 QUICK_ARGS = ["--m", "1", "16", "128", "--llama-m", "--no-compile", "--budget", "0.25", "--max-call", "2"]
 ALL_ARGS = ["--no-compile", "--budget", "0.6"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--m", type=int, nargs="+", default=None, help="batch sizes (rows of x); default 1 16 128 512")
-    p.add_argument("--kn", type=int, nargs=2, action="append", default=None, metavar=("K", "N"),
-                   help="in/out features; repeatable; default 4096 4096 plus the LLaMA-7B MLP shapes")
-    p.add_argument("--llama-m", type=int, nargs="*", default=None,
-                   help="M for the LLaMA shapes (default: 16 128 on CPU, 4096 on CUDA; no value: skip them)")
+    add_shape_arguments(p, llama_default="16 128 on CPU, 4096 on CUDA")
     p.add_argument("--activation", default="gelu", choices=ACTIVATIONS)
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     p.add_argument("--backends", nargs="+", default=None,
@@ -62,17 +57,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="skip a PyTorch baseline predicted (from a smaller M) to take longer than this many seconds a "
                         "call (default 10)")  # fmt: skip
     p.add_argument("--csv", default=None, help="write rows to this CSV file")
-
-
-def _shapes(args) -> list[tuple[int, int, int]]:
-    cuda = args.device.startswith("cuda")
-    ms = args.m or list(DEFAULT_M)
-    if args.kn:
-        return [(m, k, n) for k, n in args.kn for m in ms]
-    out = [(m, 4096, 4096) for m in ms]
-    llama_m = args.llama_m if args.llama_m is not None else ([4096] if cuda else [16, 128])
-    out += [(m, k, n) for k, n in LLAMA_SHAPES for m in llama_m]
-    return out
 
 
 def _eager_fn(act):
@@ -168,7 +152,8 @@ def run(args) -> list[dict]:
         f"fastdl backend (auto): {backends.select('fused_linear', 'cuda' if device.startswith('cuda') else 'cpu')}")
     table = LiveTable(COLUMNS)
     predictor = CallPredictor(args.max_call)
-    work = [(mode, shape) for mode in args.modes for shape in _shapes(args)]
+    shapes = gemm_shapes(args, cpu_llama_m=[16, 128], cuda_llama_m=[4096])
+    work = [(mode, shape) for mode in args.modes for shape in shapes]
     try:
         for i, (mode, (M, K, N)) in enumerate(work):
             if over_time(f"{len(work) - i} of {len(work)} shapes"):
@@ -247,11 +232,8 @@ def _rows(table, times, meta, mode, M, K, N, act, device, peak, env, skipped=())
         table.add(row)
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m fastdl.bench.fused_linear", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    add_arguments(p)
-    run(p.parse_args(argv))
+def main(argv=None):
+    return module_main("python -m fastdl.bench.fused_linear", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

@@ -41,9 +41,12 @@ from ..ops import int8 as int8_ops
 from .common import (
     LiveTable,
     activity,
+    add_shape_arguments,
     env_columns,
+    gemm_shapes,
     interleaved,
     mark_slower,
+    module_main,
     over_time,
     print_header,
     say,
@@ -52,9 +55,6 @@ from .common import (
     write_csv,
 )
 
-DEFAULT_M = (1, 16, 128, 512)
-# LLaMA-7B MLP: gate/up projections 4096 -> 11008, down projection 11008 -> 4096
-LLAMA_SHAPES = ((4096, 11008), (11008, 4096))
 INT8_PROVIDERS = ("int_mm+dequant", "fbgemm_dynamic", "fastdl_w8a8", "fastdl_weight_only", "fastdl_weight_only_g16")
 QUICK_ARGS = ["--m", "1", "16", "128", "--llama-m", "--budget", "0.15"]
 ALL_ARGS = ["--budget", "0.5"]
@@ -65,13 +65,7 @@ _INT8_PEAK: dict = {}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--m", type=int, nargs="+", default=None, help="batch sizes for K = N = 4096 (default 1 16 128 512)")
-    p.add_argument("--kn", type=int, nargs=2, action="append", default=None, metavar=("K", "N"),
-                   help="in/out features instead of the defaults (repeatable)")
-    p.add_argument("--llama-m", type=int, nargs="*", default=None,
-                   help="M for the LLaMA-7B MLP shapes (default: 16 128 on CPU, 16 2048 4096 on CUDA; "
-                        "give no value to skip them)")  # fmt: skip
+    add_shape_arguments(p, llama_default="16 128 on CPU, 16 2048 4096 on CUDA")
     p.add_argument("--backends", nargs="+", default=None,
                    help="fastdl backends to time besides auto (default: every available one but torch and the one "
                         "auto picks)")  # fmt: skip
@@ -83,17 +77,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "weights exceed the last-level cache (default: warm, each provider's weights stay cached "
                         "between its calls when they fit)")  # fmt: skip
     p.add_argument("--csv", default=None, help="write rows to this CSV file")
-
-
-def _shapes(args) -> list[tuple[int, int, int]]:
-    cuda = args.device.startswith("cuda")
-    ms = args.m or list(DEFAULT_M)
-    if args.kn:
-        return [(m, k, n) for k, n in args.kn for m in ms]
-    out = [(m, 4096, 4096) for m in ms]
-    llama_m = args.llama_m if args.llama_m is not None else ([16, 2048, 4096] if cuda else [16, 128])
-    out += [(m, k, n) for k, n in LLAMA_SHAPES for m in llama_m]
-    return out
 
 
 def measured_int8_peak(device: str) -> float:
@@ -244,7 +227,7 @@ def run(args) -> list[dict]:
         say(f"   fastdl {op}: backend {be!r} in auto mode")
     table = LiveTable(COLUMNS)
     notes: set[str] = set()
-    shapes = _shapes(args)
+    shapes = gemm_shapes(args, cpu_llama_m=[16, 128], cuda_llama_m=[16, 2048, 4096])
     try:
         for i, (M, K, N) in enumerate(shapes):
             if over_time(f"{len(shapes) - i} of {len(shapes)} shapes"):
@@ -307,11 +290,8 @@ def _int8_kernels() -> str:
     return int8_cpu_kernels() or "none (no extension)"
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m fastdl.bench.int8", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    add_arguments(p)
-    run(p.parse_args(argv))
+def main(argv=None):
+    return module_main("python -m fastdl.bench.int8", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

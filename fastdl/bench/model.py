@@ -51,8 +51,10 @@ from .common import (
     env_columns,
     interleaved,
     mark_slower,
+    module_main,
     over_time,
     print_header,
+    pyplot,
     say,
     set_deadline,
     time_left,
@@ -297,15 +299,21 @@ DEC_COLUMNS = [("policy", "policy", 16), ("ms", "ms/token", 9), ("per_s", "tok/s
                ("token_match", "tokens = fp32", 13)]  # fmt: skip
 
 
-def _judge(row: dict, best_torch: tuple[str, float] | None) -> None:
+def _judge(row: dict, best_torch: tuple[str, float]) -> tuple[str, float]:
+    """Fill ``row["x_best"]`` against the best PyTorch policy so far at this shape, ``(name, x fp32)``; a PyTorch row
+    may become that best (returned), a fastdl row is marked when it is slower than the fp32 original or that best."""
+    x = row["x_fp32"]
     if row["policy"] in TORCH_POLICIES:
-        return
-    checks = {"fp32 original": row["x_fp32"]}
-    if best_torch is not None:
-        row["x_best"] = row["x_fp32"] / best_torch[1]
-        if best_torch[0] != "fp32":
-            checks[f"best PyTorch ({best_torch[0]})"] = row["x_best"]
+        if x > best_torch[1]:
+            best_torch = (row["policy"], x)
+        row["x_best"] = x / best_torch[1]
+        return best_torch
+    row["x_best"] = x / best_torch[1]
+    checks = {"fp32 original": x}
+    if best_torch[0] != "fp32":
+        checks[f"best PyTorch ({best_torch[0]})"] = row["x_best"]
     mark_slower(row, checks)
+    return best_torch
 
 
 def run_encoder(args, hf: bool, env: dict, budget: float) -> list[dict]:
@@ -385,12 +393,8 @@ def run_encoder(args, hf: bool, env: dict, budget: float) -> list[dict]:
                    "x_fp32": x, "x_best": None,
                    "cosine": _cos(out * valid[..., None], ref * valid[..., None]),
                    "max_err": (out - ref)[valid].abs().max().item(), **env}  # fmt: skip
-            bt = best_torch.setdefault((b, s), ("fp32", 1.0))  # every pair times fp32: x is relative to it
-            if policy in TORCH_POLICIES:
-                if bt is None or x > bt[1]:
-                    bt = best_torch[(b, s)] = (policy, x)
-                row["x_best"] = x / bt[1]
-            _judge(row, bt)
+            # every pair times fp32: x is relative to it
+            best_torch[(b, s)] = _judge(row, best_torch.get((b, s), ("fp32", 1.0)))
             table.add(row)
         if m is not original:
             del m
@@ -457,11 +461,7 @@ def run_decoder(args, hf: bool, env: dict, budget: float) -> list[dict]:
                "reduced": tp.reduced, "per_s": T / tp, "x_fp32": x, "x_best": None,
                "cosine": _cos(logits[0], ref_logits[0]), "max_err": (logits - ref_logits).abs().max().item(),
                "token_match": (toks == ref_tokens).float().mean().item(), **env}  # fmt: skip
-        if policy in TORCH_POLICIES and (best_torch is None or x > best_torch[1]):
-            best_torch = (policy, x)
-        if policy in TORCH_POLICIES:
-            row["x_best"] = x / best_torch[1]
-        _judge(row, best_torch)
+        best_torch = _judge(row, best_torch)
         table.add(row)
         if m is not original:
             del m
@@ -471,13 +471,8 @@ def run_decoder(args, hf: bool, env: dict, budget: float) -> list[dict]:
 
 def plot(rows: list[dict], path: str) -> str | None:
     """Bars of x fp32 per policy: encoder (one group per batch/sequence) and decoder."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        say("matplotlib is not installed: no plot (pip install matplotlib)")
+    plt = pyplot()
+    if plt is None:
         return None
     kinds = [k for k in ("encoder", "decoder") if any(r["model"] == k for r in rows)]
     if not kinds:
@@ -539,11 +534,8 @@ def run(args) -> list[dict]:
     return rows
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m fastdl.bench.model", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    add_arguments(p)
-    run(p.parse_args(argv))
+def main(argv=None):
+    return module_main("python -m fastdl.bench.model", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,18 @@ import torch
 from torch import nn
 
 from ..ops.fused_linear import ACTIVATIONS, activation_module
-from .common import LiveTable, activity, env_columns, interleaved, mark_slower, over_time, print_header, say, write_csv
+from .common import (
+    LiveTable,
+    activity,
+    env_columns,
+    interleaved,
+    mark_slower,
+    module_main,
+    over_time,
+    print_header,
+    say,
+    write_csv,
+)
 
 BARS = {"no_grad": 1.3, "grad": 1.5}
 QUICK_ARGS = ["--budget", "0.3"]
@@ -153,11 +164,8 @@ def run(args) -> list[dict]:
     return table.rows
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m fastdl.bench.overhead", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    add_arguments(p)
-    run(p.parse_args(argv))
+def main(argv=None):
+    return module_main("python -m fastdl.bench.overhead", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

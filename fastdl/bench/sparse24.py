@@ -35,6 +35,7 @@ from .common import (
     interleaved,
     mark_slower,
     measured_matmul_peak,
+    module_main,
     over_time,
     print_header,
     say,
@@ -242,10 +243,8 @@ def _prune_compress(args, device, dtype, dev_type, base) -> dict:
     return r
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m fastdl.bench.sparse24", description=__doc__)
-    add_arguments(p)
-    run(p.parse_args(argv))
+def main(argv=None):
+    return module_main("python -m fastdl.bench.sparse24", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":
