@@ -456,17 +456,36 @@ def test_keyboard_interrupt_while_waiting_for_data():
     """Ctrl-C reaches a consumer blocked in next() on a producer that has no batch: it is raised inside the wait (not
     after a batch arrives), and the producer thread is stopped."""
     gate = threading.Event()  # the wrapped loader's first batch waits for it: it is opened only after the interrupt
+    entered = threading.Event()
 
     def source():
+        entered.set()
         gate.wait(30.0)
         yield torch.ones(4)
+
+    def interrupt_when_both_wait():
+        # The mechanism, not a delay (a fixed 0.2 s missed on a loaded 2-core machine: the producer had not yet entered
+        # the wrapped loader, so close() had nothing to warn about): the producer is inside source() and the main
+        # thread is blocked in the loader's queue wait.
+        entered.wait(30.0)
+        main = threading.main_thread().ident
+        deadline = time.monotonic() + 30.0
+        while time.monotonic() < deadline:
+            frame, names = sys._current_frames().get(main), []
+            while frame is not None:
+                names.append(frame.f_code.co_name)
+                frame = frame.f_back
+            if "_get" in names:
+                break
+            time.sleep(0.01)
+        _thread.interrupt_main()
 
     # the producer is still inside the wrapped loader when the interrupt stops the pass: close() waits
     # shutdown_timeout for it, then leaves it (daemon) with a warning
     loader = PrefetchLoader(source(), device="cpu", shutdown_timeout=0.2)
     it = iter(loader)
     got = []
-    timer = threading.Timer(0.2, _thread.interrupt_main)
+    timer = threading.Thread(target=interrupt_when_both_wait, daemon=True)
     timer.start()
     try:
         with pytest.raises(KeyboardInterrupt) as info, pytest.warns(RuntimeWarning, match="still inside the wrapped"):
