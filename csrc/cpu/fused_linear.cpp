@@ -34,6 +34,8 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <cstdio>
+#include <cstring>
 #include <exception>
 #include <memory>
 #include <optional>
@@ -215,17 +217,40 @@ void check_optional(const at::Tensor &t, const char *name, at::IntArrayRef shape
 
 // Fresh multi-MB outputs are first touched by our kernels, one page fault per 4 KB page: for a 64 MB fp32
 // grad_weight that is 16K faults, ~10 ms on the dev machine - more than computing it. Transparent huge pages cut that
-// to 32 faults (measured 12 ms -> 2.6 ms for allocating + filling 64 MB). Only the 2 MB-aligned interior of the
-// buffer is advised (no effect outside it); a no-op where THP is off, PyTorch's THP_MEM_ALLOC_ENABLE does the same.
+// to 32 faults. The 2 MB-aligned interior of the buffer is advised MADV_HUGEPAGE and then populated in one
+// madvise(MADV_POPULATE_WRITE) call from this thread, before the kernels' threads write it: left to fault in from the
+// two threads' first writes, huge pages were fast in isolation but pathological right after an eager fp32 step (MKL)
+// in the same process. Allocating + filling 64 MB on the 2-core Zen 4 (pure PyTorch, `torch.empty` + `fill_`, ms):
+// 4 KB faults 17.0 (19.2 after an eager step), huge-page faults 5.6 (97.9 after an eager step: the fastdl training
+// step at M = 1, 4096^2 took 87 ms instead of 15), advise + populate 8.8 (10.3 after an eager step). Populating 4 KB
+// pages (30 ms) is slower than faulting them in from two threads, so nothing is done where THP is off ("never") or
+// the kernel predates MADV_POPULATE_WRITE (Linux 5.14: EINVAL, then the pages fault in as before).
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+bool thp_available() {
+    static const bool on = [] {
+        FILE *f = std::fopen("/sys/kernel/mm/transparent_hugepage/enabled", "r");
+        if (f == nullptr)
+            return false;
+        char buf[128] = {};
+        const size_t n = std::fread(buf, 1, sizeof(buf) - 1, f);
+        std::fclose(f);
+        return n > 0 && std::strstr(buf, "[never]") == nullptr;
+    }();
+    return on;
+}
+#endif
+
 at::Tensor empty_output(at::IntArrayRef shape, const at::TensorOptions &opts) {
     at::Tensor t = at::empty(shape, opts);
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
     constexpr uintptr_t kHuge = uintptr_t{2} << 20;
-    if (t.nbytes() >= 4 * kHuge) {
+    if (t.nbytes() >= 4 * kHuge && thp_available()) {
         const uintptr_t p = reinterpret_cast<uintptr_t>(t.data_ptr());
         const uintptr_t a = (p + kHuge - 1) & ~(kHuge - 1), e = (p + t.nbytes()) & ~(kHuge - 1);
-        if (e > a)
-            madvise(reinterpret_cast<void *>(a), e - a, MADV_HUGEPAGE);
+        if (e > a && madvise(reinterpret_cast<void *>(a), e - a, MADV_HUGEPAGE) == 0) {
+            constexpr int kPopulateWrite = 23; // MADV_POPULATE_WRITE (Linux 5.14); older headers lack the name
+            madvise(reinterpret_cast<void *>(a), e - a, kPopulateWrite);
+        }
     }
 #endif
     return t;
