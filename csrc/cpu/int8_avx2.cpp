@@ -789,25 +789,17 @@ void weight_only_f32(const WeightOnly &p) {
     }
 }
 
-Kernels make() {
-    Kernels k;
-    k.name = "avx2";
-    k.a_bytes = 1;
-    k.a_min = -127;
-    k.mr = kMR;
-    k.quantize_rows = &quantize_rows;
-    k.pack_a = &pack_a;
-    k.gemm_block = &gemm_block;
-    k.pack_b = &pack_b_portable;
-    k.weight_only_f32 = &weight_only_f32;
-    k.weight_only_bf16 = nullptr;
-    return k;
-}
-
 } // namespace
 
 const Kernels *kernels_avx2() {
-    static const Kernels k = make();
+    static const Kernels k{.name = "avx2",
+                           .a_min = -127,
+                           .mr = kMR,
+                           .quantize_rows = &quantize_rows,
+                           .pack_a = &pack_a,
+                           .gemm_block = &gemm_block,
+                           .pack_b = &pack_b_portable,
+                           .weight_only_f32 = &weight_only_f32};
     return &k;
 }
 

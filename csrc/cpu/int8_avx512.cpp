@@ -975,29 +975,26 @@ void weight_only_bf16(const WeightOnly &p) {
     }
 }
 
-Kernels make(bool bf16) {
-    Kernels k;
-    k.name = bf16 ? "avx512_vnni+bf16" : "avx512_vnni";
-    k.a_bytes = 1;
-    k.mr = kMR;
-    k.quantize_rows = &quantize_rows;
-    k.pack_a = &pack_a;
-    k.gemm_block = &gemm_block;
-    k.pack_b = &pack_b;
-    k.weight_only_f32 = &weight_only_f32;
-    k.weight_only_bf16 = bf16 ? &weight_only_bf16 : nullptr;
-    return k;
-}
-
 } // namespace
 
 const Kernels *kernels_avx512() {
-    static const Kernels k = make(false);
+    static const Kernels k{.name = "avx512_vnni",
+                           .mr = kMR,
+                           .quantize_rows = &quantize_rows,
+                           .pack_a = &pack_a,
+                           .gemm_block = &gemm_block,
+                           .pack_b = &pack_b,
+                           .weight_only_f32 = &weight_only_f32};
     return &k;
 }
 
 const Kernels *kernels_avx512_bf16() {
-    static const Kernels k = make(true);
+    static const Kernels k = [] {
+        Kernels t = *kernels_avx512();
+        t.name = "avx512_vnni+bf16";
+        t.weight_only_bf16 = &weight_only_bf16;
+        return t;
+    }();
     return &k;
 }
 
