@@ -554,18 +554,31 @@ void forward_compute(const at::Tensor &x2, const at::Tensor &w, int64_t M, int64
     run_epilogue(e, dst.data_ptr<float>(), M, N);
 }
 
-std::tuple<at::Tensor, at::Tensor> fused_linear_cpu(const at::Tensor &x, const at::Tensor &weight,
-                                                    const std::optional<at::Tensor> &bias, c10::string_view activation,
-                                                    const std::optional<at::Tensor> &residual, bool save_preact) {
-    constexpr const char *fn = "fused_linear";
+// The checks and the shapes both entry points start with: the activation, x's rank and dtype, the weight against x;
+// K, N, M = the rows of x's leading dimensions, and the output's shape [..., N].
+struct Geometry {
+    Act act;
+    int64_t K, N, M;
+    std::vector<int64_t> out_shape;
+};
+
+Geometry checked_geometry(const at::Tensor &x, const at::Tensor &weight, c10::string_view activation, const char *fn) {
     const Act act = parse_activation(activation, fn);
     TORCH_CHECK(x.dim() >= 1, fn, ": x must have at least one dimension [..., K], got a 0-d tensor");
     check_compute_dtype(x, fn);
     check_weight(x, weight, fn);
+    Geometry g{act, x.size(-1), weight.size(0), leading_rows(x),
+               std::vector<int64_t>(x.sizes().begin(), x.sizes().end())};
+    g.out_shape.back() = g.N;
+    return g;
+}
+
+std::tuple<at::Tensor, at::Tensor> fused_linear_cpu(const at::Tensor &x, const at::Tensor &weight,
+                                                    const std::optional<at::Tensor> &bias, c10::string_view activation,
+                                                    const std::optional<at::Tensor> &residual, bool save_preact) {
+    constexpr const char *fn = "fused_linear";
+    const auto [act, K, N, M, out_shape] = checked_geometry(x, weight, activation, fn);
     const auto c = x.scalar_type();
-    const int64_t K = x.size(-1), N = weight.size(0), M = leading_rows(x);
-    std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
-    out_shape.back() = N;
     const bool has_bias = bias.has_value() && bias->defined();
     const bool has_res = residual.has_value() && residual->defined();
     if (has_bias)
@@ -875,14 +888,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor>
 fused_linear_backward_cpu(const at::Tensor &grad_out, const at::Tensor &x, const at::Tensor &weight,
                           const at::Tensor &preact, c10::string_view activation, std::array<bool, 3> output_mask) {
     constexpr const char *fn = "fused_linear_backward";
-    const Act act = parse_activation(activation, fn);
-    TORCH_CHECK(x.dim() >= 1, fn, ": x must have at least one dimension [..., K], got a 0-d tensor");
-    check_compute_dtype(x, fn);
-    check_weight(x, weight, fn);
+    const auto [act, K, N, M, out_shape] = checked_geometry(x, weight, activation, fn);
     const auto c = x.scalar_type();
-    const int64_t K = x.size(-1), N = weight.size(0), M = leading_rows(x);
-    std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
-    out_shape.back() = N;
     check_optional(grad_out, "grad_out", out_shape, x, fn);
     if (act != Act::None)
         check_optional(preact, "preact", out_shape, x, fn);

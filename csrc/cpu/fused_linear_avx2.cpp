@@ -6,7 +6,9 @@
 //             columns, the epilogue on each strip while it is in L2) for the forward (x times the weight^T) and both
 //             backward products;
 //   stream_*: small-M forward kernels that stream the weight rows once (inner products, horizontal sums at the end);
-//   epilogue_avx2 / dpre_pass_avx2: the vectorised elementwise passes (exp / erfc / sigmoid to ~1e-6 relative).
+//   simd_epilogue / simd_dpre_pass (fused_linear_epilogue.h over Avx2Vec): the vectorised elementwise passes (exp /
+//   erfc
+//             / sigmoid to ~1e-6 relative).
 // No torch headers; the ISA is enabled per function with target attributes and the table is only chosen
 // (fused_linear.cpp) when cpu_isa.h reports AVX2 + FMA + F16C.
 #include "fused_linear_kernels.h"
@@ -247,150 +249,32 @@ template <Act A> FA FA_INLINE __m256 v_act_grad(__m256 p) {
 }
 
 // ------------------------------------------------------------------------------------------------------------
-// Epilogue and backward elementwise pass: G vectors of 8 columns of one row at a time (independent activation
-// chains the core overlaps), the last ones masked by rem.
+// Epilogue and backward elementwise pass: fused_linear_epilogue.h over these 8-lane vectors, the last ones masked by a
+// count of valid lanes.
 // ------------------------------------------------------------------------------------------------------------
-template <Act A, int G>
-FA FA_INLINE void epilogue_group(const Epilogue &e, const float *a, int64_t r, int64_t c, int64_t rem) {
-    __m256 v[G];
-#pragma GCC unroll 4
-    for (int g = 0; g < G; ++g) {
-        const int64_t n = rem - 8 * g;
-        v[g] = v_loadf(a + 8 * g, n);
-        if (e.bias)
-            v[g] = _mm256_add_ps(v[g], v_loadf(e.bias + c + 8 * g, n));
-        if (e.pre)
-            v_store(e.pre, e.out_dtype, r * e.ld_pre + c + 8 * g, v[g], n);
-    }
-#pragma GCC unroll 4
-    for (int g = 0; g < G; ++g)
-        v[g] = v_act<A>(v[g]);
-#pragma GCC unroll 4
-    for (int g = 0; g < G; ++g) {
-        const int64_t n = rem - 8 * g, cg = c + 8 * g;
-        if (e.res)
-            v[g] = _mm256_add_ps(v[g], v_load(e.res, e.res_dtype, r * e.ld_res + cg, n));
-        float *dst = static_cast<float *>(e.out) + r * e.ld_out + cg;
-        if (e.stream && e.out_dtype == DType::F32 && n >= 8 && reinterpret_cast<uintptr_t>(dst) % 32 == 0)
-            _mm256_stream_ps(dst, v[g]);
-        else
-            v_store(e.out, e.out_dtype, r * e.ld_out + cg, v[g], n);
-    }
-}
+struct Avx2Vec {
+    using Vec = __m256;
+    using Mask = int64_t; // valid lanes (>= 8: all)
+    static constexpr int kLanes = 8;
+    static constexpr uintptr_t kStreamAlign = 32;
+    static FA FA_INLINE Mask mask(int64_t n) { return n; }
+    static FA FA_INLINE bool full(Mask n) { return n >= 8; }
+    static FA FA_INLINE Vec loadf(const float *p, Mask n) { return v_loadf(p, n); }
+    static FA FA_INLINE void storef(float *p, Vec v, Mask n) { v_store(p, DType::F32, 0, v, n); }
+    static FA FA_INLINE Vec load(const void *p, DType dt, int64_t i, Mask n) { return v_load(p, dt, i, n); }
+    static FA FA_INLINE void store(void *p, DType dt, int64_t i, Vec v, Mask n) { v_store(p, dt, i, v, n); }
+    static FA FA_INLINE Vec add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+    static FA FA_INLINE Vec mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+    static FA FA_INLINE void stream(float *p, Vec v) { _mm256_stream_ps(p, v); }
+    static FA FA_INLINE void fence() { _mm_sfence(); }
+    static FA FA_INLINE void zero(float *p, int64_t n) { std::fill(p, p + n, 0.f); }
+    template <Act A> static FA FA_INLINE Vec act(Vec x) { return v_act<A>(x); }
+    template <Act A> static FA FA_INLINE Vec act_grad(Vec p) { return v_act_grad<A>(p); }
+};
 
-template <Act A>
-FA void epilogue_avx2_act(const Epilogue &epi, const float *acc, int64_t ld_acc, int64_t row0, int64_t rows,
-                          int64_t col0, int64_t cols) {
-    const Epilogue e = epi; // a local copy: the output stores cannot alias it, so its fields stay in registers
-    for (int64_t i = 0; i < rows; ++i) {
-        const int64_t r = row0 + i;
-        const float *a = acc + i * ld_acc;
-        int64_t j = 0;
-        for (; cols - j > 24; j += 32)
-            epilogue_group<A, 4>(e, a + j, r, col0 + j, cols - j);
-        switch ((cols - j + 7) / 8) {
-        case 3:
-            epilogue_group<A, 3>(e, a + j, r, col0 + j, cols - j);
-            break;
-        case 2:
-            epilogue_group<A, 2>(e, a + j, r, col0 + j, cols - j);
-            break;
-        case 1:
-            epilogue_group<A, 1>(e, a + j, r, col0 + j, cols - j);
-            break;
-        default:
-            break;
-        }
-    }
-    if (e.stream && e.fence)
-        _mm_sfence();
-}
-
-FA void epilogue_avx2(const Epilogue &e, const float *acc, int64_t ld_acc, int64_t row0, int64_t rows, int64_t col0,
-                      int64_t cols) {
-    switch (e.act) {
-    case Act::None:
-        return epilogue_avx2_act<Act::None>(e, acc, ld_acc, row0, rows, col0, cols);
-    case Act::Relu:
-        return epilogue_avx2_act<Act::Relu>(e, acc, ld_acc, row0, rows, col0, cols);
-    case Act::Gelu:
-        return epilogue_avx2_act<Act::Gelu>(e, acc, ld_acc, row0, rows, col0, cols);
-    case Act::GeluTanh:
-        return epilogue_avx2_act<Act::GeluTanh>(e, acc, ld_acc, row0, rows, col0, cols);
-    case Act::Silu:
-        return epilogue_avx2_act<Act::Silu>(e, acc, ld_acc, row0, rows, col0, cols);
-    }
-}
-
-template <Act A, int G>
-FA FA_INLINE void dpre_group(const DpreArgs &a, int64_t r, int64_t c, int64_t rem, float *part) {
-    __m256 d[G];
-#pragma GCC unroll 4
-    for (int g = 0; g < G; ++g)
-        d[g] = v_load(a.g, a.g_dtype, r * a.ld_g + c + 8 * g, rem - 8 * g);
-    if constexpr (A != Act::None) {
-        __m256 p[G];
-#pragma GCC unroll 4
-        for (int g = 0; g < G; ++g)
-            p[g] = v_load(a.p, a.p_dtype, r * a.ld_p + c + 8 * g, rem - 8 * g);
-#pragma GCC unroll 4
-        for (int g = 0; g < G; ++g)
-            d[g] = _mm256_mul_ps(d[g], v_act_grad<A>(p[g]));
-    }
-#pragma GCC unroll 4
-    for (int g = 0; g < G; ++g) {
-        const int64_t cg = c + 8 * g, n = rem - 8 * g;
-        if (part)
-            v_store(part, DType::F32, cg, _mm256_add_ps(v_loadf(part + cg, n), d[g]), n);
-        if (a.dpre)
-            v_store(a.dpre, a.dpre_dtype, r * a.ld_dpre + cg, d[g], n);
-    }
-}
-
-template <Act A>
-FA void dpre_pass_avx2_act(const DpreArgs &a, int64_t row0, int64_t row1, int64_t col0, int64_t col1, float *partial,
-                           int64_t ld_partial) {
-    for (int64_t r0 = row0; r0 < row1; r0 += kDpreRows) {
-        float *part = partial ? partial + (r0 / kDpreRows) * ld_partial : nullptr;
-        const int64_t w = col1 - col0;
-        if (part)
-            std::fill(part + col0, part + col1, 0.f);
-        for (int64_t r = r0; r < std::min(row1, r0 + kDpreRows); ++r) {
-            int64_t j = 0;
-            for (; w - j > 24; j += 32)
-                dpre_group<A, 4>(a, r, col0 + j, w - j, part);
-            switch ((w - j + 7) / 8) {
-            case 3:
-                dpre_group<A, 3>(a, r, col0 + j, w - j, part);
-                break;
-            case 2:
-                dpre_group<A, 2>(a, r, col0 + j, w - j, part);
-                break;
-            case 1:
-                dpre_group<A, 1>(a, r, col0 + j, w - j, part);
-                break;
-            default:
-                break;
-            }
-        }
-    }
-}
-
-FA void dpre_pass_avx2(const DpreArgs &a, int64_t row0, int64_t row1, int64_t col0, int64_t col1, float *partial,
-                       int64_t ld_partial) {
-    switch (a.act) {
-    case Act::None:
-        return dpre_pass_avx2_act<Act::None>(a, row0, row1, col0, col1, partial, ld_partial);
-    case Act::Relu:
-        return dpre_pass_avx2_act<Act::Relu>(a, row0, row1, col0, col1, partial, ld_partial);
-    case Act::Gelu:
-        return dpre_pass_avx2_act<Act::Gelu>(a, row0, row1, col0, col1, partial, ld_partial);
-    case Act::GeluTanh:
-        return dpre_pass_avx2_act<Act::GeluTanh>(a, row0, row1, col0, col1, partial, ld_partial);
-    case Act::Silu:
-        return dpre_pass_avx2_act<Act::Silu>(a, row0, row1, col0, col1, partial, ld_partial);
-    }
-}
+#define FL_SIMD FA
+#include "fused_linear_epilogue.h"
+#undef FL_SIMD
 
 // ------------------------------------------------------------------------------------------------------------
 // fgemm: packed-panel fp32 GEMM (see kernels.h). Layouts:
@@ -505,9 +389,15 @@ FA void fgemm_pack_b(const FgemmArgs &g, int64_t nc, int64_t njr, float *bp) {
         }
 }
 
-// C[6][16] (+)= sum_k A-panel[k][6] x B-panel[k][16]: 12 ymm accumulators, per k 2 B loads, 6 broadcasts, 12 FMAs.
-FA FA_INLINE void fgemm_accumulate(__m256 (&c0)[kFgMR], __m256 (&c1)[kFgMR], int64_t kc, const float *a,
-                                   const float *b) {
+// C[6][16] = cin + sum_k A-panel[k][6] x B-panel[k][16] (cin: the sums of the previous K blocks, row stride ldc, or
+// null for zeros): 12 ymm accumulators, per k 2 B loads, 6 broadcasts, 12 FMAs.
+FA FA_INLINE void fgemm_accumulate(__m256 (&c0)[kFgMR], __m256 (&c1)[kFgMR], const float *cin, int64_t ldc, int64_t kc,
+                                   const float *a, const float *b) {
+#pragma GCC unroll 6
+    for (int r = 0; r < kFgMR; ++r) {
+        c0[r] = cin ? _mm256_load_ps(cin + r * ldc) : _mm256_setzero_ps();
+        c1[r] = cin ? _mm256_load_ps(cin + r * ldc + 8) : _mm256_setzero_ps();
+    }
 #pragma GCC unroll 2
     for (int64_t k = 0; k < kc; ++k) {
         const __m256 b0 = _mm256_load_ps(b + k * kFgNR), b1 = _mm256_load_ps(b + k * kFgNR + 8);
@@ -522,12 +412,7 @@ FA FA_INLINE void fgemm_accumulate(__m256 (&c0)[kFgMR], __m256 (&c1)[kFgMR], int
 
 FA void fgemm_micro(int64_t kc, const float *a, const float *b, float *c, int64_t ldc, bool accumulate) {
     __m256 c0[kFgMR], c1[kFgMR];
-#pragma GCC unroll 6
-    for (int r = 0; r < kFgMR; ++r) {
-        c0[r] = accumulate ? _mm256_load_ps(c + r * ldc) : _mm256_setzero_ps();
-        c1[r] = accumulate ? _mm256_load_ps(c + r * ldc + 8) : _mm256_setzero_ps();
-    }
-    fgemm_accumulate(c0, c1, kc, a, b);
+    fgemm_accumulate(c0, c1, accumulate ? c : nullptr, ldc, kc, a, b);
 #pragma GCC unroll 6
     for (int r = 0; r < kFgMR; ++r) {
         _mm256_store_ps(c + r * ldc, c0[r]);
@@ -542,12 +427,7 @@ template <Act A>
 FA void fgemm_micro_epi(int64_t kc, const float *a, const float *b, const float *cin, int64_t ldc, const Epilogue &e,
                         int64_t row0, int64_t col0) {
     __m256 c0[kFgMR], c1[kFgMR];
-#pragma GCC unroll 6
-    for (int r = 0; r < kFgMR; ++r) {
-        c0[r] = cin ? _mm256_load_ps(cin + r * ldc) : _mm256_setzero_ps();
-        c1[r] = cin ? _mm256_load_ps(cin + r * ldc + 8) : _mm256_setzero_ps();
-    }
-    fgemm_accumulate(c0, c1, kc, a, b);
+    fgemm_accumulate(c0, c1, cin, ldc, kc, a, b);
     if (e.bias) {
         const __m256 b0 = _mm256_loadu_ps(e.bias + col0), b1 = _mm256_loadu_ps(e.bias + col0 + 8);
 #pragma GCC unroll 6
@@ -613,7 +493,7 @@ FA FA_INLINE void fgemm_tile(int64_t kc, const float *ai, const float *bj, float
         return epi(kc, ai, bj, first ? nullptr : ct, ldc, e, i, col0);
     fgemm_micro(kc, ai, bj, ct, ldc, !first);
     if (last)
-        epilogue_avx2(e, ct, ldc, i, rows, col0, cw);
+        simd_epilogue<Avx2Vec>(e, ct, ldc, i, rows, col0, cw);
 }
 
 // Strip mode: per strip of kFgNC columns, B packed over the whole K, then every super block of kFgMS rows runs the K
@@ -778,14 +658,19 @@ FA FA_INLINE void stream_step(__m256 (&acc)[MT][R], const float *xp, int64_t kp,
     }
 }
 
+// A tile of register accumulators set to zero.
+template <int A, int B> FA FA_INLINE void zero_tile(__m256 (&acc)[A][B]) {
+#pragma GCC unroll 8
+    for (int i = 0; i < A; ++i)
+#pragma GCC unroll 8
+        for (int j = 0; j < B; ++j)
+            acc[i][j] = _mm256_setzero_ps();
+}
+
 template <int MT, int R, int WT>
 FA void stream_tile(const float *xp, int64_t K, const char *w, int64_t ldw_bytes, float *c, int64_t ldc) {
     __m256 acc[MT][R];
-#pragma GCC unroll 4
-    for (int m = 0; m < MT; ++m)
-#pragma GCC unroll 8
-        for (int r = 0; r < R; ++r)
-            acc[m][r] = _mm256_setzero_ps();
+    zero_tile(acc);
     const int64_t kp = stream_kp(K), kmain = K & ~int64_t{15};
     // (Software prefetching 512 B - 4 KB ahead in every row: no gain at 512 B, 15-30 % slower beyond; M = 1,
     // K = 11008, N = 4096 bf16 streams ~21 GB/s on one core, eager fp32 F.linear ~19 GB/s.)
@@ -862,7 +747,7 @@ FA void stream_forward(const void *x, DType xd, int64_t ldx, int64_t M, const vo
             else
                 stream_rows_mt<kWF32>(mt, xm, K, wrows, ldw * esz, nr, cm, kStreamNB);
         }
-        epilogue_avx2(epi, cb, kStreamNB, 0, M, nb, nr);
+        simd_epilogue<Avx2Vec>(epi, cb, kStreamNB, 0, M, nb, nr);
     }
 }
 
@@ -958,11 +843,7 @@ FA FA_INLINE void bcast_kpair(__m256 (&acc)[RW][J], const char *w, int64_t ldw_b
 template <int RW, int J, int WT>
 FA void bcast_tile(const char *w, int64_t ldw_bytes, const float *xt, int64_t K, float *c, int64_t ldc, int64_t M) {
     __m256 acc[RW][J];
-#pragma GCC unroll 8
-    for (int i = 0; i < RW; ++i)
-#pragma GCC unroll 4
-        for (int j = 0; j < J; ++j)
-            acc[i][j] = _mm256_setzero_ps();
+    zero_tile(acc);
     // Blocks of 16 k pairs / k: the prefetch (1 KB ahead in every row) sits outside the inner loop - a test inside it
     // made GCC keep the accumulators on the stack.
     if constexpr (WT == kWBF16) {
@@ -1091,7 +972,7 @@ FA void bcast_forward(const void *x, DType xd, int64_t ldx, int64_t M, const voi
             bcast_rows_j<kWF32Round>(J, wrows, ldb, xt, K, M, nr, cb, kStreamNB);
         else
             bcast_rows_j<kWF32>(J, wrows, ldb, xt, K, M, nr, cb, kStreamNB);
-        epilogue_avx2(epi, cb, kStreamNB, 0, M, nb, nr);
+        simd_epilogue<Avx2Vec>(epi, cb, kStreamNB, 0, M, nb, nr);
     }
 }
 
@@ -1120,8 +1001,8 @@ FA void fwd_f32_entry(const void *x, int64_t ldx, int64_t M, const void *w, DTyp
 Kernels make_avx2() {
     Kernels t;
     t.name = "avx2";
-    t.epilogue = epilogue_avx2;
-    t.dpre_pass = dpre_pass_avx2;
+    t.epilogue = simd_epilogue<Avx2Vec>;
+    t.dpre_pass = simd_dpre_pass<Avx2Vec>;
     t.fwd_bf16 = FwdKernel{fwd_bf16_entry, fwd_workspace_avx2, kBcastMaxM, INT64_MAX};
     t.fwd_f32 = FwdKernel{fwd_f32_entry, fwd_workspace_avx2, kBcastMaxM, INT64_MAX};
     t.fgemm = Fgemm{fgemm_pack_a_avx2, fgemm_block_avx2};

@@ -183,159 +183,34 @@ template <Act A> FL_AVX512 FL_INLINE __m512 v_act_grad(__m512 p) {
 }
 
 // ------------------------------------------------------------------------------------------------------------
-// Epilogue / backward pass (AVX-512)
+// Epilogue / backward pass: fused_linear_epilogue.h over these 16-lane vectors and their mask registers.
 // ------------------------------------------------------------------------------------------------------------
-// G vectors (16 columns each, the last ones masked by rem) of one row at a time: the activations of a group are
-// independent chains the core overlaps (one vector at a time, gelu ran ~30 cycles per vector, latency-bound; groups
-// of 3-4: bf16 M = 4096, K = 256, N = 1024 gelu forward 3.24 -> 3.03 ms, of which gelu 0.81 -> 0.63 ms).
-template <Act A, int G>
-FL_AVX512 FL_INLINE void epilogue_group(const Epilogue &e, const float *a, int64_t r, int64_t c, int64_t rem) {
-    __m512 v[G];
-    __mmask16 m[G];
-#pragma GCC unroll 4
-    for (int g = 0; g < G; ++g) {
-        m[g] = mask16(rem - 16 * g);
-        v[g] = _mm512_maskz_loadu_ps(m[g], a + 16 * g);
-        if (e.bias)
-            v[g] = _mm512_add_ps(v[g], _mm512_maskz_loadu_ps(m[g], e.bias + c + 16 * g));
-        if (e.pre)
-            v_store(e.pre, e.out_dtype, r * e.ld_pre + c + 16 * g, v[g], m[g]);
+struct Avx512Vec {
+    using Vec = __m512;
+    using Mask = __mmask16;
+    static constexpr int kLanes = 16;
+    static constexpr uintptr_t kStreamAlign = 64;
+    static FL_AVX512 FL_INLINE Mask mask(int64_t n) { return mask16(n); }
+    static FL_AVX512 FL_INLINE bool full(Mask m) { return m == 0xFFFF; }
+    static FL_AVX512 FL_INLINE Vec loadf(const float *p, Mask m) { return _mm512_maskz_loadu_ps(m, p); }
+    static FL_AVX512 FL_INLINE void storef(float *p, Vec v, Mask m) { _mm512_mask_storeu_ps(p, m, v); }
+    static FL_AVX512 FL_INLINE Vec load(const void *p, DType dt, int64_t i, Mask m) { return v_load(p, dt, i, m); }
+    static FL_AVX512 FL_INLINE void store(void *p, DType dt, int64_t i, Vec v, Mask m) { v_store(p, dt, i, v, m); }
+    static FL_AVX512 FL_INLINE Vec add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+    static FL_AVX512 FL_INLINE Vec mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+    static FL_AVX512 FL_INLINE void stream(float *p, Vec v) { _mm512_stream_ps(p, v); }
+    static FL_AVX512 FL_INLINE void fence() { _mm_sfence(); }
+    static FL_AVX512 FL_INLINE void zero(float *p, int64_t n) {
+        for (int64_t j = 0; j < n; j += 16)
+            _mm512_mask_storeu_ps(p + j, mask16(n - j), _mm512_setzero_ps());
     }
-#pragma GCC unroll 4
-    for (int g = 0; g < G; ++g)
-        v[g] = v_act<A>(v[g]);
-#pragma GCC unroll 4
-    for (int g = 0; g < G; ++g) {
-        const int64_t cg = c + 16 * g;
-        if (e.res)
-            v[g] = _mm512_add_ps(v[g], v_load(e.res, e.res_dtype, r * e.ld_res + cg, m[g]));
-        float *dst = static_cast<float *>(e.out) + r * e.ld_out + cg;
-        if (e.stream && e.out_dtype == DType::F32 && m[g] == 0xFFFF && reinterpret_cast<uintptr_t>(dst) % 64 == 0)
-            _mm512_stream_ps(dst, v[g]);
-        else
-            v_store(e.out, e.out_dtype, r * e.ld_out + cg, v[g], m[g]);
-    }
-}
+    template <Act A> static FL_AVX512 FL_INLINE Vec act(Vec x) { return v_act<A>(x); }
+    template <Act A> static FL_AVX512 FL_INLINE Vec act_grad(Vec p) { return v_act_grad<A>(p); }
+};
 
-template <Act A>
-FL_AVX512 void epilogue_avx512(const Epilogue &epi, const float *acc, int64_t ld_acc, int64_t row0, int64_t rows,
-                               int64_t col0, int64_t cols) {
-    const Epilogue e = epi; // a local copy: the output stores cannot alias it, so its fields stay in registers
-    for (int64_t i = 0; i < rows; ++i) {
-        const int64_t r = row0 + i;
-        const float *a = acc + i * ld_acc;
-        int64_t j = 0;
-        for (; cols - j > 48; j += 64)
-            epilogue_group<A, 4>(e, a + j, r, col0 + j, cols - j);
-        switch ((cols - j + 15) / 16) {
-        case 3:
-            epilogue_group<A, 3>(e, a + j, r, col0 + j, cols - j);
-            break;
-        case 2:
-            epilogue_group<A, 2>(e, a + j, r, col0 + j, cols - j);
-            break;
-        case 1:
-            epilogue_group<A, 1>(e, a + j, r, col0 + j, cols - j);
-            break;
-        default:
-            break;
-        }
-    }
-    if (e.stream && e.fence)
-        _mm_sfence();
-}
-
-FL_AVX512 void epilogue_avx512_dispatch(const Epilogue &e, const float *acc, int64_t ld_acc, int64_t row0, int64_t rows,
-                                        int64_t col0, int64_t cols) {
-    switch (e.act) {
-    case Act::None:
-        return epilogue_avx512<Act::None>(e, acc, ld_acc, row0, rows, col0, cols);
-    case Act::Relu:
-        return epilogue_avx512<Act::Relu>(e, acc, ld_acc, row0, rows, col0, cols);
-    case Act::Gelu:
-        return epilogue_avx512<Act::Gelu>(e, acc, ld_acc, row0, rows, col0, cols);
-    case Act::GeluTanh:
-        return epilogue_avx512<Act::GeluTanh>(e, acc, ld_acc, row0, rows, col0, cols);
-    case Act::Silu:
-        return epilogue_avx512<Act::Silu>(e, acc, ld_acc, row0, rows, col0, cols);
-    }
-}
-
-// G vectors of one row (the last ones masked by rem): independent activation-derivative chains, as in the epilogue
-// (M = 4096, N = 1024 gelu, grad_bias only: 0.96 -> 0.82 ms).
-template <Act A, int G>
-FL_AVX512 FL_INLINE void dpre_group(const DpreArgs &a, int64_t r, int64_t c, int64_t rem, float *part) {
-    __m512 d[G];
-    __mmask16 m[G];
-#pragma GCC unroll 4
-    for (int g = 0; g < G; ++g) {
-        m[g] = mask16(rem - 16 * g);
-        d[g] = v_load(a.g, a.g_dtype, r * a.ld_g + c + 16 * g, m[g]);
-    }
-    if constexpr (A != Act::None) {
-        __m512 p[G];
-#pragma GCC unroll 4
-        for (int g = 0; g < G; ++g)
-            p[g] = v_load(a.p, a.p_dtype, r * a.ld_p + c + 16 * g, m[g]);
-#pragma GCC unroll 4
-        for (int g = 0; g < G; ++g)
-            d[g] = _mm512_mul_ps(d[g], v_act_grad<A>(p[g]));
-    }
-#pragma GCC unroll 4
-    for (int g = 0; g < G; ++g) {
-        const int64_t cg = c + 16 * g;
-        if (part)
-            _mm512_mask_storeu_ps(part + cg, m[g], _mm512_add_ps(_mm512_maskz_loadu_ps(m[g], part + cg), d[g]));
-        if (a.dpre)
-            v_store(a.dpre, a.dpre_dtype, r * a.ld_dpre + cg, d[g], m[g]);
-    }
-}
-
-template <Act A>
-FL_AVX512 void dpre_pass_avx512(const DpreArgs &a, int64_t row0, int64_t row1, int64_t col0, int64_t col1,
-                                float *partial, int64_t ld_partial) {
-    for (int64_t r0 = row0; r0 < row1; r0 += kDpreRows) {
-        float *part = partial ? partial + (r0 / kDpreRows) * ld_partial : nullptr;
-        const int64_t w = col1 - col0;
-        if (part)
-            for (int64_t j = 0; j < w; j += 16)
-                _mm512_mask_storeu_ps(part + col0 + j, mask16(w - j), _mm512_setzero_ps());
-        for (int64_t r = r0; r < std::min(row1, r0 + kDpreRows); ++r) {
-            int64_t j = 0;
-            for (; w - j > 48; j += 64)
-                dpre_group<A, 4>(a, r, col0 + j, w - j, part);
-            switch ((w - j + 15) / 16) {
-            case 3:
-                dpre_group<A, 3>(a, r, col0 + j, w - j, part);
-                break;
-            case 2:
-                dpre_group<A, 2>(a, r, col0 + j, w - j, part);
-                break;
-            case 1:
-                dpre_group<A, 1>(a, r, col0 + j, w - j, part);
-                break;
-            default:
-                break;
-            }
-        }
-    }
-}
-
-FL_AVX512 void dpre_pass_avx512_dispatch(const DpreArgs &a, int64_t row0, int64_t row1, int64_t col0, int64_t col1,
-                                         float *partial, int64_t ld_partial) {
-    switch (a.act) {
-    case Act::None:
-        return dpre_pass_avx512<Act::None>(a, row0, row1, col0, col1, partial, ld_partial);
-    case Act::Relu:
-        return dpre_pass_avx512<Act::Relu>(a, row0, row1, col0, col1, partial, ld_partial);
-    case Act::Gelu:
-        return dpre_pass_avx512<Act::Gelu>(a, row0, row1, col0, col1, partial, ld_partial);
-    case Act::GeluTanh:
-        return dpre_pass_avx512<Act::GeluTanh>(a, row0, row1, col0, col1, partial, ld_partial);
-    case Act::Silu:
-        return dpre_pass_avx512<Act::Silu>(a, row0, row1, col0, col1, partial, ld_partial);
-    }
-}
+#define FL_SIMD FL_AVX512
+#include "fused_linear_epilogue.h"
+#undef FL_SIMD
 
 // ------------------------------------------------------------------------------------------------------------
 // bf16 GEMM. Packed formats (one dword = two bf16 consecutive along the reduction dim, as vdpbf16ps pairs them):
@@ -527,7 +402,7 @@ FL_AVX512BF16 void gemm_tile_avx512bf16(const uint16_t *ap16, const GemmOperand 
             micro_kernel(kpn, ap + ((m0 / kGemmMR + pi) * kpt + k0 / 2) * kGemmMR, bp, cp + pi * kGemmMR * kGemmNR,
                          k0 > 0);
     }
-    epilogue_avx512_dispatch(epi, cp, kGemmNR, m0, rows, j0, std::min<int64_t>(kGemmNR, N - j0));
+    simd_epilogue<Avx512Vec>(epi, cp, kGemmNR, m0, rows, j0, std::min<int64_t>(kGemmNR, N - j0));
 }
 
 // ------------------------------------------------------------------------------------------------------------
@@ -687,7 +562,7 @@ FL_AVX512BF16 void pb_block_avx512bf16(const void *a, int64_t lda, int64_t K, co
                 pb_micro_nv<AM>(nv, a_at(m, kb), lda, std::min<int64_t>(kGemmMR, me - m), kn, odd && kb + kn == kpn,
                                 bpp + kb * kGemmNR, cbuf + (m - ms) * kGemmNR, kb > 0);
         }
-        epilogue_avx512_dispatch(e, cbuf, kGemmNR, ms, me - ms, j0, cols);
+        simd_epilogue<Avx512Vec>(e, cbuf, kGemmNR, ms, me - ms, j0, cols);
     }
     if (epi.stream && epi.fence)
         _mm_sfence();
@@ -781,7 +656,7 @@ FL_AVX512 void pbf_block_avx512(const void *a, int64_t lda, int64_t K, const flo
                 pbf_micro_nv<PACKED_A>(nv, a_rows(m, kb), lda * 4, std::min<int64_t>(kGemmMR, me - m), kn,
                                        bpp + kb * kGemmNR, cbuf + (m - ms) * kGemmNR, kb > 0);
         }
-        epilogue_avx512_dispatch(e, cbuf, kGemmNR, ms, me - ms, j0, cols);
+        simd_epilogue<Avx512Vec>(e, cbuf, kGemmNR, ms, me - ms, j0, cols);
     }
     if (epi.stream && epi.fence)
         _mm_sfence();
@@ -1167,7 +1042,7 @@ FL_AVX512BF16 void fwd_bf16(const uint16_t *x, int64_t ldx, int64_t M, const voi
                 small_rows_bf16<4>(x, ldx, wrows, wf32, ldw, K, nr, ws.cbuf, kFwdNB);
                 break;
             }
-            epilogue_avx512_dispatch(epi, ws.cbuf, kFwdNB, 0, M, nb, nr);
+            simd_epilogue<Avx512Vec>(epi, ws.cbuf, kFwdNB, 0, M, nb, nr);
         }
         return;
     }
@@ -1189,7 +1064,7 @@ FL_AVX512BF16 void fwd_bf16(const uint16_t *x, int64_t ldx, int64_t M, const voi
                 wstat_block<8>(ws, xs, rows, wrows, wf32, ldw, K, nr);
             else
                 wstat_block<6>(ws, xs, rows, wrows, wf32, ldw, K, nr);
-            epilogue_avx512_dispatch(epi, ws.cbuf, kFwdNB, ms, rows, nb, nr);
+            simd_epilogue<Avx512Vec>(epi, ws.cbuf, kFwdNB, ms, rows, nb, nr);
         }
     }
 }
@@ -1218,7 +1093,7 @@ FL_AVX512 void fwd_small_f32(const float *x, int64_t ldx, int64_t M, const float
                 break;
             }
         }
-        epilogue_avx512_dispatch(epi, cbuf, kFwdNB, 0, M, nb, nr);
+        simd_epilogue<Avx512Vec>(epi, cbuf, kFwdNB, 0, M, nb, nr);
     }
 }
 // ------------------------------------------------------------------------------------------------------------
@@ -1476,8 +1351,8 @@ Kernels make_avx512() {
     const Kernels *avx2 = kernels_avx2();
     Kernels t = avx2 ? *avx2 : Kernels{};
     t.name = "avx512";
-    t.epilogue = epilogue_avx512_dispatch;
-    t.dpre_pass = dpre_pass_avx512_dispatch;
+    t.epilogue = simd_epilogue<Avx512Vec>;
+    t.dpre_pass = simd_dpre_pass<Avx512Vec>;
     t.fwd_f32 = FwdKernel{fwd_f32_entry, fwd_workspace_avx512, kFwdF32MaxM, INT64_MAX};
     t.pb_f32 = PbKernels{pb_pack_wt_f32, pb_pack_rows_f32, pb_block_f32, pbf_pack_a_avx512};
     return t;

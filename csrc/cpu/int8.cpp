@@ -24,6 +24,7 @@
 #include <utility>
 #include <vector>
 
+#include "aten_dtype.h"
 #include "cpu_isa.h"
 #include "int8_kernels.h"
 
@@ -76,18 +77,9 @@ constexpr int64_t round_up(int64_t a, int64_t b) {
 }
 
 DType dtype_of(at::ScalarType t) {
-    switch (t) {
-    case at::kFloat:
-        return DType::F32;
-    case at::kBFloat16:
-        return DType::BF16;
-    case at::kHalf:
-        return DType::F16;
-    case at::kInt:
+    if (t == at::kInt)
         return DType::I32;
-    default:
-        return DType::I8;
-    }
+    return floating_dtype<DType>(t).value_or(DType::I8);
 }
 
 bool is_act_dtype(at::ScalarType t) {
@@ -331,13 +323,48 @@ const float *fp32_ptr(const c10::optional<at::Tensor> &t, at::Tensor &holder) {
     return holder.data_ptr<float>();
 }
 
-// ------------------------------------------------------------------------------------------------ ops
-std::tuple<at::Tensor, at::Tensor> quantize_per_token(const at::Tensor &x) {
-    constexpr const char *op = "quantize_per_token";
+// The checks of an activation x [..., K] (a CPU float32 / bfloat16 / float16 tensor) every op that takes one starts
+// with; returns K.
+int64_t checked_activation_k(const at::Tensor &x, const char *op) {
     check_cpu(x, op, "x");
     TORCH_CHECK(is_act_dtype(x.scalar_type()), op, ": x must be float32, bfloat16 or float16, got ", x.scalar_type());
     TORCH_CHECK(x.dim() >= 1, op, ": x must have at least 1 dimension [..., K]");
-    const int64_t K = x.size(-1);
+    return x.size(-1);
+}
+
+// The weight side of a W8A8 call, shared by int8_mm and int8_linear: the packed weight (packed here, on every call,
+// when the caller passed none - slower: pack once with int8_pack_weight), its scales and the bias as fp32. `keep` owns
+// the tensors the pointers refer to; the caller fills in the activation side (a, lda, a_dtype, a_scale, M, out).
+struct WeightSide {
+    at::Tensor packed, comp, scale, bias_f;
+};
+
+W8A8 weight_args(WeightSide &keep, const at::Tensor &w_q, const at::Tensor &w_scale,
+                 const c10::optional<at::Tensor> &bias, const c10::optional<at::Tensor> &w_packed,
+                 const c10::optional<at::Tensor> &w_comp, int64_t K) {
+    if (w_packed.has_value()) {
+        keep.packed = *w_packed;
+        keep.comp = *w_comp;
+    } else {
+        std::tie(keep.packed, keep.comp) = pack_weight(w_q);
+    }
+    keep.scale = w_scale.contiguous();
+    W8A8 p;
+    p.kr = &kernels();
+    p.K = K;
+    p.N = w_q.size(0);
+    p.Kp = round_up(K, 4);
+    p.b = keep.packed.data_ptr<int8_t>();
+    p.comp = keep.comp.data_ptr<int32_t>();
+    p.b_scale = keep.scale.data_ptr<float>();
+    p.bias = fp32_ptr(bias, keep.bias_f);
+    return p;
+}
+
+// ------------------------------------------------------------------------------------------------ ops
+std::tuple<at::Tensor, at::Tensor> quantize_per_token(const at::Tensor &x) {
+    constexpr const char *op = "quantize_per_token";
+    const int64_t K = checked_activation_k(x, op);
     at::Tensor q = at::empty(x.sizes(), x.options().dtype(at::kChar));
     at::Tensor scale = at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kFloat));
     if (x.numel() == 0) {
@@ -396,31 +423,16 @@ at::Tensor int8_mm(const at::Tensor &a_q, const at::Tensor &b_q, const at::Tenso
     if (M == 0 || N == 0) {
         return out;
     }
-    // Without b_packed the weight is packed here, on every call (slower: pack once with int8_pack_weight).
-    at::Tensor packed, comp;
-    if (b_packed.has_value()) {
-        packed = *b_packed;
-        comp = *b_comp;
-    } else {
-        std::tie(packed, comp) = pack_weight(b_q);
-    }
+    WeightSide ws;
+    W8A8 p = weight_args(ws, b_q, b_scale, bias, b_packed, b_comp, K);
     const at::Tensor a = a_q.stride(1) == 1 || K <= 1 ? a_q : a_q.contiguous();
-    const at::Tensor as = a_scale.contiguous(), bs = b_scale.contiguous();
-    at::Tensor bias_f;
-    W8A8 p;
-    p.kr = &kernels();
+    const at::Tensor as = a_scale.contiguous();
+    const at::Tensor &bs = ws.scale;
     p.a = a.data_ptr();
     p.lda = a.stride(0);
     p.a_dtype = DType::I8;
     p.a_scale = as.data_ptr<float>();
     p.M = M;
-    p.K = K;
-    p.N = N;
-    p.Kp = round_up(K, 4);
-    p.b = packed.data_ptr<int8_t>();
-    p.comp = comp.data_ptr<int32_t>();
-    p.b_scale = bs.data_ptr<float>();
-    p.bias = fp32_ptr(bias, bias_f);
     p.out = out.data_ptr();
     p.out_dtype = dtype_of(out_dtype);
     if (p.kr->a_min > -128 && holds_int8_min(a.data_ptr<int8_t>(), M, K, p.lda)) {
@@ -457,10 +469,7 @@ at::Tensor int8_linear(const at::Tensor &x, const at::Tensor &w_q, const at::Ten
                        const c10::optional<at::Tensor> &bias, const c10::optional<at::Tensor> &w_packed,
                        const c10::optional<at::Tensor> &w_comp) {
     constexpr const char *op = "int8_linear";
-    check_cpu(x, op, "x");
-    TORCH_CHECK(is_act_dtype(x.scalar_type()), op, ": x must be float32, bfloat16 or float16, got ", x.scalar_type());
-    TORCH_CHECK(x.dim() >= 1, op, ": x must have at least 1 dimension [..., K]");
-    const int64_t K = x.size(-1);
+    const int64_t K = checked_activation_k(x, op);
     check_weight(op, "w_q", w_q, K, "x.shape[-1]", "w_scale", w_scale, bias);
     const int64_t N = w_q.size(0);
     check_packed(op, "w_packed", "w_comp", w_packed, w_comp, N, K);
@@ -470,29 +479,13 @@ at::Tensor int8_linear(const at::Tensor &x, const at::Tensor &w_q, const at::Ten
     if (out.numel() == 0) {
         return out;
     }
-    at::Tensor packed, comp;
-    if (w_packed.has_value()) {
-        packed = *w_packed;
-        comp = *w_comp;
-    } else {
-        std::tie(packed, comp) = pack_weight(w_q);
-    }
+    WeightSide ws;
+    W8A8 p = weight_args(ws, w_q, w_scale, bias, w_packed, w_comp, K);
     const at::Tensor x2 = rows_view(x);
-    const at::Tensor ws = w_scale.contiguous();
-    at::Tensor bias_f;
-    W8A8 p;
-    p.kr = &kernels();
     p.a = x2.data_ptr();
     p.lda = x2.stride(0);
     p.a_dtype = dtype_of(x.scalar_type());
     p.M = x2.size(0);
-    p.K = K;
-    p.N = N;
-    p.Kp = round_up(K, 4);
-    p.b = packed.data_ptr<int8_t>();
-    p.comp = comp.data_ptr<int32_t>();
-    p.b_scale = ws.data_ptr<float>();
-    p.bias = fp32_ptr(bias, bias_f);
     p.out = out.data_ptr();
     p.out_dtype = dtype_of(x.scalar_type());
     run_w8a8(p);
@@ -503,10 +496,7 @@ at::Tensor int8_weight_only_linear(const at::Tensor &x, const at::Tensor &w_q, c
                                    const c10::optional<at::Tensor> &bias,
                                    const c10::optional<at::Tensor> &w_group_scale) {
     constexpr const char *op = "int8_weight_only_linear";
-    check_cpu(x, op, "x");
-    TORCH_CHECK(is_act_dtype(x.scalar_type()), op, ": x must be float32, bfloat16 or float16, got ", x.scalar_type());
-    TORCH_CHECK(x.dim() >= 1, op, ": x must have at least 1 dimension [..., K]");
-    const int64_t K = x.size(-1);
+    const int64_t K = checked_activation_k(x, op);
     check_weight(op, "w_q", w_q, K, "x.shape[-1]", "w_scale", w_scale, bias);
     const int64_t N = w_q.size(0);
     at::Tensor wg;

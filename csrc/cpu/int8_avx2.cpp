@@ -430,27 +430,6 @@ FDL_AVX2 inline void wo_group1(const float *x, const int8_t *w, int64_t ldw, int
     }
 }
 
-// Walks the cache lines of `rows` w rows (K bytes each, row stride ldw) one prefetch (into L2) per step: the next
-// tile's weights are fetched while this tile computes; the runs of K bytes per row are too short for the hardware
-// prefetcher (K = 1024: 16 lines). M = 1, one core, weights from DRAM (caches flushed before each call), ms without ->
-// with, per channel: 1024 -> 2816 0.56 -> 0.43, 2048 -> 5504 1.36 -> 1.10, K = N = 4096 1.62 -> 1.50, 11008 -> 4096
-// 3.18 -> 2.74; grouped 1024 -> 2816 0.69 -> 0.45, 2048 -> 5504 1.66 -> 1.37. Into L1 (T0) it lost up to 40 % from
-// K = 4096 (a tile's worth ahead evicts the tile's own lines).
-struct LinePrefetch {
-    const int8_t *base = nullptr;
-    int64_t ldw = 0, K = 0, r = 0, c = 0, rows = 0;
-    FDL_AVX2 inline void step() {
-        if (r < rows) {
-            _mm_prefetch(reinterpret_cast<const char *>(base + r * ldw + c), _MM_HINT_T1);
-            c += 64;
-            if (c >= K) {
-                c = 0;
-                ++r;
-            }
-        }
-    }
-};
-
 template <int MB, int NB, bool Grouped>
 FDL_AVX2 void wo_tile(const WeightOnly &p, int64_t m0, int64_t n0, const float *codes, LinePrefetch pf) {
     __m256 acc[MB][NB];
@@ -789,25 +768,17 @@ void weight_only_f32(const WeightOnly &p) {
     }
 }
 
-Kernels make() {
-    Kernels k;
-    k.name = "avx2";
-    k.a_bytes = 1;
-    k.a_min = -127;
-    k.mr = kMR;
-    k.quantize_rows = &quantize_rows;
-    k.pack_a = &pack_a;
-    k.gemm_block = &gemm_block;
-    k.pack_b = &pack_b_portable;
-    k.weight_only_f32 = &weight_only_f32;
-    k.weight_only_bf16 = nullptr;
-    return k;
-}
-
 } // namespace
 
 const Kernels *kernels_avx2() {
-    static const Kernels k = make();
+    static const Kernels k{.name = "avx2",
+                           .a_min = -127,
+                           .mr = kMR,
+                           .quantize_rows = &quantize_rows,
+                           .pack_a = &pack_a,
+                           .gemm_block = &gemm_block,
+                           .pack_b = &pack_b_portable,
+                           .weight_only_f32 = &weight_only_f32};
     return &k;
 }
 

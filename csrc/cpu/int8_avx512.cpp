@@ -517,26 +517,6 @@ FDL_AVX512 inline void wo_f32_step(const float *x, int64_t ldx, const int8_t *w,
     }
 }
 
-// Walks the cache lines of `rows` w rows (K bytes each) one prefetch into L2 per call of step(): the first row tile
-// of a row block fetches the next tile's weights while it computes (see int8_avx2.cpp). Zen 4, one core, M = 1, ms
-// without -> with (ranges of two runs, loaded machine, thread CPU time), per channel fp32 x / group scales bf16 x,
-// weights from DRAM: 4096 -> 11008 4.05-4.19 -> 2.94-3.44 / 4.69-4.79 -> 3.56-4.16, 11008 -> 4096 3.29-3.67 ->
-// 2.42-2.81 / 3.97-4.55 -> 3.68-3.74; M = 16 within noise or faster (4096 -> 11008 per channel 16.0-17.6 -> 14.8-15.1).
-struct LinePrefetch {
-    const int8_t *base = nullptr;
-    int64_t ldw = 0, K = 0, r = 0, c = 0, rows = 0;
-    FDL_AVX512 inline void step() {
-        if (r < rows) {
-            _mm_prefetch(reinterpret_cast<const char *>(base + r * ldw + c), _MM_HINT_T1);
-            c += 64;
-            if (c >= K) {
-                c = 0;
-                ++r;
-            }
-        }
-    }
-};
-
 // codes: see kCodeChunk (unused without groups).
 template <int MB, int NB, bool Grouped>
 FDL_AVX512 void wo_f32_tile(const WeightOnly &p, int64_t m0, int64_t n0, const float *codes, LinePrefetch pf) {
@@ -975,29 +955,26 @@ void weight_only_bf16(const WeightOnly &p) {
     }
 }
 
-Kernels make(bool bf16) {
-    Kernels k;
-    k.name = bf16 ? "avx512_vnni+bf16" : "avx512_vnni";
-    k.a_bytes = 1;
-    k.mr = kMR;
-    k.quantize_rows = &quantize_rows;
-    k.pack_a = &pack_a;
-    k.gemm_block = &gemm_block;
-    k.pack_b = &pack_b;
-    k.weight_only_f32 = &weight_only_f32;
-    k.weight_only_bf16 = bf16 ? &weight_only_bf16 : nullptr;
-    return k;
-}
-
 } // namespace
 
 const Kernels *kernels_avx512() {
-    static const Kernels k = make(false);
+    static const Kernels k{.name = "avx512_vnni",
+                           .mr = kMR,
+                           .quantize_rows = &quantize_rows,
+                           .pack_a = &pack_a,
+                           .gemm_block = &gemm_block,
+                           .pack_b = &pack_b,
+                           .weight_only_f32 = &weight_only_f32};
     return &k;
 }
 
 const Kernels *kernels_avx512_bf16() {
-    static const Kernels k = make(true);
+    static const Kernels k = [] {
+        Kernels t = *kernels_avx512();
+        t.name = "avx512_vnni+bf16";
+        t.weight_only_bf16 = &weight_only_bf16;
+        return t;
+    }();
     return &k;
 }
 

@@ -283,26 +283,12 @@ void pack_b_portable(const PackB &p) {
     }
 }
 
-namespace {
-
-Kernels make() {
-    Kernels k;
-    k.name = "scalar";
-    k.a_bytes = 1;
-    k.mr = 1;
-    k.quantize_rows = &quantize_rows;
-    k.pack_a = &pack_a;
-    k.gemm_block = &gemm_block;
-    k.pack_b = &pack_b_portable;
-    k.weight_only_f32 = &weight_only_f32;
-    k.weight_only_bf16 = nullptr;
-    return k;
-}
-
-} // namespace
-
 const Kernels *kernels_scalar() {
-    static const Kernels k = make();
+    static const Kernels k{.quantize_rows = &quantize_rows,
+                           .pack_a = &pack_a,
+                           .gemm_block = &gemm_block,
+                           .pack_b = &pack_b_portable,
+                           .weight_only_f32 = &weight_only_f32};
     return &k;
 }
 

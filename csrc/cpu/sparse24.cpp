@@ -5,6 +5,7 @@
 // (fastdl/ops/sparse24.py), which documents the semantics and the meta layout.
 #include "sparse24_kernels.h"
 
+#include "aten_dtype.h"
 #include "cpu_isa.h"
 
 #include <ATen/ATen.h>
@@ -36,35 +37,40 @@ int active_level() {
     return level;
 }
 
+// The levels are numbered as cpu_isa.h's, so their names are its names.
+static_assert(int{Scalar} == int{cpu::kScalar} && int{Avx2} == int{cpu::kAvx2} && int{Avx512} == int{cpu::kAvx512} &&
+              int{Avx512Bf16} == int{cpu::kAvx512Bf16});
 const char *level_name(int level) {
-    switch (level) {
-    case Avx512Bf16:
-        return "avx512_bf16";
-    case Avx512:
-        return "avx512";
-    case Avx2:
-        return "avx2";
-    default:
-        return "scalar";
-    }
+    return cpu::level_name(static_cast<cpu::Level>(level));
 }
+
+namespace {
+// The row kernels of a level, or the scalar ones where the level's code is not compiled in (a non-x86 build).
+const RowKernels &row_kernels(int level) {
+    const RowKernels &rk = level >= Avx512 ? avx512::kRows : level >= Avx2 ? avx2::kRows : scalar::kRows;
+    return rk.compress[0] ? rk : scalar::kRows;
+}
+} // namespace
 
 void compress_rows(int level, DType dt, const void *w, int64_t ld, int64_t K, int64_t r0, int64_t r1, void *values,
                    uint8_t *meta, bool *mask) {
-    if (level >= Avx512)
-        return avx512::compress_rows(dt, w, ld, K, r0, r1, values, meta, mask);
-    if (level >= Avx2)
-        return avx2::compress_rows(dt, w, ld, K, r0, r1, values, meta, mask);
-    scalar::compress_rows(dt, w, ld, K, r0, r1, values, meta, mask);
+    const auto row = row_kernels(level).compress[dt == DType::F32 ? 0 : dt == DType::BF16 ? 1 : 2];
+    const size_t es = dt == DType::F32 ? 4 : 2;
+    const int64_t half = K / 2, mb = (K + 7) / 8;
+    for (int64_t r = r0; r < r1; ++r) {
+        const char *wr = static_cast<const char *>(w) + r * ld * es;
+        row(wr, K, values ? static_cast<char *>(values) + r * half * es : nullptr, meta ? meta + r * mb : nullptr,
+            mask ? mask + r * K : nullptr);
+    }
 }
 
 void decompress_rows(int level, DType dt, const void *values, const uint8_t *meta, int64_t K, int64_t r0, int64_t r1,
                      void *out) {
-    if (level >= Avx512)
-        return avx512::decompress_rows(dt, values, meta, K, r0, r1, out);
-    if (level >= Avx2)
-        return avx2::decompress_rows(dt, values, meta, K, r0, r1, out);
-    scalar::decompress_rows(dt, values, meta, K, r0, r1, out);
+    const size_t es = dt == DType::F32 ? 4 : 2;
+    const auto row = row_kernels(level).decompress[es == 4 ? 1 : 0];
+    const int64_t half = K / 2, mb = (K + 7) / 8;
+    for (int64_t r = r0; r < r1; ++r)
+        row(static_cast<const char *>(values) + r * half * es, meta + r * mb, K, static_cast<char *>(out) + r * K * es);
 }
 
 void decompress_rows_f32(int level, DType vdt, const void *values, const uint8_t *meta, int64_t K, int64_t r0,
@@ -111,17 +117,10 @@ void linear_rows(int level, const LinearArgs &a, int64_t n0, int64_t n1) {
 namespace {
 
 DType weight_dtype(const at::Tensor &t, const char *op, const char *name) {
-    switch (t.scalar_type()) {
-    case at::kFloat:
-        return DType::F32;
-    case at::kBFloat16:
-        return DType::BF16;
-    case at::kHalf:
-        return DType::F16;
-    default:
-        TORCH_CHECK_VALUE(false, op, ": ", name,
-                          " must be a floating tensor: float32, bfloat16 or float16 on the CPU, got ", t.scalar_type());
-    }
+    const std::optional<DType> d = floating_dtype<DType>(t.scalar_type());
+    TORCH_CHECK_VALUE(d.has_value(), op, ": ", name,
+                      " must be a floating tensor: float32, bfloat16 or float16 on the CPU, got ", t.scalar_type());
+    return *d;
 }
 
 void check_weight(const at::Tensor &w, const char *op) {

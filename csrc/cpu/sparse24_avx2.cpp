@@ -313,13 +313,7 @@ SP24_AVX2 void run_direct(const LinearArgs &a, const float *x, int64_t ldx, int6
     for (int i = 0; i < MR; ++i)
         xr[i] = x + (m0 + std::min(i, rows - 1)) * ldx;
     for (int64_t n = n0; n < n1; n += NR) {
-        const VT *vr[NR];
-        const uint8_t *mr[NR];
-        for (int j = 0; j < NR; ++j) {
-            const int64_t r = std::min(n + j, n1 - 1); // past the end: repeat the last row (result discarded)
-            vr[j] = v + r * half;
-            mr[j] = a.meta + r * mb;
-        }
+        const auto [vr, mr] = block_rows<NR>(a, v, n, n1); // past n1: the last row again (result discarded)
         float acc[MR * NR];
         // The next tile's values (NR contiguous rows) are prefetched into L2 over this tile's K loop: each row is
         // only K / 2 bf16 (4 KiB at K = 4096), too short for the hardware prefetchers to ramp up on 4 streams.
@@ -412,7 +406,7 @@ template <typename XT, typename VT> SP24_AVX2 void linear_panel(const LinearArgs
     const int64_t ldx = a.xf ? a.ldxf : a.ldx;
     const XT *xo = static_cast<const XT *>(a.x);
     const VT *v = static_cast<const VT *>(a.values);
-    const int64_t half = a.K / 2, mb = (a.K + 7) / 8, K8 = a.K / 8 * 8;
+    const int64_t K8 = a.K / 8 * 8;
     const int64_t nkb = std::max<int64_t>(1, (K8 + kPKC - 1) / kPKC);
     const int64_t mc = std::min(a.M, kPMC);
     std::vector<float> panel(static_cast<size_t>(kPNR * kPKC));
@@ -421,13 +415,7 @@ template <typename XT, typename VT> SP24_AVX2 void linear_panel(const LinearArgs
         const int64_t m1 = std::min(a.M, m0 + kPMC);
         for (int64_t n = n0; n < n1; n += kPNR) {
             const int cols = static_cast<int>(std::min<int64_t>(kPNR, n1 - n));
-            const VT *vr[kPNR];
-            const uint8_t *mr[kPNR];
-            for (int j = 0; j < kPNR; ++j) {
-                const int64_t r = std::min(n + j, n1 - 1);
-                vr[j] = v + r * half;
-                mr[j] = a.meta + r * mb;
-            }
+            const auto [vr, mr] = block_rows<kPNR>(a, v, n, n1); // past n1: the last row again (result discarded)
             for (int64_t kb = 0; kb < nkb; ++kb) {
                 const int64_t k0 = kb * kPKC, len = std::min(kPKC, K8 - k0);
                 for (int j = 0; j < kPNR; ++j)
@@ -578,7 +566,7 @@ template <typename XT, typename VT> SP24_AVX2 void linear_bcast(const LinearArgs
     const float *x = a.xf ? a.xf : static_cast<const float *>(a.x);
     const int64_t ldx = a.xf ? a.ldxf : a.ldx;
     const VT *v = static_cast<const VT *>(a.values);
-    const int64_t half = a.K / 2, mb = (a.K + 7) / 8, nt = n1 - n0;
+    const int64_t nt = n1 - n0;
     const bool f32_out = sizeof(XT) == 4; // accumulate in out itself
     const int64_t Kp = (a.K + 7) / 8 * 8; // positions incl. the trailing group, padded
     const bool one_block = Kp <= kBKC;    // no partial sums to keep
@@ -593,13 +581,7 @@ template <typename XT, typename VT> SP24_AVX2 void linear_bcast(const LinearArgs
             const int64_t m1 = std::min(a.M, m0 + kBMC);
             for (int64_t n = n0; n < n1; n += kBNR) {
                 const int cols = static_cast<int>(std::min<int64_t>(kBNR, n1 - n));
-                const VT *vr[kBNR];
-                const uint8_t *mr[kBNR];
-                for (int j = 0; j < kBNR; ++j) {
-                    const int64_t r = std::min<int64_t>(n + j, n1 - 1);
-                    vr[j] = v + r * half;
-                    mr[j] = a.meta + r * mb;
-                }
+                const auto [vr, mr] = block_rows<kBNR>(a, v, n, n1); // past n1: the last row again (result discarded)
                 build_bpanel<VT>(vr, mr, k0, len, a.K, panel.data());
                 for (int64_t m = m0; m < m1; m += kBMR) {
                     const int rows = static_cast<int>(std::min<int64_t>(kBMR, m1 - m));
@@ -663,52 +645,17 @@ template <typename XT, typename VT> SP24_AVX2 void linear_typed(const LinearArgs
 }
 
 } // namespace
+
+const RowKernels kRows = {{compress_row<0>, compress_row<1>, compress_row<2>}, {decompress_row<2>, decompress_row<4>}};
+#else
+const RowKernels kRows = {};
 #endif // FASTDL_SP24_AVX2
-
-void compress_rows(DType dt, const void *w, int64_t ld, int64_t K, int64_t r0, int64_t r1, void *values, uint8_t *meta,
-                   bool *mask) {
-#ifdef FASTDL_SP24_AVX2
-    const size_t es = dt == DType::F32 ? 4 : 2;
-    const int64_t half = K / 2, mb = (K + 7) / 8;
-    for (int64_t r = r0; r < r1; ++r) {
-        const char *wr = static_cast<const char *>(w) + r * ld * es;
-        void *vr = values ? static_cast<char *>(values) + r * half * es : nullptr;
-        uint8_t *mr = meta ? meta + r * mb : nullptr;
-        bool *kr = mask ? mask + r * K : nullptr;
-        if (dt == DType::F32)
-            compress_row<0>(wr, K, vr, mr, kr);
-        else if (dt == DType::BF16)
-            compress_row<1>(wr, K, vr, mr, kr);
-        else
-            compress_row<2>(wr, K, vr, mr, kr);
-    }
-#else
-    scalar::compress_rows(dt, w, ld, K, r0, r1, values, meta, mask);
-#endif
-}
-
-void decompress_rows(DType dt, const void *values, const uint8_t *meta, int64_t K, int64_t r0, int64_t r1, void *out) {
-#ifdef FASTDL_SP24_AVX2
-    const size_t es = dt == DType::F32 ? 4 : 2;
-    const int64_t half = K / 2, mb = (K + 7) / 8;
-    for (int64_t r = r0; r < r1; ++r) {
-        const char *vr = static_cast<const char *>(values) + r * half * es;
-        char *orow = static_cast<char *>(out) + r * K * es;
-        if (es == 4)
-            decompress_row<4>(vr, meta + r * mb, K, orow);
-        else
-            decompress_row<2>(vr, meta + r * mb, K, orow);
-    }
-#else
-    scalar::decompress_rows(dt, values, meta, K, r0, r1, out);
-#endif
-}
 
 void decompress_rows_f32(DType vdt, const void *values, const uint8_t *meta, int64_t K, int64_t r0, int64_t r1,
                          float *out) {
 #ifdef FASTDL_SP24_AVX2
     if (vdt == DType::F32)
-        return decompress_rows(vdt, values, meta, K, r0, r1, out);
+        return sparse24::decompress_rows(Avx2, vdt, values, meta, K, r0, r1, out);
     const int64_t half = K / 2, mb = (K + 7) / 8;
     for (int64_t r = r0; r < r1; ++r)
         expand_row_f32(static_cast<const uint16_t *>(values) + r * half, meta + r * mb, K, out + r * K);

@@ -794,18 +794,11 @@ struct Bf16Kernels {
 template <class F, typename T, int MR, int NR> void run_direct(const LinearArgs &a, int64_t n0, int64_t n1) {
     const T *x = static_cast<const T *>(a.x);
     const T *v = static_cast<const T *>(a.values);
-    const int64_t half = a.K / 2, mb = (a.K + 7) / 8;
     const T *xr[MR];
     for (int i = 0; i < MR; ++i)
         xr[i] = x + i * a.ldx;
     for (int64_t n = n0; n < n1; n += NR) {
-        const T *vr[NR];
-        const uint8_t *mr[NR];
-        for (int j = 0; j < NR; ++j) {
-            const int64_t r = std::min(n + j, n1 - 1);
-            vr[j] = v + r * half;
-            mr[j] = a.meta + r * mb;
-        }
+        const auto [vr, mr] = block_rows<NR>(a, v, n, n1); // past n1: the last row again (result discarded)
         float acc[MR * NR];
         F::template direct<MR, NR>(xr, vr, mr, a.K, acc);
         store_tile<T, NR>(a, acc, 0, MR, n, static_cast<int>(std::min<int64_t>(NR, n1 - n)));
@@ -933,46 +926,12 @@ template <class F, typename T> void linear_family(const LinearArgs &a, int64_t n
 }
 
 } // namespace
+
+const RowKernels kRows = {{compress_row_avx512<0>, compress_row_avx512<1>, compress_row_avx512<2>},
+                          {decompress_row_avx512<16>, decompress_row_avx512<32>}};
+#else
+const RowKernels kRows = {};
 #endif // FASTDL_SP24_X86
-
-void compress_rows(DType dt, const void *w, int64_t ld, int64_t K, int64_t r0, int64_t r1, void *values, uint8_t *meta,
-                   bool *mask) {
-#ifdef FASTDL_SP24_X86
-    const size_t es = dt == DType::F32 ? 4 : 2;
-    const int64_t half = K / 2, mb = (K + 7) / 8;
-    for (int64_t r = r0; r < r1; ++r) {
-        const char *wr = static_cast<const char *>(w) + r * ld * es;
-        void *vr = values ? static_cast<char *>(values) + r * half * es : nullptr;
-        uint8_t *mr = meta ? meta + r * mb : nullptr;
-        bool *kr = mask ? mask + r * K : nullptr;
-        if (dt == DType::F32)
-            compress_row_avx512<0>(wr, K, vr, mr, kr);
-        else if (dt == DType::BF16)
-            compress_row_avx512<1>(wr, K, vr, mr, kr);
-        else
-            compress_row_avx512<2>(wr, K, vr, mr, kr);
-    }
-#else
-    scalar::compress_rows(dt, w, ld, K, r0, r1, values, meta, mask);
-#endif
-}
-
-void decompress_rows(DType dt, const void *values, const uint8_t *meta, int64_t K, int64_t r0, int64_t r1, void *out) {
-#ifdef FASTDL_SP24_X86
-    const size_t es = dt == DType::F32 ? 4 : 2;
-    const int64_t half = K / 2, mb = (K + 7) / 8;
-    for (int64_t r = r0; r < r1; ++r) {
-        const char *vr = static_cast<const char *>(values) + r * half * es;
-        char *orow = static_cast<char *>(out) + r * K * es;
-        if (es == 4)
-            decompress_row_avx512<32>(vr, meta + r * mb, K, orow);
-        else
-            decompress_row_avx512<16>(vr, meta + r * mb, K, orow);
-    }
-#else
-    scalar::decompress_rows(dt, values, meta, K, r0, r1, out);
-#endif
-}
 
 void linear_rows(bool bf16_dot, const LinearArgs &a, int64_t n0, int64_t n1) {
     if (n0 >= n1 || a.M <= 0)

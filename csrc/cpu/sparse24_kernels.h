@@ -73,19 +73,24 @@ int64_t linear_split(int level, const LinearArgs &a);
 void linear_rows(int level, const LinearArgs &a, int64_t n0, int64_t n1);
 
 // ------------------------------------------------------------------------------------- per-level kernels
+// Each level's row kernels, walked over rows [r0, r1) by compress_rows / decompress_rows above (sparse24.cpp):
+// compress[kind] (kind 0 = F32, 1 = BF16, 2 = F16) prunes+compresses one row of K elements, an output passed as nullptr
+// is not written; decompress[bytes == 4] expands one row of K elements from its values and meta. A level whose code is
+// not compiled in (a non-x86 build) has a table of nullptrs: the dispatch then takes the scalar one.
+struct RowKernels {
+    void (*compress[3])(const void *w, int64_t K, void *vals, uint8_t *meta, bool *mask);
+    void (*decompress[2])(const void *vals, const uint8_t *meta, int64_t K, void *out);
+};
+
 namespace scalar {
-void compress_rows(DType dt, const void *w, int64_t ld, int64_t K, int64_t r0, int64_t r1, void *values, uint8_t *meta,
-                   bool *mask);
-void decompress_rows(DType dt, const void *values, const uint8_t *meta, int64_t K, int64_t r0, int64_t r1, void *out);
+extern const RowKernels kRows;
 void decompress_rows_f32(DType vdt, const void *values, const uint8_t *meta, int64_t K, int64_t r0, int64_t r1,
                          float *out);
 void linear_rows(const LinearArgs &a, int64_t n0, int64_t n1); // any (dt, vdt)
 } // namespace scalar
 
 namespace avx2 {
-void compress_rows(DType dt, const void *w, int64_t ld, int64_t K, int64_t r0, int64_t r1, void *values, uint8_t *meta,
-                   bool *mask);
-void decompress_rows(DType dt, const void *values, const uint8_t *meta, int64_t K, int64_t r0, int64_t r1, void *out);
+extern const RowKernels kRows;
 void decompress_rows_f32(DType vdt, const void *values, const uint8_t *meta, int64_t K, int64_t r0, int64_t r1,
                          float *out);
 bool linear_accepts(const LinearArgs &a);
@@ -95,9 +100,7 @@ void linear_rows(const LinearArgs &a, int64_t n0, int64_t n1);
 } // namespace avx2
 
 namespace avx512 {
-void compress_rows(DType dt, const void *w, int64_t ld, int64_t K, int64_t r0, int64_t r1, void *values, uint8_t *meta,
-                   bool *mask);
-void decompress_rows(DType dt, const void *values, const uint8_t *meta, int64_t K, int64_t r0, int64_t r1, void *out);
+extern const RowKernels kRows;
 // bf16_dot: the AVX512-BF16 + VBMI2 kernels for bf16 (else bf16 runs through the fp32 kernels). vdt == dt.
 void linear_rows(bool bf16_dot, const LinearArgs &a, int64_t n0, int64_t n1);
 } // namespace avx512
@@ -218,6 +221,28 @@ inline void store_tile(const LinearArgs &a, const float *acc, int64_t m0, int ro
         for (int j = 0; j < cols; ++j)
             store_out(out + (m0 + i) * a.ldo + n0 + j, acc[i * NR + j] + (a.bias ? a.bias[n0 + j] : 0.f));
 }
+
+// The values and meta of the NR weight rows n, n + 1, ... of a block of a kernel: rows at or past n1 repeat row n1 - 1
+// (their results are discarded). Generic code in an unnamed namespace: inlined into each level's kernels, and each
+// translation unit keeps its own copy.
+namespace {
+template <int NR, typename VT> struct BlockRows {
+    const VT *v[NR];
+    const uint8_t *m[NR];
+};
+
+template <int NR, typename VT>
+inline BlockRows<NR, VT> block_rows(const LinearArgs &a, const VT *v, int64_t n, int64_t n1) {
+    const int64_t half = a.K / 2, mb = (a.K + 7) / 8;
+    BlockRows<NR, VT> b;
+    for (int j = 0; j < NR; ++j) {
+        const int64_t r = std::min<int64_t>(n + j, n1 - 1);
+        b.v[j] = v + r * half;
+        b.m[j] = a.meta + r * mb;
+    }
+    return b;
+}
+} // namespace
 
 } // namespace detail
 } // namespace sparse24

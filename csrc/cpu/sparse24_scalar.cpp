@@ -2,6 +2,8 @@
 // tested against. Plain C++ compiled with the project's generic flags; threading is done by the caller on row ranges.
 #include "sparse24_kernels.h"
 
+#include <type_traits>
+
 namespace fastdl {
 namespace sparse24 {
 namespace scalar {
@@ -9,14 +11,18 @@ namespace {
 
 using namespace detail;
 
-template <typename U> void compress_row(const U *w, int64_t K, int kind, U *vals, uint8_t *meta, bool *mask) {
+// Row kernels of the table (KIND: 0 = F32, 1 = BF16, 2 = F16; BYTES: the element size; 16-bit elements are moved as
+// bits).
+template <int KIND> void compress_row(const void *w, int64_t K, void *vals, uint8_t *meta, bool *mask) {
+    using U = std::conditional_t<KIND == 0, uint32_t, uint16_t>;
     for (int64_t g = 0; g < K / 4; ++g)
-        compress_group(w + 4 * g, g, kind, vals, meta, mask);
+        compress_group(static_cast<const U *>(w) + 4 * g, g, KIND, static_cast<U *>(vals), meta, mask);
 }
 
-template <typename U> void decompress_row(const U *vals, const uint8_t *meta, int64_t K, U *out) {
+template <int BYTES> void decompress_row(const void *vals, const uint8_t *meta, int64_t K, void *out) {
+    using U = std::conditional_t<BYTES == 4, uint32_t, uint16_t>;
     for (int64_t g = 0; g < K / 4; ++g)
-        decompress_group(vals, meta, g, out);
+        decompress_group(static_cast<const U *>(vals), meta, g, static_cast<U *>(out));
 }
 
 // XT: x / out element (float or uint16_t = bf16), VT: values element. Each group's kept positions and values are
@@ -56,36 +62,7 @@ template <typename XT, typename VT> void linear(const LinearArgs &a, int64_t n0,
 
 } // namespace
 
-void compress_rows(DType dt, const void *w, int64_t ld, int64_t K, int64_t r0, int64_t r1, void *values, uint8_t *meta,
-                   bool *mask) {
-    const size_t es = dt == DType::F32 ? 4 : 2;
-    const int64_t half = K / 2, mb = (K + 7) / 8;
-    for (int64_t r = r0; r < r1; ++r) {
-        const char *wr = static_cast<const char *>(w) + r * ld * es;
-        void *vr = values ? static_cast<char *>(values) + r * half * es : nullptr;
-        uint8_t *mr = meta ? meta + r * mb : nullptr;
-        bool *kr = mask ? mask + r * K : nullptr;
-        if (dt == DType::F32)
-            compress_row(reinterpret_cast<const uint32_t *>(wr), K, 0, static_cast<uint32_t *>(vr), mr, kr);
-        else
-            compress_row(reinterpret_cast<const uint16_t *>(wr), K, dt == DType::BF16 ? 1 : 2,
-                         static_cast<uint16_t *>(vr), mr, kr);
-    }
-}
-
-void decompress_rows(DType dt, const void *values, const uint8_t *meta, int64_t K, int64_t r0, int64_t r1, void *out) {
-    const size_t es = dt == DType::F32 ? 4 : 2;
-    const int64_t half = K / 2, mb = (K + 7) / 8;
-    for (int64_t r = r0; r < r1; ++r) {
-        const char *vr = static_cast<const char *>(values) + r * half * es;
-        const uint8_t *mr = meta + r * mb;
-        char *orow = static_cast<char *>(out) + r * K * es;
-        if (es == 4)
-            decompress_row(reinterpret_cast<const uint32_t *>(vr), mr, K, reinterpret_cast<uint32_t *>(orow));
-        else
-            decompress_row(reinterpret_cast<const uint16_t *>(vr), mr, K, reinterpret_cast<uint16_t *>(orow));
-    }
-}
+const RowKernels kRows = {{compress_row<0>, compress_row<1>, compress_row<2>}, {decompress_row<2>, decompress_row<4>}};
 
 void decompress_rows_f32(DType vdt, const void *values, const uint8_t *meta, int64_t K, int64_t r0, int64_t r1,
                          float *out) {
