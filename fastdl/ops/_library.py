@@ -116,12 +116,14 @@ def _plain_tensors(args) -> bool:
 
 
 def _in_mode() -> bool:
-    """torch.compile tracing, autocast, a dispatch or torch-function mode: the calls that need the dispatcher."""
+    """torch.compile tracing, autocast, a dispatch or torch-function mode, a torch.func transform (vmap, grad, ...):
+    the calls that need the dispatcher."""
     return (
         torch.compiler.is_compiling()
         or torch._C._is_any_autocast_enabled()
         or torch._C._len_torch_dispatch_stack() > 0
         or torch._C._is_torch_function_mode_enabled()
+        or torch._C._are_functorch_transforms_active()
     )
 
 
