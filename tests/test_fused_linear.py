@@ -403,6 +403,13 @@ def test_eager_autograd_function_matches_the_dispatcher_autograd(activation):
         torch.testing.assert_close(a, c, rtol=0, atol=0)
 
 
+def test_vmap_over_the_op_matches_per_sample_calls():
+    # under a torch.func transform the op goes through the dispatcher (not the eager fast paths)
+    x, w, b = torch.randn(3, 4, 8), torch.randn(5, 8), torch.randn(5)
+    out = torch.func.vmap(lambda xx: fused_linear(xx, w, b, "gelu"))(x)
+    torch.testing.assert_close(out, torch.stack([fused_linear(xi, w, b, "gelu") for xi in x]))
+
+
 def test_backend_request_is_read_on_every_call_after_the_choice_is_cached(monkeypatch):
     x, w = torch.randn(4, 8), torch.randn(5, 8)
     monkeypatch.delenv("FASTDL_BACKEND", raising=False)
