@@ -13,17 +13,22 @@ How a decision is made
   calls interleaved: one warm-up call each, then rounds of one call each, at least ``MIN_REPS`` (3), until the rounds
   have taken ``BUDGET_S`` (2 ms) per path and two calls of each path agree within 3 % on its fastest time, or
   ``MAX_BUDGET_S`` (10 ms) per path, or ``MAX_REPS`` (15) rounds. A path's time is the fastest of its calls
-  (interference from other processes only adds time). So a new bucket costs 2-10 ms per path (4 calls of each when
-  a call takes longer than that), once, for 2 or 3 paths; later calls pay a dictionary lookup (~0.3 us). A timing
-  that stopped at ``MAX_BUDGET_S`` before two calls of each path agreed gives a *provisional* decision (source
-  "provisional"): it is used, and the next no-grad calls at that bucket time the paths again, at most ``RETRIES``
-  (2) more times, keeping each path's fastest call over all the timings (on a busy machine whole 20 ms spells
-  are lost to other processes: a single timing picked a path 2.5x slower). The layer
-  keeps its default path unless another one is faster by more than ``MARGIN`` (2 %). Calls with autograd
-  (training), inside ``torch.compile`` and under autocast never time anything: they use a decision made earlier for
-  their bucket, or the default path. ``fastdl.convert(model, ..., workload=...)`` makes the decisions of the
-  workload's buckets while it converts. Decide on a quiet machine: timings taken while other processes compete for
-  the cores can pick the slower path (then save the good decisions, or clear them and let the layers decide again).
+  (interference from other processes only adds time). When a call takes ``LONG_CALL_S`` (5 ms) or more, the timing
+  ends after the first timed round: each path runs twice (the warm-up, also timed, and one timed call; the faster
+  counts) and the decision is final.
+
+  The bound: a new bucket costs 2-15 ms per path for calls under 5 ms (plus up to two re-timings, below), or exactly
+  two calls of each path for longer calls - the first call at a bucket of 45 ms calls with 2 paths runs 4 timed calls
+  (~180 ms) before its own, and every later call runs only the chosen path, after a dictionary lookup (~0.3 us). A
+  timing that stopped at ``MAX_BUDGET_S`` before two calls of each path agreed gives a *provisional* decision (source
+  "provisional"): it is used, and the next no-grad calls at that bucket time the paths again, at most ``RETRIES`` (2)
+  more times, keeping each path's fastest call over all the timings (on a busy machine whole 20 ms spells are lost to
+  other processes: a single timing picked a path 2.5x slower). The layer keeps its default path unless another one is
+  faster by more than ``MARGIN`` (2 %). Calls with autograd (training), inside ``torch.compile`` and under autocast
+  never time anything: they use a decision made earlier for their bucket, or the default path. ``fastdl.convert(model,
+  ..., workload=...)`` makes the decisions of the workload's buckets while it converts. Decide on a quiet machine:
+  timings taken while other processes compete for the cores can pick the slower path (then save the good decisions, or
+  clear them and let the layers decide again).
 
 What a decision is keyed by
   ``(machine, device, dtype, layer, bucket)``: the machine is the CPU model, the ISA level fastdl's kernels run at
@@ -94,6 +99,12 @@ MAX_BUDGET_S = 10e-3
 # 2-core development machine with one core kept busy by another process, Int8Linear weight-only 384 -> 1536 at M = 128
 # got 6.1 ms for its dequant path (2.4 ms in a quiet spell) in one timing and kept the 1.5x slower kernel.
 RETRIES = 2
+# A call of LONG_CALL_S or more (any path's first timed call) ends the timing after that round: each path has run twice
+# (warm-up and one timed call; its time is the faster of the two) and the decision is final, never provisional. At
+# M = 512, K = N = 4096 (45-92 ms a call) the unsettled timings and their retries made the first 3 calls of a
+# Sparse24Linear cost 464 ms each instead of 92 ms. Below it a timing spends at most MAX_BUDGET_S + one round per
+# path (< 15 ms plus the warm-up), three times at most (RETRIES).
+LONG_CALL_S = 5e-3
 # Another path replaces the default only when its median is more than 2 % faster: run-to-run noise of the medians
 # on the 2-core development machine is ~1-2 %, and the default path is what earlier versions always ran.
 MARGIN = 0.02
@@ -336,26 +347,32 @@ def set_timer(fn: Callable | None) -> Callable | None:
 
 
 def time_calls(calls: dict[str, Callable[[], object]], device: torch.device, info: dict | None = None, *,
-               budget_s: float = BUDGET_S, max_budget_s: float = MAX_BUDGET_S, max_reps: int = MAX_REPS) -> dict:
+               budget_s: float = BUDGET_S, max_budget_s: float = MAX_BUDGET_S, max_reps: int = MAX_REPS,
+               long_call_s: float = math.inf) -> dict:
     """Seconds per call of each callable (the fastest of its timed calls), calls interleaved (a slow spell of the
     machine hits all of them), bounded as the module docstring says (``fastdl.convert`` passes larger bounds: it runs
-    once, when asked). Uses the replacement timer when one is set."""
-    return _time_calls(calls, device, info, budget_s, max_budget_s, max_reps)[0]
+    once, when asked). With ``long_call_s`` (the run-time choice uses LONG_CALL_S), a first timed round in which a
+    call took that long ends the timing. Uses the replacement timer when one is set."""
+    return _time_calls(calls, device, info, budget_s, max_budget_s, max_reps, long_call_s)[0]
 
 
-def _time_calls(calls, device, info, budget_s=BUDGET_S, max_budget_s=MAX_BUDGET_S, max_reps=MAX_REPS):
+def _time_calls(calls, device, info, budget_s=BUDGET_S, max_budget_s=MAX_BUDGET_S, max_reps=MAX_REPS,
+                long_call_s=LONG_CALL_S):
     """(seconds per call of each callable, settled?): ``time_calls``, and whether two calls of each path agreed on
-    its fastest time (always True for a replacement timer)."""
+    its fastest time (always True for a replacement timer, and for long calls: see LONG_CALL_S)."""
     if _STATE.timer is not None:
         return dict(_STATE.timer(calls, device, info or {})), True
     sync = torch.cuda.synchronize if device.type == "cuda" else None
     names = list(calls)
     times: dict[str, list[float]] = {n: [] for n in names}
+    warm: dict[str, float] = {}
     with torch.no_grad():
         for n in names:  # warm-up (and builds lazily made caches)
+            t0 = time.perf_counter()
             calls[n]()
-        if sync:
-            sync()
+            if sync:
+                sync()
+            warm[n] = time.perf_counter() - t0
         start = time.perf_counter()
         for rep in range(max_reps):
             for n in names:
@@ -364,6 +381,11 @@ def _time_calls(calls, device, info, budget_s=BUDGET_S, max_budget_s=MAX_BUDGET_
                 if sync:
                     sync()
                 times[n].append(time.perf_counter() - t0)
+            if rep == 0 and max(v[0] for v in times.values()) >= long_call_s:
+                # long calls: two calls of each path in all, and the decision is final. The warm-up counts as a
+                # timing too: like interference, building a cache only ever adds time, so the faster of the two
+                # calls is the path's time and one call hit by interference does not decide
+                return {n: min(v[0], warm[n]) for n, v in times.items()}, True
             if rep + 1 < MIN_REPS:
                 continue
             spent = time.perf_counter() - start

@@ -2,6 +2,7 @@
 bad inputs, the FusedLinear module (state_dict, autocast, DDP)."""
 
 import os
+import sys
 import tempfile
 
 import pytest
@@ -353,6 +354,76 @@ def test_bad_inputs_raise_one_type_naming_argument_and_expected_value(backend, c
     with fastdl.use_backend(backend), pytest.raises(exc, match=message) as info:
         call()
     assert type(info.value) is exc, (type(info.value), info.value)  # not a subclass (e.g. NotImplementedError)
+
+
+@pytest.mark.parametrize("case", list(BAD_FORWARD))
+def test_bad_inputs_raise_the_same_error_when_a_gradient_is_needed(case, monkeypatch):
+    # an eager call that needs a gradient runs the op's autograd.Function (not the dispatcher's autograd): the same
+    # checks, exception types and words as without gradients
+    monkeypatch.setattr(sys.modules[__name__], "_X", _X.clone().requires_grad_())
+    call, exc, message = BAD_FORWARD[case]
+    with pytest.raises(exc, match=message) as info:
+        call()
+    assert type(info.value) is exc, (type(info.value), info.value)
+
+
+class _Passthrough(torch.overrides.TorchFunctionMode):
+    """A torch-function mode that changes nothing: the ops then go through the dispatcher's registered autograd."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("activation", ["none", "gelu"])
+def test_eager_autograd_function_matches_the_dispatcher_autograd(activation):
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 16, requires_grad=True)
+    w = torch.randn(24, 16, requires_grad=True)
+    b = torch.randn(24, requires_grad=True)
+    r = torch.randn(3, 5, 24, requires_grad=True)
+    g = torch.randn(3, 5, 24)
+    results = []
+    for mode in (None, _Passthrough()):
+        for t in (x, w, b, r):
+            t.grad = None
+        if mode is None:
+            out = fused_linear(x, w, b, activation, r)
+        else:
+            with mode:
+                out = fused_linear(x, w, b, activation, r)
+        node = out.grad_fn  # the op's node (under the non-view of a 3-D output)
+        node = node.next_functions[0][0] if type(node).__name__ == "UnsafeViewBackward0" else node
+        results.append((type(node).__name__, out.detach(), out._base))
+        out.backward(g)
+        results[-1] += tuple(t.grad.clone() for t in (x, w, b, r))
+    (eager_fn, *eager), (disp_fn, *disp) = results
+    assert eager_fn != disp_fn and "eager" in eager_fn  # two different paths were taken
+    assert eager[1] is None and disp[1] is None  # neither hands out a view
+    for a, c in zip(eager[:1] + eager[2:], disp[:1] + disp[2:]):
+        torch.testing.assert_close(a, c, rtol=0, atol=0)
+
+
+def test_vmap_over_the_op_matches_per_sample_calls():
+    # under a torch.func transform the op goes through the dispatcher (not the eager fast paths)
+    x, w, b = torch.randn(3, 4, 8), torch.randn(5, 8), torch.randn(5)
+    out = torch.func.vmap(lambda xx: fused_linear(xx, w, b, "gelu"))(x)
+    torch.testing.assert_close(out, torch.stack([fused_linear(xi, w, b, "gelu") for xi in x]))
+
+
+def test_backend_request_is_read_on_every_call_after_the_choice_is_cached(monkeypatch):
+    x, w = torch.randn(4, 8), torch.randn(5, 8)
+    monkeypatch.delenv("FASTDL_BACKEND", raising=False)
+    fused_linear(x, w)
+    auto = backends.select("fused_linear", "cpu", (x, w))
+    monkeypatch.setenv("FASTDL_BACKEND", "torch")
+    assert backends.select("fused_linear", "cpu", (x, w)) == "torch"
+    with fastdl.use_backend("auto"):
+        assert backends.select("fused_linear", "cpu", (x, w)) == auto
+    monkeypatch.setenv("FASTDL_BACKEND", "nonsense")
+    with pytest.raises(ValueError, match="FASTDL_BACKEND='nonsense' is not one of"):
+        fused_linear(x, w)
+    monkeypatch.setenv("FASTDL_BACKEND", " AUTO ")
+    assert backends.select("fused_linear", "cpu", (x, w)) == auto
 
 
 @requires_cuda

@@ -692,6 +692,33 @@ def test_qat_forward_and_straight_through_backward(weight_only):
     torch.testing.assert_close(b.grad, g2.sum(0), rtol=1e-5, atol=1e-5)
 
 
+def test_qat_w8a8_is_one_cpp_call_with_the_composite_s_result_and_words():
+    # the C++ CPU kernel of int8_linear_qat (quantize the master weight + int8_linear) gives the composite's bits; a
+    # bad input is reported in int8_linear_qat's words on every backend
+    from fastdl import backends
+
+    if not backends.available("cpp", "int8_linear_qat", "cpu")[0]:
+        pytest.skip("needs the compiled extension")
+    K, N = 40, 12
+    x, w, b = torch.randn(2, 7, K), torch.randn(N, K), torch.randn(N)
+    assert backends.select("int8_linear_qat", "cpu", (x, w, b, False)) == "cpp"
+    assert backends.select("int8_linear_qat", "cpu", (x, w, b, True)) == "torch"  # group scales: the composite
+    out = int8_linear_qat(x, w, b)
+    with fastdl.use_backend("torch"):
+        ref = int8_linear_qat(x, w, b)
+    assert same(out, ref)
+    for backend in ("cpp", "torch"):
+        with fastdl.use_backend(backend):
+            with pytest.raises(TypeError, match=r"int8_linear_qat: weight \(the float master weight\) must have x's "
+                                                r"dtype \(torch.float32\) or float32, got torch.float64"):
+                int8_linear_qat(x, w.double(), b)
+            with pytest.raises(ValueError, match=r"int8_linear_qat: weight must have shape \[N, K\] with K = "
+                                                 r"x.shape\[-1\] = 40, got \(12, 39\)"):
+                int8_linear_qat(x.requires_grad_(), w[:, :39], b)
+            with pytest.raises(ValueError, match=r"int8_linear_qat: bias must have shape \[N\] = \[12\], got \(5,\)"):
+                int8_linear_qat(x, w, torch.randn(5))
+
+
 def test_qat_autocast_bf16_keeps_fp32_master_grads():
     x = torch.randn(16, 32)
     w = torch.randn(8, 32, requires_grad=True)

@@ -530,3 +530,75 @@ def test_an_unsettled_timing_is_provisional_and_timed_again_at_most_retries_time
         f(torch.randn(7, 64))
     assert timings == [5, 5, 5] and len(timings) == 1 + dispatch.RETRIES
     torch.testing.assert_close(out, ref)
+
+
+class _SleepyLayer(dispatch.RuntimeChoice, nn.Module):
+    """Two paths that take ``seconds[path]`` a call (sleeps: only ever longer, never shorter), counting their calls."""
+
+    def __init__(self, seconds):
+        super().__init__()
+        self.seconds = seconds
+        self.calls = {p: 0 for p in seconds}
+        self._init_choice()
+
+    def _choice_layer(self):
+        return ("SleepyLayer", id(self))
+
+    def _choice_paths(self, x):
+        return tuple(self.seconds)
+
+    def _run_path(self, path, x):
+        import time
+
+        self.calls[path] += 1
+        time.sleep(self.seconds[path])
+        return x + 0
+
+    def forward(self, x):
+        key = self._choice_key(x)
+        return self._run_path(self._choice_local.get(key) or self._choose(x, key), x)
+
+
+@pytest.mark.parametrize("seconds, chosen", [({"a": 0.012, "b": 0.006}, "b"), ({"a": 0.006, "b": 0.012}, "a")])
+def test_long_calls_are_timed_twice_per_path_and_the_decision_is_final(seconds, chosen):
+    # calls of LONG_CALL_S or more (e.g. 45+ ms at M >= 128, K = N = 4096): the warm-up and one timed call of each path,
+    # a final decision (never provisional, so no re-timing on the next calls), and never the path measured slower
+    assert min(seconds.values()) >= dispatch.LONG_CALL_S
+    prev_timer, prev_mode = dispatch.set_timer(None), dispatch.set_choice_mode("measure")
+    dispatch.clear_decisions()
+    try:
+        layer = _SleepyLayer(seconds)
+        x = torch.randn(256, 8)
+        with torch.no_grad():
+            layer(x)
+            assert layer.calls[chosen] == 3 and sum(layer.calls.values()) == 5  # 2 timing calls each, then its own
+            [d] = dispatch.decisions()
+            assert d["path"] == chosen and d["source"] == "measured"
+            assert d["times_ms"][chosen] < min(v for p, v in d["times_ms"].items() if p != chosen)
+            for _ in range(3):
+                layer(x)  # settled: only the chosen path runs
+            assert layer.calls[chosen] == 6 and sum(layer.calls.values()) == 8
+    finally:
+        dispatch.set_timer(prev_timer)
+        dispatch.set_choice_mode(prev_mode)
+        dispatch.clear_decisions()
+
+
+def test_time_calls_long_call_bound_counts_calls():
+    import time
+
+    counts = {"fast": 0, "slow": 0}
+
+    def call(name, seconds):
+        def f():
+            counts[name] += 1
+            time.sleep(seconds)
+
+        return f
+
+    calls = {"fast": call("fast", 0.0055), "slow": call("slow", 0.011)}
+    times = dispatch.time_calls(calls, torch.device("cpu"), long_call_s=dispatch.LONG_CALL_S)
+    assert counts == {"fast": 2, "slow": 2} and 0.0055 <= times["fast"] < times["slow"]
+    counts.update(fast=0, slow=0)
+    dispatch.time_calls(calls, torch.device("cpu"))  # no bound given (fastdl.convert): MIN_REPS rounds at least
+    assert counts["fast"] == counts["slow"] >= 1 + dispatch.MIN_REPS

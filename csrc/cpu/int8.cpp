@@ -492,6 +492,26 @@ at::Tensor int8_linear(const at::Tensor &x, const at::Tensor &w_q, const at::Ten
     return out;
 }
 
+// The W8A8 forward of quantization-aware training in one call: quantize the float master weight per output channel,
+// then int8_linear (one trip through the dispatcher instead of two Python-routed ops: the QAT training step at M = 1,
+// K = N = 64 is dominated by call overhead). The weight-only forward (group scales) is the PyTorch composite's.
+// On any failed check the Python layer reruns its own checks, so bad input is reported in fastdl.ops' words.
+at::Tensor int8_linear_qat(const at::Tensor &x, const at::Tensor &weight, const c10::optional<at::Tensor> &bias,
+                           bool weight_only) {
+    constexpr const char *op = "int8_linear_qat";
+    TORCH_CHECK(!weight_only, op, ": the weight-only forward is served by the PyTorch composite, not this kernel");
+    check_cpu(x, op, "x");
+    check_cpu(weight, op, "weight");
+    TORCH_CHECK(is_act_dtype(x.scalar_type()), op, ": x must be float32, bfloat16 or float16, got ", x.scalar_type());
+    TORCH_CHECK(x.dim() >= 1, op, ": x must have at least 1 dimension [..., K]");
+    TORCH_CHECK(weight.dim() == 2, op, ": weight must be 2-D [N, K], got ", weight.sizes());
+    TORCH_CHECK(weight.scalar_type() == x.scalar_type() || weight.scalar_type() == at::kFloat, op,
+                ": weight must have x's dtype or float32, got ", weight.scalar_type());
+    TORCH_CHECK(weight.size(1) == x.size(-1), op, ": weight must have shape [N, K] with K = x.shape[-1]");
+    const auto [w_q, w_scale] = quantize_per_token(weight);
+    return int8_linear(x, w_q, w_scale, bias, c10::nullopt, c10::nullopt);
+}
+
 at::Tensor int8_weight_only_linear(const at::Tensor &x, const at::Tensor &w_q, const at::Tensor &w_scale,
                                    const c10::optional<at::Tensor> &bias,
                                    const c10::optional<at::Tensor> &w_group_scale) {
@@ -590,4 +610,5 @@ TORCH_LIBRARY_IMPL(fastdl_cpp, CPU, m) {
     m.impl("int8_mm", &fastdl::int8::int8_mm);
     m.impl("int8_linear", &fastdl::int8::int8_linear);
     m.impl("int8_weight_only_linear", &fastdl::int8::int8_weight_only_linear);
+    m.impl("int8_linear_qat", &fastdl::int8::int8_linear_qat);
 }

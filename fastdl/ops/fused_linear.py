@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._library import define, register_autocast_rule, require, require_device, require_dtype
+from ._library import define, register_autocast_rule, register_autograd, require, require_device, require_dtype
 
 # The activations of fused_linear, defined once for Python (C++ and CUDA: csrc/activation.h, in the same order: the
 # position is the code the Triton kernels take). name -> (the PyTorch function, the module computing it).
@@ -276,7 +276,7 @@ def _backward(ctx, grad_out, _grad_preact):
     return gx, gw, gb, None, gr, None
 
 
-torch.library.register_autograd("fastdl::fused_linear", _backward, setup_context=_setup_context)
+register_autograd(fused_linear_op, _backward, _setup_context)
 
 
 register_autocast_rule("fused_linear")

@@ -54,7 +54,7 @@ import math
 
 import torch
 
-from ._library import LIB, define, register_autocast_rule, require, require_device, require_dtype
+from ._library import define, register_autocast_rule, register_autograd, require, require_device, require_dtype
 from .fused_linear import fused_linear_backward_op
 
 __all__ = [
@@ -523,27 +523,24 @@ def _frozen_backward(ctx, grad_out):
     return (gx, None, None, gb) + (None,) * (len(ctx.needs_input_grad) - 4)
 
 
-torch.library.register_autograd("fastdl::int8_linear", _frozen_backward, setup_context=_frozen_setup_context)
-torch.library.register_autograd(
-    "fastdl::int8_weight_only_linear",
+register_autograd(int8_linear_op, _frozen_backward, _frozen_setup_context)
+register_autograd(
+    int8_weight_only_linear_op,
     _frozen_backward,
-    setup_context=lambda ctx, inputs, output: _frozen_setup_context(ctx, inputs, output, grouped=True),
+    lambda ctx, inputs, output: _frozen_setup_context(ctx, inputs, output, grouped=True),
 )
 
 
 # ------------------------------------------------------------------------------------------------ QAT linear
-# A composite op, not routed: its forward calls the routed ops above (so every backend serves it), its backward is
-# fused_linear_backward (routed as well). It has no fastdl_cpp twin.
-LIB.define("int8_linear_qat" + QAT_SCHEMA)
-
-
+# Routed like the others: the C++ CPU kernel quantizes the master weight and runs int8_linear in one call (W8A8 only);
+# the reference composes the routed ops above (so every backend serves it: Triton on CUDA). Its backward is
+# fused_linear_backward (routed as well).
 def _qat_fake(x, weight, bias, weight_only=False):
     _, N = check_qat(x, weight, bias)
     return x.new_empty((*x.shape[:-1], N))
 
 
-def _qat_forward(x, weight, bias, weight_only=False):
-    check_qat(x, weight, bias)
+def _qat_reference(x, weight, bias, weight_only=False):
     if weight_only:  # the group-wise format of Int8Linear(mode="weight_only"), without the search (every step)
         w_q, w_scale, w_group = quantize_per_group(weight, search=False)
         return int8_weight_only_linear_op(x, w_q, w_scale, bias, w_group)
@@ -551,9 +548,21 @@ def _qat_forward(x, weight, bias, weight_only=False):
     return int8_linear_op(x, w_q, w_scale, bias, None, None)
 
 
-LIB.impl("int8_linear_qat", _qat_forward, "CompositeExplicitAutograd")
-torch.library.register_fake("fastdl::int8_linear_qat", _qat_fake, lib=LIB)
-int8_linear_qat_op = torch.ops.fastdl.int8_linear_qat
+def _qat_supports(backend, args):
+    if backend == "cpp" and len(args) > 3 and args[3]:
+        return "the weight-only QAT forward (group scales) is the composite of the routed ops"
+    return None
+
+
+int8_linear_qat_op = define(
+    "int8_linear_qat",
+    QAT_SCHEMA,
+    reference=_qat_reference,
+    fake=_qat_fake,
+    prefer={"cpu": ("cpp", "torch"), "cuda": ("torch",)},
+    supports=_qat_supports,
+    check=lambda x, weight, bias, weight_only=False: check_qat(x, weight, bias),
+)
 
 
 def _qat_setup_context(ctx, inputs, output):
@@ -576,7 +585,7 @@ def _qat_backward(ctx, grad_out):
     return gx, gw, gb, None
 
 
-torch.library.register_autograd("fastdl::int8_linear_qat", _qat_backward, setup_context=_qat_setup_context)
+register_autograd(int8_linear_qat_op, _qat_backward, _qat_setup_context)
 
 
 # --------------------------------------------------------------------------------------------------- autocast

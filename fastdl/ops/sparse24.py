@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from ._library import define, register_autocast_rule, require, require_device, require_dtype
+from ._library import define, register_autocast_rule, register_autograd, require, require_device, require_dtype
 
 _FLOAT = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -275,7 +275,7 @@ decompress_2_4_op = define(
 )
 
 
-torch.library.register_autograd("fastdl::decompress_2_4", _decompress_backward, setup_context=_decompress_setup_context)
+register_autograd(decompress_2_4_op, _decompress_backward, _decompress_setup_context)
 
 
 # ------------------------------------------------------------------------------------------------ sparse24_linear
@@ -345,7 +345,7 @@ def _linear_backward(ctx, grad_out):
     return gx, gv, None, gb
 
 
-torch.library.register_autograd("fastdl::sparse24_linear", _linear_backward, setup_context=_linear_setup_context)
+register_autograd(sparse24_linear_op, _linear_backward, _linear_setup_context)
 
 
 register_autocast_rule("sparse24_linear")
