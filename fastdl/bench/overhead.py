@@ -20,18 +20,7 @@ import torch
 from torch import nn
 
 from ..ops.fused_linear import ACTIVATIONS, activation_module
-from .common import (
-    LiveTable,
-    activity,
-    env_columns,
-    interleaved,
-    mark_slower,
-    module_main,
-    over_time,
-    print_header,
-    say,
-    write_csv,
-)
+from .common import LiveTable, activity, env_columns, interleaved, mark_slower, over_time, print_header, say, write_csv
 
 BARS = {"no_grad": 1.3, "grad": 1.5}
 QUICK_ARGS = ["--budget", "0.3"]
@@ -165,6 +154,8 @@ def run(args) -> list[dict]:
 
 
 def main(argv=None):
+    from .common import module_main  # here: the import list above stays one line
+
     return module_main("python -m fastdl.bench.overhead", __doc__, add_arguments, run, argv)
 
 
