@@ -479,20 +479,26 @@ def test_fixed_policy_with_a_workload_decides_now_and_reports_buckets(timer):
     assert "M 16-31" in text and "kernel 1e+03" in text and "dequant" in text
 
 
+def _counted_sleeps(counts: dict, **seconds):
+    """{name: a call that counts its runs in counts[name] and sleeps seconds[name]}."""
+    import time
+
+    def call(name, secs):
+        def f():
+            counts[name] += 1
+            time.sleep(secs)
+
+        return f
+
+    return {name: call(name, secs) for name, secs in seconds.items()}
+
+
 def test_real_timer_orders_calls_and_bounds_its_cost():
     import time
 
     counts = {"fast": 0, "slow": 0}
-
-    def call(name, seconds):
-        def f():
-            counts[name] += 1
-            time.sleep(seconds)
-
-        return f
-
     t0 = time.perf_counter()
-    times = dispatch.time_calls({"fast": call("fast", 0.001), "slow": call("slow", 0.004)}, torch.device("cpu"))
+    times = dispatch.time_calls(_counted_sleeps(counts, fast=0.001, slow=0.004), torch.device("cpu"))
     wall = time.perf_counter() - t0
     assert times["fast"] < times["slow"] and times["fast"] >= 0.001
     # one warm-up, then MIN_REPS..MAX_REPS rounds; past MAX_BUDGET_S per path it stops after the round
@@ -585,18 +591,8 @@ def test_long_calls_are_timed_twice_per_path_and_the_decision_is_final(seconds, 
 
 
 def test_time_calls_long_call_bound_counts_calls():
-    import time
-
     counts = {"fast": 0, "slow": 0}
-
-    def call(name, seconds):
-        def f():
-            counts[name] += 1
-            time.sleep(seconds)
-
-        return f
-
-    calls = {"fast": call("fast", 0.0055), "slow": call("slow", 0.011)}
+    calls = _counted_sleeps(counts, fast=0.0055, slow=0.011)
     times = dispatch.time_calls(calls, torch.device("cpu"), long_call_s=dispatch.LONG_CALL_S)
     assert counts == {"fast": 2, "slow": 2} and 0.0055 <= times["fast"] < times["slow"]
     counts.update(fast=0, slow=0)
