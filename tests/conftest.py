@@ -1,4 +1,5 @@
 import importlib.util
+import json
 import os
 import warnings
 
@@ -108,6 +109,19 @@ def run_at_isa(isa: str, script: str, timeout: float = 300) -> str:
     if res.returncode != 0:
         pytest.fail(f"FASTDL_CPU_ISA={isa}: the subprocess failed\n{res.stdout}\n{res.stderr}")
     return res.stdout
+
+
+_NATIVE_KERNELS: dict = {}
+
+
+def native_cpu_kernels() -> dict:
+    """The kernel family per capability on this CPU uncapped (`fastdl.info()["cpu"]["kernels"]` of a process without
+    FASTDL_CPU_ISA): what a capped subprocess is compared with, also when this process itself runs capped."""
+    if not _NATIVE_KERNELS:
+        out = run_at_isa("native", "import json, fastdl; print(json.dumps(fastdl.info(print_result=False)['cpu']))")
+        cpu = json.loads(out.strip().splitlines()[-1])
+        _NATIVE_KERNELS.update(cpu["kernels"], level=cpu["level"])
+    return _NATIVE_KERNELS
 
 
 @pytest.fixture(autouse=True)

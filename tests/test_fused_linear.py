@@ -8,7 +8,7 @@ import tempfile
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import cpu_backends, rel_err, requires_cuda, run_at_isa, skip_unsupported
+from conftest import cpu_backends, native_cpu_kernels, rel_err, requires_cuda, run_at_isa, skip_unsupported
 from torch import nn
 
 import fastdl
@@ -237,7 +237,7 @@ def test_cpp_isa_levels_match(isa):
     and the process runs the kernel family of the level it was capped at (the CPU's own level where that is lower)."""
     out = run_at_isa(isa, "import test_fused_linear as t; print('kernels', t.check_cpp_levels_match())")
     family = out.split()[-1]
-    native = fastdl.info(print_result=False)["cpu"]["kernels"]["fused_linear"]
+    native = native_cpu_kernels()["fused_linear"]
     levels = ["scalar", "avx2", "avx512", "avx512_bf16"]
     assert family == levels[min(levels.index(isa), levels.index(native))], (isa, out)
 

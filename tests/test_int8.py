@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import cpu_backends, rel_err, requires_cuda, run_at_isa
+from conftest import cpu_backends, native_cpu_kernels, rel_err, requires_cuda, run_at_isa
 from torch import nn
 
 import fastdl
@@ -505,9 +505,6 @@ def test_grouped_weight_only_trainable_module_and_compile():
 def test_cpp_isa_levels_match_reference(isa):
     """The int8 kernels are chosen once per process from cpuid, capped by FASTDL_CPU_ISA: run every level in a
     subprocess against the references (W8A8, int8_mm, weight-only with and without group scales, fp32 and bf16)."""
-    import subprocess
-    import sys
-
     script = r"""
 import torch, fastdl
 from fastdl.ops import int8 as I
@@ -535,16 +532,13 @@ for M, K, N in [(1, 33, 17), (3, 100, 40), (5, 64, 33), (17, 257, 70), (40, 2049
     assert torch.equal(acc, (a.long() @ wq.long().t()).int())
 print("ok", fastdl.info()["int8_cpu_kernels"])
 """
-    env = dict(os.environ)
-    if isa != "native":
-        env["FASTDL_CPU_ISA"] = isa
-    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0 and "ok" in res.stdout, res.stdout + res.stderr
-    native = fastdl.info()["int8_cpu_kernels"]
+    out = run_at_isa(isa, script)
+    assert "ok" in out, out
+    native = native_cpu_kernels()["int8"]
     expect = {"scalar": "scalar", "avx2": "avx2" if native != "scalar" else "scalar"}.get(isa)
     if isa == "avx512":
         expect = "avx512_vnni" if native.startswith("avx512") else native
-    assert res.stdout.split()[-1] == (expect or native), (isa, res.stdout)
+    assert out.split()[-1] == (expect or native), (isa, out)
 
 
 # ---------------------------------------------------------------------------------------- accuracy, K = 4096

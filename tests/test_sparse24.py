@@ -11,7 +11,7 @@ import tempfile
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import cpu_backends, rel_err, requires_cuda, run_at_isa
+from conftest import cpu_backends, native_cpu_kernels, rel_err, requires_cuda, run_at_isa
 from torch import nn
 
 import fastdl
@@ -241,7 +241,7 @@ def test_cpp_isa_levels_match(isa):
     out = run_at_isa(isa, "import os; os.environ['FASTDL_SPARSE24_DENSE_ROWS'] = str(2**40); "
                           "import test_sparse24 as t; print('kernels', t.check_cpp_levels_match())")
     family = out.split()[-1]
-    native = fastdl.info(print_result=False)["cpu"]["kernels"]["sparse24"]
+    native = native_cpu_kernels()["sparse24"]
     levels = ["scalar", "avx2", "avx512", "avx512_bf16"]
     expect = native if isa == "native" else levels[min(levels.index(isa), levels.index(native))]
     assert family == expect, (isa, out)
