@@ -18,7 +18,11 @@ from fastdl.ops import int8 as int8_ops
 
 
 class FakeTimer:
-    """``fn(name, rows) -> seconds`` for every timed call; remembers what was timed."""
+    """``fn(name, rows) -> seconds`` for every timed call; remembers what was timed. A path ``fn`` does not know
+    (KeyError: e.g. Int8Linear's "dequant_fused", offered only with the C++ kernels) gets ``UNLISTED`` s, never
+    chosen."""
+
+    UNLISTED = 1e3
 
     def __init__(self):
         self.fn = None
@@ -31,7 +35,10 @@ class FakeTimer:
         for name, call in calls.items():
             call()  # run each path once, as the real timer does (it must work on this input)
             self.timed.append((name, info["rows"]))
-            out[name] = self.fn(name, info["rows"])
+            try:
+                out[name] = self.fn(name, info["rows"])
+            except KeyError:
+                out[name] = self.UNLISTED
         return out
 
 
@@ -153,6 +160,31 @@ def test_int8_weight_only_takes_the_dequantized_gemm_at_large_m_within_the_ops_b
     assert q.memory_bytes() >= q.cache_bytes()
 
 
+@pytest.mark.skipif(not fastdl.backends.available("cpp", "fused_linear", "cpu")[0],
+                    reason="needs the compiled extension fastdl._C (the path is offered only with the C++ kernels)")
+def test_int8_dequant_fused_path_runs_the_fused_op_on_the_cached_weight(timer):
+    timer.fn = lambda name, rows: {"kernel": 3.0, "dequant": 2.0, "dequant_fused": 1.0 if rows >= 64 else 4.0}[name]
+    lin = _linear(96, 80)
+    q = Int8Linear.from_linear(lin, mode="weight_only")
+    assert q._choice_paths(torch.randn(2, 96)) == ("kernel", "dequant", "dequant_fused")
+    assert q._choice_paths(torch.randn(2, 96, dtype=torch.float16)) == ("kernel", "dequant")  # no CPU fp16 kernel
+    w_deq = q.dequantized_weight(torch.float32)
+    for m in (200, 3):
+        x = torch.randn(m, 96)
+        with torch.no_grad():
+            out = q(x)
+        want = fastdl.ops.fused_linear(x, w_deq, q.bias) if m >= 64 else torch.nn.functional.linear(x, w_deq, q.bias)
+        assert torch.equal(out, want), m
+        torch.testing.assert_close(out, torch.nn.functional.linear(x, w_deq, q.bias), rtol=1e-5, atol=1e-5)
+    assert _paths(q) == {8: "dequant_fused", 2: "dequant"}
+    assert q.cache_bytes() == 96 * 80 * 4  # one dequantized weight serves both paths
+    timer.fn = lambda name, rows: {"kernel": 1.0, "dequant": 2.0, "dequant_fused": 3.0}[name]
+    q2 = Int8Linear.from_linear(lin, mode="weight_only")
+    with torch.no_grad():
+        q2(torch.randn(300, 96))
+    assert _paths(q2) == {9: "kernel"} and q2.cache_bytes() == 0
+
+
 def test_int8_dequantized_weight_is_dropped_when_no_bucket_chooses_it(timer):
     timer.fn = lambda name, rows: {"kernel": 1.0, "dequant": 2.0}[name]
     q = Int8Linear.from_linear(_linear(), mode="weight_only")
@@ -195,6 +227,27 @@ def test_sparse24_choice_is_measured_not_the_threshold(timer):
     with torch.no_grad():
         forced(x_small)
     assert forced.path_for(x_small) == "sparse" and forced.last_path == "sparse"
+
+
+@pytest.mark.skipif(not fastdl.backends.available("cpp", "fused_linear", "cpu")[0],
+                    reason="needs the compiled extension fastdl._C (the path is offered only with the C++ kernels)")
+def test_sparse24_dense_fused_path_fuses_activation_and_residual(timer):
+    timer.fn = lambda name, rows: {"sparse": 2.0, "dense": 3.0, "dense_fused": 1.0}[name]
+    lin = _linear(64, 32)
+    s = Sparse24Linear.from_linear(lin, activation="gelu")
+    x, r = torch.randn(40, 64), torch.randn(40, 32)
+    assert s._choice_paths(x) == ("sparse", "dense", "dense_fused")
+    with torch.no_grad():
+        out = s(x, r)
+    dense = s.dense_weight()
+    assert s.last_path == "dense_fused" and _paths(s) == {6: "dense_fused"} and s.cache_bytes() > 0
+    assert torch.equal(out, fastdl.ops.fused_linear(x, dense, s.bias, "gelu", r))
+    torch.testing.assert_close(out, torch.nn.functional.gelu(torch.nn.functional.linear(x, dense, s.bias)) + r)
+    xb = x.bfloat16()  # bf16: the dense weight in bf16, the fp32 bias in the epilogue
+    with torch.no_grad():
+        outb = s(xb)
+    assert outb.dtype == torch.bfloat16 and s.last_path == "dense_fused"
+    assert rel_err(outb, torch.nn.functional.gelu(torch.nn.functional.linear(x, dense, s.bias))) < 1e-2
 
 
 # ------------------------------------------------------------------------------------------------ no timing here

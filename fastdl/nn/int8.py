@@ -18,9 +18,11 @@ construction, load and device move - never per call); ``weight`` is then None an
 Paths (inference layers): per bucket of input rows (``fastdl.dispatch``: measured on the first no-grad call at the
 bucket, cached, saved with ``fastdl.save_decisions``) the layer runs its int8 op (``"kernel"``, the default) or
 ``"dequant"``: ``F.linear`` on the dequantized weight, which wins where the layer is compute-bound (large M) or where
-the op's per-call cost shows (M = 1, tiny layers). The dequantized weight (``out x in`` in x's dtype: in fp32 4x the
-int8 weight, what the original ``nn.Linear`` held) is kept only while a bucket of that dtype chooses ``"dequant"``
-(``cache_bytes()``, ``memory_bytes()`` count it; ``release_caches()`` drops it). ``runtime_choice = False`` pins the
+the op's per-call cost shows (M = 1, tiny layers), or (CPU, C++ kernels) ``"dequant_fused"``: the same product through
+``fastdl.ops.fused_linear``, whose packed kernels beat ``F.linear``'s GEMM at compute-bound shapes on some CPUs. The
+dequantized weight (``out x in`` in x's dtype: in fp32 4x the int8 weight, what the original ``nn.Linear`` held) is
+kept only while a bucket of that dtype chooses one of these two (``cache_bytes()``, ``memory_bytes()`` count it;
+``release_caches()`` drops it). ``runtime_choice = False`` pins the
 op.
 
 QAT (``trainable=True``) holds fp32 master weights (``weight``, a Parameter, like ``nn.Linear``): in training mode the
@@ -57,6 +59,7 @@ from torch import nn
 from .. import backends
 from ..dispatch import RuntimeChoice
 from ..ops import int8 as int8_ops
+from ..ops.fused_linear import fused_linear as _fused_linear
 from ._base import VersionedModule, is_dtensor, not_a_view
 
 MODES = ("dynamic", "weight_only")
@@ -258,6 +261,8 @@ class Int8Linear(RuntimeChoice, VersionedModule):
                 w = self.dequantized_weight(x.dtype)
             b = self.bias
             return F.linear(x, w, b if b is None or b.dtype == x.dtype else b.to(x.dtype))
+        if path == "dequant_fused":
+            return self._run_path(path, x)
         return self._int8_op(x, *self._frozen_weights())
 
     def _qat_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -292,7 +297,10 @@ class Int8Linear(RuntimeChoice, VersionedModule):
     # the weight cache ONLY while "dequant" is the decision of at least one bucket of that dtype (and while a new
     # bucket is timed): N x K x itemsize bytes, in fp32 4x the int8 weight, i.e. what the original nn.Linear held.
     # Compute-bound shapes (large M) are faster as a GEMM than through an int8 kernel that converts weights tile by
-    # tile. Trainable (QAT) layers always run their op.
+    # tile. On the CPU with the C++ kernels, "dequant_fused" runs that GEMM as fastdl's fused_linear op (its packed
+    # fp32 / bf16 kernels) on the same cached weight: on the 2-core Zen 4 (AVX-512) they beat MKL's sgemm under
+    # F.linear at the compute-bound shapes (see csrc/cpu/fused_linear.cpp, the pb rules). Trainable (QAT) layers
+    # always run their op.
     def _choice_layer(self) -> tuple:
         return ("Int8Linear", self.mode, self.group_size, self.in_features, self.out_features, self.bias is not None)
 
@@ -303,6 +311,8 @@ class Int8Linear(RuntimeChoice, VersionedModule):
         if (self.trainable or x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or x.dim() < 1
                 or x.shape[-1] != self.in_features or x.device != self.weight_scale.device):
             return ("kernel",)  # the op names the problem
+        if x.device.type == "cpu" and x.dtype != torch.float16 and backends.available("cpp", "fused_linear", "cpu")[0]:
+            return ("kernel", "dequant", "dequant_fused")
         return ("kernel", "dequant")
 
     def _run_path(self, path: str, x: torch.Tensor) -> torch.Tensor:
@@ -311,6 +321,8 @@ class Int8Linear(RuntimeChoice, VersionedModule):
         b = self.bias
         if b is not None and b.dtype != x.dtype:
             b = b.to(x.dtype)
+        if path == "dequant_fused":
+            return _fused_linear(x, self.dequantized_weight(x.dtype), b)
         return F.linear(x, self.dequantized_weight(x.dtype), b)
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -330,7 +342,7 @@ class Int8Linear(RuntimeChoice, VersionedModule):
 
     def _choice_released(self, kept: set) -> None:
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
-            if ("dequant", dtype) not in kept:
+            if ("dequant", dtype) not in kept and ("dequant_fused", dtype) not in kept:
                 self._weight_cache.pop(("dequant", dtype))
 
     def cache_bytes(self) -> int:

@@ -10,6 +10,9 @@ the bytes of the dense layer in the same dtype. ``forward`` runs one of three pa
 ``dense``   ``F.linear`` on the dense weight decompressed from the same values/meta, once, cached (not saved): large
             batches are compute-bound and the sparse kernel does the multiply-adds of the dense GEMM, so the dense
             GEMM (oneDNN / cuBLAS) is as fast or faster there;
+``dense_fused`` CPU, C++ kernels: the same dense weight through ``fastdl.ops.fused_linear``, activation and residual
+            fused into its epilogue (its packed kernels beat ``F.linear``'s GEMM at compute-bound shapes on some
+            CPUs);
 ``semi``    CUDA: PyTorch's semi-structured sparse GEMM (``torch.sparse.to_sparse_semi_structured``: cuSPARSELt, or
             CUTLASS where cuSPARSELt is missing), built once from the decompressed weight and cached. Needs compute
             capability >= 8.0, fp16/bf16 (fp32 with CUTLASS), and shapes that are multiples of the backend's tile.
@@ -44,14 +47,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import backends
 from ..dispatch import RuntimeChoice
 from ..ops import sparse24 as sp_ops
-from ..ops.fused_linear import activation_fn, check_activation
+from ..ops.fused_linear import activation_fn, check_activation, fused_linear
 from ._base import VersionedModule, not_a_view
 
 FORMAT = "fastdl.sparse24"
 FORMAT_VERSION = 2  # 2: the extra state is a JSON uint8 tensor (1: a dict)
-PATHS = ("sparse", "dense", "semi")
+PATHS = ("sparse", "dense", "dense_fused", "semi")
 MODES = ("auto", "sparse", "dense")
 
 # CPU: below this many rows the sparse kernel beats dense bf16 F.linear. Measured on the 2-core Zen 5 dev machine,
@@ -310,7 +314,7 @@ class Sparse24Linear(RuntimeChoice, VersionedModule):
                 path = self._choice_local.get(key) or self._choose(x, key)
         else:
             path = {"dense": "dense", "sparse": "sparse"}.get(self.mode, "sparse")
-        if path == "dense":
+        if path in ("dense", "dense_fused"):
             self._dense_for(dtype)
         elif path == "semi":
             self._semi_for(dtype)
@@ -318,8 +322,8 @@ class Sparse24Linear(RuntimeChoice, VersionedModule):
 
     # ------------------------------------------------------------------------------------------ forward
     def path_for(self, x: torch.Tensor) -> str:
-        """Which path ``forward(x)`` takes now: ``"sparse"``, ``"dense"`` or ``"semi"`` (the decision of x's bucket if
-        one was made, else the fixed rule; nothing is timed)."""
+        """Which path ``forward(x)`` takes now: ``"sparse"``, ``"dense"``, ``"dense_fused"`` or ``"semi"`` (the
+        decision of x's bucket if one was made, else the fixed rule; nothing is timed)."""
         path = self.known_path(x) if self.mode == "auto" else None
         path = path or self._fixed_path(x)
         if path == "semi" and self._training_values():
@@ -367,13 +371,15 @@ class Sparse24Linear(RuntimeChoice, VersionedModule):
             paths = ("semi", "dense", "sparse") if self._semi_ok(x.dtype) else ("dense", "sparse")
         elif x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
             paths = ("sparse", "dense")
+            if backends.available("cpp", "fused_linear", "cpu")[0]:
+                paths += ("dense_fused",)
         else:
             paths = ("dense",)
         return (default,) + tuple(p for p in paths if p != default)
 
     def _choice_released(self, kept: set) -> None:
         # the dense copy (1.78x the compressed bytes) stays only while a bucket's decision needs it
-        if not any(p == "dense" for p, _ in kept) and self.mode != "dense":
+        if not any(p in ("dense", "dense_fused") for p, _ in kept) and self.mode != "dense":
             self._weight_cache.pop("dense")
 
     def _run_path(self, path: str, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -386,6 +392,10 @@ class Sparse24Linear(RuntimeChoice, VersionedModule):
                 out = F.linear(x2, semi, b).reshape(*x.shape[:-1], self.out_features)
             else:
                 path = "dense" if self.mode == "auto" else "sparse"
+        if path == "dense_fused":  # activation and residual in the op's epilogue
+            if not torch.compiler.is_compiling():
+                self.last_path = path
+            return fused_linear(x, self._dense_for(x.dtype), self.bias, self.activation, residual)
         if path == "dense":
             b = self.bias.to(x.dtype) if self.bias is not None else None
             out = F.linear(x, self._dense_for(x.dtype), b)
