@@ -174,11 +174,12 @@ def test_cpp_dispatch_regions_forward_backward(dtype, threads, M, K, N):
         torch.set_num_threads(old_threads)
 
 
-# Shapes (M, K, N) on every side of the C++ kernels' rules at every ISA level: weight streaming (M <= 4), broadcast
+# Shapes (M, K, N) on every side of the C++ kernels' rules at every ISA level: weight streaming (small M), broadcast
 # kernels (M <= 32: 1-4 vectors of x rows, partial row tiles, odd K), packed-panel GEMMs (several K blocks, strips,
 # super blocks, threads split by columns or by rows), K not a multiple of 8 / 16 / 32, N not a multiple of 16 / 48.
 LEVEL_SHAPES = [(1, 7, 33), (2, 300, 17), (4, 33, 50), (5, 1, 9), (7, 33, 7), (16, 127, 53), (24, 257, 48),
-                (32, 64, 65), (33, 520, 70), (127, 40, 130), (500, 19, 33), (61, 4095, 20)]
+                (32, 64, 65), (33, 520, 70), (127, 40, 130), (500, 19, 33), (61, 4095, 20), (9, 65, 100),
+                (14, 1030, 37)]
 
 
 def check_cpp_levels_match() -> str:

@@ -8,8 +8,9 @@
 //     packed-B kernel ("pb": each thread packs the weight panels it uses, x is broadcast from its rows in place, 8 x 48
 //     tiles over the whole K, epilogue per 64 x 48 block); otherwise kernels reading the weight rows in place, never
 //     packing or copying the weight (fp32 master weights are rounded to bf16 in registers or per 12-row tile, RNE like
-//     autocast): M <= 4 inner products streaming the weight; M > 4 a broadcast kernel over x^T (packed once), within
-//     1-2 % of the vdpbf16ps peak and faster than both the packed GEMM below and oneDNN.
+//     autocast): inner products streaming the weight at small M (fwd_bf16_inner in fused_linear_avx512.cpp: M <= 12,
+//     17-24, and more), else a broadcast kernel over x^T (packed once), within 1-2 % of the vdpbf16ps peak at full
+//     lanes and faster than both the packed GEMM below and oneDNN.
 //   AVX-512 families, fp32: M <= 64 small-M FMA kernel, M > 64 the fp32 pb kernel (MKL's sgemm is 2-3x slower on this
 //     AMD CPU at every M measured).
 //   AVX2 family (bf16 and fp32) and the bf16 of the AVX-512 F family (no AVX512_BF16): fp32 FMA kernels that read the

@@ -710,10 +710,11 @@ FL_AVX512 void pbf_pack_a_avx512(const float *src, int64_t ld, int64_t rows, int
 }
 
 // ------------------------------------------------------------------------------------------------------------
-// Small-M forward, M <= 4: inner products of x rows with weight rows (both contiguous along K), MT x R accumulators
-// of 16 lanes, horizontal sums at the end. No packing: at M = 1 the weight read is the whole cost, so each weight
-// byte is loaded exactly once and R rows are streamed concurrently (K = N = 4096 bf16, 2 threads: 0.34 ms, ~100 GB/s,
-// the DRAM bandwidth of the dev machine). fp32 weights are rounded to bf16 in registers (vcvtne2ps2bf16, RNE).
+// Small-M forward (bf16: where fwd_bf16_inner says, x rows 8 at a time; fp32: 4 at a time): inner products of x rows
+// with weight rows (both contiguous along K), MT x R accumulators of 16 lanes, horizontal sums at the end. No packing:
+// at M = 1 the weight read is the whole cost, so each weight byte is loaded exactly once and R rows are streamed
+// concurrently (K = N = 4096 bf16, 2 threads: 0.34 ms, ~100 GB/s, the DRAM bandwidth of the dev machine). fp32 weights
+// are rounded to bf16 in registers (vcvtne2ps2bf16, RNE).
 // ------------------------------------------------------------------------------------------------------------
 template <bool WF32, bool TAIL> FL_AVX512BF16 FL_INLINE __m512bh load_w32(const void *w, int64_t off, int64_t rem) {
     if constexpr (WF32) {
@@ -740,7 +741,7 @@ FL_AVX512BF16 FL_INLINE void small_step_bf16(__m512 (&acc)[MT][R], const uint16_
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r)
         wv[r] = load_w32<WF32, TAIL>(w, r * ldw + k, rem);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int m = 0; m < MT; ++m) {
         const __m512bh xv = load_w32<false, TAIL>(x, m * ldx + k, rem);
 #pragma GCC unroll 8
@@ -753,7 +754,7 @@ template <int MT, int R, bool WF32>
 FL_AVX512BF16 void small_tile_bf16(const uint16_t *x, int64_t ldx, const void *w, int64_t ldw, int64_t K, float *c,
                                    int64_t ldc) {
     __m512 acc[MT][R];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int m = 0; m < MT; ++m)
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r)
@@ -763,7 +764,7 @@ FL_AVX512BF16 void small_tile_bf16(const uint16_t *x, int64_t ldx, const void *w
         small_step_bf16<MT, R, WF32, false>(acc, x, ldx, w, ldw, k, 32);
     if (kmain < K)
         small_step_bf16<MT, R, WF32, true>(acc, x, ldx, w, ldw, kmain, K - kmain);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int m = 0; m < MT; ++m)
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r)
@@ -810,7 +811,7 @@ FL_AVX512 void small_tile_f32(const float *x, int64_t ldx, const float *w, int64
 
 // R (weight rows per tile) by MT: MT * R + R + 1 <= 32 zmm registers.
 template <int MT> constexpr int small_r() {
-    return MT <= 2 ? 8 : 6;
+    return MT <= 2 ? 8 : MT <= 4 ? 6 : MT <= 6 ? 4 : 3;
 }
 
 template <int MT>
@@ -845,7 +846,7 @@ FL_AVX512 void small_rows_f32(const float *x, int64_t ldx, const float *w, int64
         small_tile_f32<MT, 1>(x, ldx, w + r * ldw, ldw, K, c + r, ldc);
 }
 
-// M > 4: "weight-stationary broadcast" kernel, the GEMM micro kernel with the roles swapped. x is packed once per
+// Other M: "weight-stationary broadcast" kernel, the GEMM micro kernel with the roles swapped. x is packed once per
 // call as x^T pairs in chunks of 64 rows, xt[kp][m] = (x[m][2kp], x[m][2kp+1]) (J = 1..4 vectors of 16 m lanes,
 // zero-padded), and a tile of RW weight rows runs over the whole K with RW x J accumulators: per k pair, J xt loads
 // and RW x J vdpbf16ps whose other operand is a dword of the weight row broadcast straight from memory. The weight is
@@ -913,6 +914,17 @@ FL_AVX512BF16 void wstat_tile(const char *w, int64_t ldw_bytes, const uint32_t *
 }
 
 constexpr int64_t kFwdF32MaxM = 64; // largest M of the fp32 forward kernel
+
+// bf16 forward, inner products (small_rows_bf16, x rows 8 at a time) or the broadcast kernel (wstat): the broadcast
+// kernel's accumulators are 16 x rows wide, so at M = 5-12 and 17-24 a third to half of its lanes are padding. Inner
+// products when M <= 12, 17 <= M <= 24, or 13 <= M <= 16 with K >= 1024. Zen 4, 1 thread, bf16 + gelu, us, broadcast
+// -> inner (eager oneDNN in brackets): M = 8: 384^2 39.5 -> 27.3 (49.4) | 1536^2 393 -> 210 (319) | 384 -> 1536 126
+// -> 83 (114) | 1536 -> 384 111 -> 65 (106); M = 12: 1536^2 376 -> 304 | 4096^2 ms 4.0 -> 2.7; M = 20: 1536^2 717
+// -> 494 (577) | 4096^2 ms 5.3 -> 4.1; M = 24: 384 -> 1536 232 -> 216 | 1536^2 727 -> 594; M = 16: 4096^2 ms 4.1 ->
+// 3.3, but 384^2 41.3 vs 44.8 and 384 -> 1536 136 vs 150 kept; M = 32: 1536^2 742 vs 782 kept.
+inline bool fwd_bf16_inner(int64_t M, int64_t K) {
+    return M <= 12 || (M > 16 && M <= 24) || (M <= 16 && K >= 1024);
+}
 
 // Column block of the small-M path: 48 weight rows (multiple of R = 6, 8 and of the wstat tiles 6, 8, 12).
 constexpr int64_t kFwdNB = 48;
@@ -1024,23 +1036,39 @@ FL_AVX512BF16 void fwd_bf16(const uint16_t *x, int64_t ldx, int64_t M, const voi
                             int64_t m0, int64_t m1, int64_t n0, int64_t n1, const Epilogue &epi, void *workspace) {
     const FwdWorkspace ws = fwd_workspace(workspace, M, K);
     const size_t esz = wf32 ? 4 : 2;
-    if (M <= 4) { // one m-tile, every weight byte loaded once (fp32 weights rounded in registers)
+    if (fwd_bf16_inner(M, K)) { // every weight byte loaded from memory once (fp32 weights rounded in registers)
         for (int64_t nb = n0; nb < n1; nb += kFwdNB) {
             const int64_t nr = std::min(kFwdNB, n1 - nb);
             const void *wrows = static_cast<const char *>(w) + nb * ldw * esz;
-            switch (M) {
-            case 1:
-                small_rows_bf16<1>(x, ldx, wrows, wf32, ldw, K, nr, ws.cbuf, kFwdNB);
-                break;
-            case 2:
-                small_rows_bf16<2>(x, ldx, wrows, wf32, ldw, K, nr, ws.cbuf, kFwdNB);
-                break;
-            case 3:
-                small_rows_bf16<3>(x, ldx, wrows, wf32, ldw, K, nr, ws.cbuf, kFwdNB);
-                break;
-            default:
-                small_rows_bf16<4>(x, ldx, wrows, wf32, ldw, K, nr, ws.cbuf, kFwdNB);
-                break;
+            for (int64_t m = 0; m < M; m += 8) { // x rows 8 at a time: the block's weight rows from L1/L2 again
+                const uint16_t *xm = x + m * ldx;
+                float *cm = ws.cbuf + m * kFwdNB;
+                switch (std::min<int64_t>(8, M - m)) {
+                case 1:
+                    small_rows_bf16<1>(xm, ldx, wrows, wf32, ldw, K, nr, cm, kFwdNB);
+                    break;
+                case 2:
+                    small_rows_bf16<2>(xm, ldx, wrows, wf32, ldw, K, nr, cm, kFwdNB);
+                    break;
+                case 3:
+                    small_rows_bf16<3>(xm, ldx, wrows, wf32, ldw, K, nr, cm, kFwdNB);
+                    break;
+                case 4:
+                    small_rows_bf16<4>(xm, ldx, wrows, wf32, ldw, K, nr, cm, kFwdNB);
+                    break;
+                case 5:
+                    small_rows_bf16<5>(xm, ldx, wrows, wf32, ldw, K, nr, cm, kFwdNB);
+                    break;
+                case 6:
+                    small_rows_bf16<6>(xm, ldx, wrows, wf32, ldw, K, nr, cm, kFwdNB);
+                    break;
+                case 7:
+                    small_rows_bf16<7>(xm, ldx, wrows, wf32, ldw, K, nr, cm, kFwdNB);
+                    break;
+                default:
+                    small_rows_bf16<8>(xm, ldx, wrows, wf32, ldw, K, nr, cm, kFwdNB);
+                    break;
+                }
             }
             simd_epilogue<Avx512Vec>(epi, ws.cbuf, kFwdNB, 0, M, nb, nr);
         }
@@ -1263,10 +1291,11 @@ size_t small_grad_w_workspace_bytes(int64_t M, int64_t K) {
 
 #if FL_X86
 namespace {
-// alignment + results (min(M, 256) x 48 fp32) + 12 weight rows rounded to bf16 + x^T of one row block (M > 4)
+// alignment + results (min(M, 256) x 48 fp32) + 12 weight rows rounded to bf16 + x^T of one row block (broadcast
+// kernel)
 size_t fwd_workspace_avx512(int64_t M, int64_t K) {
     const int64_t rows = std::max<int64_t>(std::min(M, kFwdRowBlock), 1);
-    const int64_t chunks = M > 4 ? (rows + kXtChunk - 1) / kXtChunk : 0;
+    const int64_t chunks = fwd_bf16_inner(M, K) ? 0 : (rows + kXtChunk - 1) / kXtChunk;
     return 64 + sizeof(float) * rows * kFwdNB + sizeof(uint16_t) * ((12 * K + 31) / 32 * 32) +
            sizeof(uint32_t) * chunks * xt_chunk_dwords(K);
 }

@@ -154,7 +154,8 @@ struct PbKernels {
 // Forward kernels reading the weight rows in place (no packing): acc[m][n] = sum_k x[m][k] * w[n][k] for the x rows
 // [m0, m1) and weight rows [n0, n1), then the epilogue. x is in the compute dtype (bf16: w bf16 or fp32 rounded to bf16
 // like autocast; fp32: w fp32). Kernels by family:
-//   AVX512_BF16, x bf16: M <= 4 inner products streaming the weight rows; M > 4 (any M) a broadcast kernel over x^T,
+//   AVX512_BF16, x bf16: inner products streaming the weight rows at small M (fwd_bf16_inner); other M (any M) a
+//     broadcast kernel over x^T,
 //     packed per row block of kFwdRowBlock ([m0, m1) is such a block when M > row_block_above).
 //   AVX-512 F, x fp32: inner products, M <= 64.
 //   AVX2, x bf16 or fp32: inner products streaming the weight rows, widened / rounded in registers, small M.
