@@ -1032,6 +1032,13 @@ FL_AVX512BF16 void wstat_block(const FwdWorkspace &ws, const uint32_t *xt, int64
     }
 }
 
+// small_rows_bf16<MT> by MT - 1.
+using SmallRowsBf16 = void (*)(const uint16_t *, int64_t, const void *, bool, int64_t, int64_t, int64_t, float *,
+                               int64_t);
+constexpr SmallRowsBf16 kSmallRowsBf16[8] = {small_rows_bf16<1>, small_rows_bf16<2>, small_rows_bf16<3>,
+                                             small_rows_bf16<4>, small_rows_bf16<5>, small_rows_bf16<6>,
+                                             small_rows_bf16<7>, small_rows_bf16<8>};
+
 FL_AVX512BF16 void fwd_bf16(const uint16_t *x, int64_t ldx, int64_t M, const void *w, bool wf32, int64_t ldw, int64_t K,
                             int64_t m0, int64_t m1, int64_t n0, int64_t n1, const Epilogue &epi, void *workspace) {
     const FwdWorkspace ws = fwd_workspace(workspace, M, K);
@@ -1040,36 +1047,9 @@ FL_AVX512BF16 void fwd_bf16(const uint16_t *x, int64_t ldx, int64_t M, const voi
         for (int64_t nb = n0; nb < n1; nb += kFwdNB) {
             const int64_t nr = std::min(kFwdNB, n1 - nb);
             const void *wrows = static_cast<const char *>(w) + nb * ldw * esz;
-            for (int64_t m = 0; m < M; m += 8) { // x rows 8 at a time: the block's weight rows from L1/L2 again
-                const uint16_t *xm = x + m * ldx;
-                float *cm = ws.cbuf + m * kFwdNB;
-                switch (std::min<int64_t>(8, M - m)) {
-                case 1:
-                    small_rows_bf16<1>(xm, ldx, wrows, wf32, ldw, K, nr, cm, kFwdNB);
-                    break;
-                case 2:
-                    small_rows_bf16<2>(xm, ldx, wrows, wf32, ldw, K, nr, cm, kFwdNB);
-                    break;
-                case 3:
-                    small_rows_bf16<3>(xm, ldx, wrows, wf32, ldw, K, nr, cm, kFwdNB);
-                    break;
-                case 4:
-                    small_rows_bf16<4>(xm, ldx, wrows, wf32, ldw, K, nr, cm, kFwdNB);
-                    break;
-                case 5:
-                    small_rows_bf16<5>(xm, ldx, wrows, wf32, ldw, K, nr, cm, kFwdNB);
-                    break;
-                case 6:
-                    small_rows_bf16<6>(xm, ldx, wrows, wf32, ldw, K, nr, cm, kFwdNB);
-                    break;
-                case 7:
-                    small_rows_bf16<7>(xm, ldx, wrows, wf32, ldw, K, nr, cm, kFwdNB);
-                    break;
-                default:
-                    small_rows_bf16<8>(xm, ldx, wrows, wf32, ldw, K, nr, cm, kFwdNB);
-                    break;
-                }
-            }
+            for (int64_t m = 0; m < M; m += 8) // x rows 8 at a time: the block's weight rows from L1/L2 again
+                kSmallRowsBf16[std::min<int64_t>(8, M - m) - 1](x + m * ldx, ldx, wrows, wf32, ldw, K, nr,
+                                                                ws.cbuf + m * kFwdNB, kFwdNB);
             simd_epilogue<Avx512Vec>(epi, ws.cbuf, kFwdNB, 0, M, nb, nr);
         }
         return;
@@ -1390,7 +1370,7 @@ Kernels make_avx512() {
 Kernels make_avx512_bf16() {
     Kernels t = make_avx512();
     t.name = "avx512_bf16";
-    t.fwd_bf16 = FwdKernel{fwd_bf16_entry, fwd_workspace_avx512, INT64_MAX, 4};
+    t.fwd_bf16 = FwdKernel{fwd_bf16_entry, fwd_workspace_avx512, INT64_MAX, 24}; // (the inner-product path: whole M)
     t.pb_bf16 = PbKernels{pb_pack_wt_bf16, pb_pack_rows_bf16, pb_block_bf16, nullptr};
     t.gemm_bf16 = Bf16Gemm{pack_a_avx512bf16, gemm_tile_avx512bf16};
     t.small_bf16 = SmallBackward{small_grad_x_entry, small_grad_w_entry};
