@@ -91,6 +91,9 @@ def format_info(d: dict) -> str:
         f"({', '.join(k for k, v in d['cpu_features'].items() if v) or 'none'})",
         "CPU kernels: " + ", ".join(f"{cap} {fam}" for cap, fam in d["cpu"]["kernels"].items()),
     ]
+    if d["cpu"].get("fused_linear_onednn"):
+        lines.append(f"  fused_linear also routes {d['cpu']['fused_linear_onednn']} to oneDNN (PyTorch's "
+                     "mkldnn::_linear_pointwise) at the large shapes where it is faster (FASTDL_CPU_ONEDNN=0: never)")
     if d["gpu"]:
         g = d["gpu"]
         lines.append(f"GPU: {g['name']} ({g['capability']}, {g['memory_gib']} GiB) x{g['count']}")

@@ -145,13 +145,16 @@ def test_backward_matches_reference(backend, dtype, act):
 @pytest.mark.skipif(not HAS_CPP, reason="needs the compiled extension")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("onednn", ["1", "0"])
 @pytest.mark.parametrize(
     "M,K,N", [(359, 512, 72), (359, 64, 130), (100, 128, 10), (513, 40, 50), (65, 300, 77), (17, 96, 50), (2, 33, 9)]
 )
-def test_cpp_dispatch_regions_forward_backward(dtype, threads, M, K, N):
+def test_cpp_dispatch_regions_forward_backward(dtype, threads, onednn, M, K, N, monkeypatch):
     """The C++ kernels pick a path per shape (weight streaming, packed weight panels, packed x^T, small-M kernels,
-    at::mm for some fp32 gradients) and split rows or columns over threads by cost: shapes on every side of those
-    rules, with gelu, bias, residual and (bf16) an fp32 master weight, forward and backward against float64."""
+    at::mm for some fp32 gradients, the oneDNN route) and split rows or columns over threads by cost: shapes on every
+    side of those rules, with gelu, bias, residual and (bf16) an fp32 master weight, forward and backward against
+    float64; with the oneDNN route allowed and switched off (FASTDL_CPU_ONEDNN=0: fastdl's kernels at every shape)."""
+    monkeypatch.setenv("FASTDL_CPU_ONEDNN", onednn)
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -172,6 +175,45 @@ def test_cpp_dispatch_regions_forward_backward(dtype, threads, M, K, N):
         check_close(plain, x, w.to(dtype), None, "none", None)
     finally:
         torch.set_num_threads(old_threads)
+
+
+def onednn_dtypes() -> str:
+    return fastdl.info(print_result=False)["cpu"].get("fused_linear_onednn", "") if HAS_CPP else ""
+
+
+# Shapes the C++ forward routes to oneDNN (fused_linear.cpp: fwd_f32_onednn on AVX-512, fwd_bf16_onednn on
+# AVX512-BF16), with K, N and M not multiples of 8 or 16.
+@pytest.mark.skipif(not HAS_CPP, reason="needs the compiled extension")
+@pytest.mark.parametrize("dtype,M,K,N", [(torch.float32, 200, 300, 70), (torch.float32, 65, 129, 33),
+                                         (torch.bfloat16, 128, 64, 200), (torch.bfloat16, 300, 37, 515)])
+def test_cpp_onednn_route_is_taken_where_the_rules_say_and_matches_reference(dtype, M, K, N, monkeypatch):
+    """At a routed shape the op returns exactly oneDNN's own result (one primitive with the activation as post-op),
+    every activation with and without a residual matches float64, fp32 training (pre-activation kept) gives the
+    reference gradients; FASTDL_CPU_ONEDNN=0 runs fastdl's own kernels there (within the same bound, other bits)."""
+    name = "fp32" if dtype == torch.float32 else "bf16"
+    if name not in onednn_dtypes():
+        pytest.skip(f"this process does not route {name} to oneDNN (CPU level or PyTorch's oneDNN: fastdl info)")
+    torch.manual_seed(0)
+    x, w, b, r = make(M, K, N, dtype, res=True)
+    with fastdl.use_backend("cpp"):
+        for act in ACTIVATIONS:
+            for res in (None, r):
+                check_close(fused_linear(x, w, b, act, res), x, w, b, act, res)
+        routed = fused_linear(x, w, b, "gelu")
+        assert torch.equal(routed, torch.ops.mkldnn._linear_pointwise(x, w, b, "gelu", [None], "none"))
+        if dtype == torch.float32:  # training: the pre-activation from oneDNN, the activation in fastdl's pass
+            leaves = [t.clone().requires_grad_() for t in (x, w, b, r)]
+            out = fused_linear(*leaves[:3], "silu", leaves[3])
+            g = torch.randn_like(out)
+            out.backward(g)
+            refs = [t.double().requires_grad_() for t in (x, w, b, r)]
+            ref64(*refs[:3], "silu", refs[3]).backward(g.double())
+            for n, got, want in zip("xwbr", leaves, refs):
+                assert rel_err(got.grad, want.grad) <= 2e-5, n
+        monkeypatch.setenv("FASTDL_CPU_ONEDNN", "0")
+        own = fused_linear(x, w, b, "gelu")
+    check_close(own, x, w, b, "gelu", None)
+    assert not torch.equal(own, routed), "FASTDL_CPU_ONEDNN=0 still ran oneDNN"
 
 
 # Shapes (M, K, N) on every side of the C++ kernels' rules at every ISA level: weight streaming (small M), broadcast

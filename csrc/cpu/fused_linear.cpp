@@ -11,14 +11,17 @@
 //     autocast): inner products streaming the weight at small M (fwd_bf16_inner in fused_linear_avx512.cpp: M <= 12,
 //     17-24, and more), else a broadcast kernel over x^T (packed once), within 1-2 % of the vdpbf16ps peak at full
 //     lanes and faster than both the packed GEMM below and oneDNN.
-//   AVX-512 families, fp32: M <= 64 small-M FMA kernel, M > 64 the fp32 pb kernel (MKL's sgemm is 2-3x slower on this
-//     AMD CPU at every M measured).
+//     Where the pb kernel would run with a weight of at most 4M elements (from M = 64), the oneDNN route instead
+//     (fused_linear_onednn.h: PyTorch's oneDNN inner product with the activation as a post-op; rules at
+//     fwd_bf16_onednn).
+//   AVX-512 families, fp32: M <= 64 small-M FMA kernel, M > 64 the oneDNN route for K >= 128 (fwd_f32_onednn: 1.0-2.2x
+//     the fp32 pb kernel), else the fp32 pb kernel (MKL's sgemm is 2-3x slower on this AMD CPU at every M measured).
 //   AVX2 family (bf16 and fp32) and the bf16 of the AVX-512 F family (no AVX512_BF16): fp32 FMA kernels that read the
 //     operands in their stored dtype (bf16 widened in registers, fp32 master weights rounded to bf16 on the way, never
 //     a converted copy of the weight): M <= 4 weight streaming (inner products), M <= 32 a broadcast kernel reading the
 //     weight rows in place against x^T, larger M the packed-panel GEMM "fgemm" (6 x 16 register tiles, the epilogue
-//     in registers on the last K block). Crossovers at kAvx2StreamMaxM; MKL's sgemm (at::mm) was not faster at any
-//     shape measured (K = N = 4096, LLaMA-7B MLP, narrow layers; see the README).
+//     in registers on the last K block). Crossovers at kAvx2StreamMaxM; MKL's sgemm (at::mm) was faster only for fp32
+//     with K <= 64 from M = 256 (fwd_f32_aten), which takes the scalar family's route below.
 //   scalar family and fp16: at::mm in fp32 on the operands rounded to c (products of bf16/fp16 values are exact in
 //     fp32), then the epilogue (in place in an fp32 output).
 // Backward: one pass computes dpre (rounded to c) and grad_bias; then grad_x / grad_weight with the pb kernels
@@ -56,6 +59,7 @@
 
 #include "cpu_isa.h"
 #include "fused_linear_kernels.h"
+#include "fused_linear_onednn.h"
 
 namespace fastdl {
 namespace fused_linear {
@@ -162,6 +166,13 @@ constexpr int64_t kFwdF32SmallM = 64;
 // 41 / 36 vs 25 / 24 | 16: 72 / 61 vs 45 / 41 | 24: 64 / 67 vs 59 / 56 | 32: 60 / 59 vs 64 / 52 (the fgemm's
 // 6-row tiles and weight transposes do not pay off below ~32 rows).
 constexpr int64_t kAvx2StreamMaxM = 32;
+// AVX2 family, fp32 with K <= 64 from 256 rows: MKL's sgemm (at::mm, then the epilogue in place) instead of fgemm,
+// whose packing of A and B is not repaid by 64 multiply-adds per output. Capped Zen 4, 2 threads, gelu + bias, ms
+// (fgemm vs F.linear + gelu): 512x64x512 0.482 vs 0.412 | 2048x64x512 1.87 vs 1.46; kept 128x64x512 0.140 vs 0.144,
+// 2048x256x1024 7.50 vs 7.29 (noise), 512x384x384 0.855 vs 0.872.
+bool fwd_f32_aten(int64_t M, int64_t K) {
+    return K <= 64 && M >= 256;
+}
 
 Act parse_activation(c10::string_view s, const char *fn) {
     Act act = Act::None;
@@ -505,6 +516,27 @@ void forward_kernels(const FwdKernel &fk, const at::Tensor &x2, const at::Tensor
     });
 }
 
+// Generic: fp32 GEMM of the operands rounded to c (the products of bf16/fp16 values are exact in fp32), then the
+// epilogue: the scalar family, fp16, and the AVX2 family's fp32 at shapes where MKL's sgemm is faster (fwd_f32_aten).
+void forward_aten(const at::Tensor &x2, const at::Tensor &w, int64_t M, int64_t N, const Epilogue &e,
+                  const at::Tensor &out, const at::Tensor &pre, const at::Tensor &b32) {
+    const auto c = x2.scalar_type();
+    const at::Tensor a = c == at::kFloat ? x2 : x2.to(at::kFloat);
+    const at::Tensor b = c == at::kFloat ? w : w.to(c).to(at::kFloat);
+    if (out.scalar_type() != at::kFloat) { // bf16 without AVX512_BF16
+        at::Tensor acc = at::mm(a, b.t());
+        return run_epilogue(e, acc.data_ptr<float>(), M, N);
+    }
+    // fp32 output: the GEMM writes into it and the epilogue runs in place (element by element, read before write) -
+    // no [M, N] accumulator to allocate and read back. Bias only: addmm, F.linear's own call. (FASTDL_CPU_ISA=scalar,
+    // bias only, fp32 M = 4096, K = 256, N = 1024: 13.2 -> 10.2 ms; 359 x 512 x 512: 1.08 -> 0.95 ms.)
+    if (e.act == Act::None && !e.res && !e.pre && b32.defined())
+        return void(at::addmm_out(const_cast<at::Tensor &>(out), b32, a, b.t()));
+    const at::Tensor &dst = e.pre ? pre : out;
+    at::mm_out(const_cast<at::Tensor &>(dst), a, b.t());
+    run_epilogue(e, dst.data_ptr<float>(), M, N);
+}
+
 // out / pre: the op's outputs as [M, N] (pre undefined when not stored); b32: the bias in fp32 or undefined.
 void forward_compute(const at::Tensor &x2, const at::Tensor &w, int64_t M, int64_t N, int64_t K, const Epilogue &e,
                      const at::Tensor &out, const at::Tensor &pre, const at::Tensor &b32) {
@@ -529,6 +561,8 @@ void forward_compute(const at::Tensor &x2, const at::Tensor &w, int64_t M, int64
         const FwdKernel &fk = c == at::kBFloat16 ? kr.fwd_bf16 : kr.fwd_f32;
         if (fk.run && M <= std::min(kAvx2StreamMaxM, fk.max_m))
             return forward_kernels(fk, x2, w, M, N, K, e);
+        if (c == at::kFloat && w.scalar_type() == at::kFloat && fwd_f32_aten(M, K))
+            return forward_aten(x2, w, M, N, e, out, pre, b32);
         FgemmArgs g;
         g.a = GemmOperand{x2.data_ptr(), K, dtype_of(c), false};
         g.b = GemmOperand{w.data_ptr(), K, dtype_of(w.scalar_type()), true};
@@ -538,21 +572,70 @@ void forward_compute(const at::Tensor &x2, const at::Tensor &w, int64_t M, int64
         g.K = K;
         return run_fgemm(g, e);
     }
-    // Generic: fp32 GEMM of the operands rounded to c (the products of bf16/fp16 values are exact in fp32).
-    const at::Tensor a = c == at::kFloat ? x2 : x2.to(at::kFloat);
-    const at::Tensor b = c == at::kFloat ? w : w.to(c).to(at::kFloat);
-    if (out.scalar_type() != at::kFloat) { // bf16 without AVX512_BF16
-        at::Tensor acc = at::mm(a, b.t());
-        return run_epilogue(e, acc.data_ptr<float>(), M, N);
+    forward_aten(x2, w, M, N, e, out, pre, b32);
+}
+
+// ---- The oneDNN route (fused_linear_onednn.h): PyTorch's oneDNN inner product with the activation as a post-op, one
+// rounding like fastdl's kernels, at the shapes where it beats them. In-process A/B, fastdl kernel vs oneDNN, gelu +
+// bias, Zen 4 (AVX512-BF16), 2 threads, ms (oneDNN's speed-up):
+//   fp32 (AVX-512 families), M > 64: fastdl's pb kernel holds the weight panel of 48 columns over the whole K, which
+//   leaves L2 at large K: 96x11008x4096 102.6 vs 46.0 (2.23x) | 128x4096x11008 111 vs 59.6 (1.86x) | 128x4096^2
+//   29.8 vs 22.1 (1.35x) | 512x4096^2 94.0 vs 83.9 (1.12x) | 128x1536^2 4.40 vs 3.40 (1.29x) | 512x384x1536 3.39 vs
+//   3.35 | 2048x4096^2 347 vs 345; kept: M <= 64 (the small-M kernel: 48x4096^2 9.76 vs 10.7, 64x1536x384 0.39 vs
+//   0.42) and K < 128 (96x64x512 0.096 vs 0.106, 2048x64x512 1.02 vs 1.13).
+//   bf16 (AVX512_BF16), where fastdl would run its pb kernel (fwd_bf16_pb), M >= 64 and a weight of at most 4M
+//   elements: 2048x64x512 0.861 vs 0.676 (1.27x) | 256x1536^2 3.63 vs 3.23 (1.12x) | 512x384x1536 1.90 vs 1.76
+//   (1.08x) | 256x1024^2 1.61 vs 1.46 (1.10x) | 64x384x384 0.092 vs 0.089; kept: the in-place kernels below the pb
+//   region (16x1536^2 0.265 vs 0.325, 64x11008x4096 14.2 vs 18.1, 128x4096^2 10.8 vs 11.6) and pb with larger weights
+//   (2048x4096^2 174 vs 198).
+//   AVX2 family: oneDNN's fp32 lost to fgemm at every shape measured (capped Zen 4: 512x4096^2 87.8 vs 108) and it
+//   has no bf16 there; MKL's sgemm wins at K <= 64 (fwd_f32_aten).
+// The route needs the weight in the compute dtype (fp32 master weights with bf16 x keep fastdl's kernels, which round
+// it in registers), computes the stored pre-activation only in fp32 (bf16 training keeps the kernels: out must come
+// from the fp32 accumulator), and takes a bf16 residual only without an activation (a binary post-op).
+bool fwd_f32_onednn(int64_t M, int64_t K) {
+    return M > kFwdF32SmallM && K >= 128;
+}
+bool fwd_bf16_onednn(int64_t M, int64_t N, int64_t K) {
+    return M >= 64 && fwd_bf16_pb(M, N, K) && N * K <= (int64_t{1} << 22);
+}
+
+bool choose_onednn(at::ScalarType c, at::ScalarType wt, Act act, at::ScalarType rt, bool has_res, bool store_pre,
+                   int64_t M, int64_t N, int64_t K) {
+    const Kernels &kr = kernels();
+    if (wt != c)
+        return false;
+    bool rule = false;
+    if (c == at::kFloat && kr.pb_f32.block)
+        rule = fwd_f32_onednn(M, K);
+    else if (c == at::kBFloat16 && kr.pb_bf16.block)
+        rule = !store_pre && (!has_res || (act == Act::None && rt == c)) && fwd_bf16_onednn(M, N, K);
+    return rule && onednn_available(c); // (last: it reads the environment)
+}
+
+// Returns (out, pre) as [M, N] (pre undefined unless stored; fp32 only, see above).
+std::tuple<at::Tensor, at::Tensor> forward_onednn(const at::Tensor &x2, const at::Tensor &w,
+                                                  const std::optional<at::Tensor> &bias, Act act, const at::Tensor &res,
+                                                  bool store_pre) {
+    if (!store_pre && (!res.defined() || act == Act::None)) // the whole op in one primitive
+        return {onednn_linear(x2, w, bias, act, res.defined() ? res.to(x2.scalar_type()) : res), at::Tensor()};
+    // fp32: the product + bias from oneDNN, then the activation and residual in one elementwise pass (in place, or
+    // into out when the pre-activation is kept)
+    at::Tensor lin = onednn_linear(x2, w, bias, Act::None, at::Tensor());
+    const int64_t M = lin.size(0), N = lin.size(1);
+    at::Tensor out = store_pre ? empty_output({M, N}, lin.options()) : lin;
+    Epilogue e;
+    if (res.defined()) {
+        e.res = res.data_ptr();
+        e.ld_res = N;
+        e.res_dtype = dtype_of(res.scalar_type());
     }
-    // fp32 output: the GEMM writes into it and the epilogue runs in place (element by element, read before write) -
-    // no [M, N] accumulator to allocate and read back. Bias only: addmm, F.linear's own call. (FASTDL_CPU_ISA=scalar,
-    // bias only, fp32 M = 4096, K = 256, N = 1024: 13.2 -> 10.2 ms; 359 x 512 x 512: 1.08 -> 0.95 ms.)
-    if (e.act == Act::None && !e.res && !e.pre && b32.defined())
-        return void(at::addmm_out(const_cast<at::Tensor &>(out), b32, a, b.t()));
-    const at::Tensor &dst = e.pre ? pre : out;
-    at::mm_out(const_cast<at::Tensor &>(dst), a, b.t());
-    run_epilogue(e, dst.data_ptr<float>(), M, N);
+    e.out = out.data_ptr();
+    e.ld_out = N;
+    e.out_dtype = DType::F32;
+    e.act = act;
+    run_epilogue(e, lin.data_ptr<float>(), M, N);
+    return {out, store_pre ? lin : at::Tensor()};
 }
 
 // The checks and the shapes both entry points start with: the activation, x's rank and dtype, the weight against x;
@@ -589,9 +672,18 @@ std::tuple<at::Tensor, at::Tensor> fused_linear_cpu(const at::Tensor &x, const a
 
     const bool store_pre = save_preact && act != Act::None;
     const auto io = c == at::kHalf ? at::kFloat : c; // fp16 (CUDA's dtype) is computed through fp32 on CPU
-    at::Tensor out = empty_output({M, N}, x.options().dtype(io));
-    at::Tensor pre = store_pre ? empty_output({M, N}, x.options().dtype(io)) : at::Tensor();
-    if (M > 0 && N > 0) {
+    at::Tensor out, pre;
+    const bool routed =
+        M > 0 && N > 0 && K > 0 &&
+        choose_onednn(c, weight.scalar_type(), act, has_res ? residual->scalar_type() : c, has_res, store_pre, M, N, K);
+    if (routed)
+        std::tie(out, pre) = forward_onednn(x.reshape({M, K}).contiguous(), weight.contiguous(), bias, act,
+                                            has_res ? as_matrix(*residual, M, N) : at::Tensor(), store_pre);
+    else {
+        out = empty_output({M, N}, x.options().dtype(io));
+        pre = store_pre ? empty_output({M, N}, x.options().dtype(io)) : at::Tensor();
+    }
+    if (M > 0 && N > 0 && !routed) {
         const at::Tensor b32 = has_bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
         const at::Tensor res = has_res ? as_matrix(*residual, M, N) : at::Tensor();
         Epilogue e;
@@ -922,6 +1014,18 @@ fused_linear_backward_cpu(const at::Tensor &grad_out, const at::Tensor &x, const
 
 const char *fastdl_fused_linear_cpu_kernels() {
     return fastdl::fused_linear::kernels().name;
+}
+
+// The dtypes the fused linear forward routes to oneDNN at large shapes in this process ("fp32, bf16", "fp32" or "").
+std::string fastdl_fused_linear_onednn() {
+    using namespace fastdl::fused_linear;
+    const Kernels &kr = kernels();
+    std::string s;
+    if (kr.pb_f32.block && onednn_available(at::kFloat))
+        s = "fp32";
+    if (kr.pb_bf16.block && onednn_available(at::kBFloat16))
+        s += s.empty() ? "bf16" : ", bf16";
+    return s;
 }
 
 TORCH_LIBRARY_IMPL(fastdl_cpp, CPU, m) {
