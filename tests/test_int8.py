@@ -1162,11 +1162,14 @@ def check_w8a8_exact() -> str:
 
 def check_weight_only_paths() -> str:
     """int8_weight_only_linear on the shapes that take every kernel path of a level (the dot form for few rows, the
-    GEMM on dequantised blocks for many: row blocks of 240, column blocks of 128, several K slices, K and N tails),
-    per channel and with group codes, fp32 / bf16 / fp16 x, non-contiguous x with leading dims, against float64."""
+    GEMM on dequantised blocks for many: row blocks of 240, column blocks of 128, several K slices, K and N tails; at
+    the AVX2 level from 64 rows fused_linear's fgemm on the int8 weight: 6-row and 16-column tails, K blocks of 256
+    and a K tail inside a group), per channel and with group codes, fp32 / bf16 / fp16 x, non-contiguous x with
+    leading dims, against float64."""
     torch.manual_seed(0)
     worst = 0.0
-    for M, K, N in [(1, 7, 5), (2, 100, 9), (7, 515, 33), (8, 33, 130), (16, 384, 20), (33, 1100, 7), (250, 70, 131)]:
+    for M, K, N in [(1, 7, 5), (2, 100, 9), (7, 515, 33), (8, 33, 130), (16, 384, 20), (33, 1100, 7), (250, 70, 131),
+                    (64, 33, 17), (97, 515, 70), (70, 1100, 49)]:
         w = torch.randn(N, K)
         bias = torch.randn(N)
         wq, ws = quantize_per_channel(w)

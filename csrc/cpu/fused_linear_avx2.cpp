@@ -349,6 +349,23 @@ FA void fgemm_pack_a_avx2(const FgemmArgs &g, int64_t panel0, int64_t panel1, fl
 
 // The columns [nc, nc + 16 * njr) of B over the whole K into the strip buffer bp (layout above): B trans 8 weight rows
 // at a time, each read over its whole K in order; B rows row by row (only for short K: see fgemm_strip_mode).
+// 8 k of an int8 weight row (n valid, zeros beyond) dequantized: q * group code (exact) * the row's scale.
+FA FA_INLINE __m256 load_int8_weight(const Int8Weight &w, int64_t j, int64_t k, int64_t n) {
+    const int8_t *src = w.q + j * w.ldq + k;
+    __m128i b8;
+    if (n >= 8) {
+        b8 = _mm_loadl_epi64(reinterpret_cast<const __m128i *>(src));
+    } else { // tail: no byte past the row is read
+        alignas(16) int8_t t[16] = {};
+        std::memcpy(t, src, static_cast<size_t>(n));
+        b8 = _mm_load_si128(reinterpret_cast<const __m128i *>(t));
+    }
+    __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b8));
+    if (w.group) // k is a multiple of 8, groups of 16: one code
+        v = _mm256_mul_ps(v, _mm256_set1_ps(static_cast<float>(w.group[j * w.ldg + k / 16])));
+    return _mm256_mul_ps(v, _mm256_set1_ps(w.scale[j]));
+}
+
 FA void fgemm_pack_b(const FgemmArgs &g, int64_t nc, int64_t njr, float *bp) {
     const GemmOperand &b = g.b;
     const int64_t N = g.N, K = g.K;
@@ -378,8 +395,9 @@ FA void fgemm_pack_b(const FgemmArgs &g, int64_t nc, int64_t njr, float *bp) {
                 __m256 r[8];
 #pragma GCC unroll 8
                 for (int q = 0; q < 8; ++q)
-                    r[q] = q < rows ? load_operand(base + (j0 + q) * b.ld * esz, b.dtype, k, K - k, rnd)
-                                    : _mm256_setzero_ps();
+                    r[q] = q >= rows ? _mm256_setzero_ps()
+                           : g.bq.q  ? load_int8_weight(g.bq, j0 + q, k, K - k)
+                                     : load_operand(base + (j0 + q) * b.ld * esz, b.dtype, k, K - k, rnd);
                 transpose8(r);
                 float *dst = at(jr, k) + 8 * h;
                 const int64_t kn = std::min<int64_t>(8, K - k);

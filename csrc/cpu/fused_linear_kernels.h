@@ -198,8 +198,18 @@ struct SmallBackward {
 // kFgMR x kFgNR register tiles over K blocks of kFgKC, packing the B it needs (widened, rounded) into its workspace
 // (fgemm_workspace_bytes): B trans per strip of kFgNC columns over the whole K, B rows per K block over all columns
 // (whole row segments: TLB-friendly). The fp32 sums stay in the workspace until the epilogue runs on them.
+//   bq (instead of b, b.trans only): an int8 weight dequantized while it is packed, B[k][j] = (q[j * ldq + k] *
+//      group[j * ldg + k / 16]) * scale[j] (the codes optional): int8_weight_only_linear's format, no fp32 copy.
+struct Int8Weight {
+    const int8_t *q = nullptr;
+    int64_t ldq = 0;
+    const float *scale = nullptr;
+    const uint8_t *group = nullptr; // [N, ceil(K / 16)] or null
+    int64_t ldg = 0;
+};
 struct FgemmArgs {
     GemmOperand a, b;
+    Int8Weight bq; // bq.q set: B is this int8 weight (b unused)
     bool round_b = false;
     int64_t M = 0, N = 0, K = 0;
 };
@@ -212,6 +222,12 @@ struct Fgemm {
     void (*block)(const FgemmArgs &g, const float *ap, int64_t m0, int64_t m1, int64_t n0, int64_t n1,
                   const Epilogue &epi, void *workspace) = nullptr;
 };
+
+// x [M, K] (fp32 or bf16, row stride ldx) times an int8 weight (FgemmArgs::bq) through fgemm, + bias (fp32 or null),
+// into out [M, N] (row stride N, fp32 or bf16): fused_linear.cpp runs it on its threads; false (nothing written)
+// when this process's family has no fgemm. For int8_weight_only_linear where it is compute-bound (int8.cpp).
+bool fgemm_int8_weight(const void *x, DType x_dtype, int64_t ldx, int64_t M, const Int8Weight &w, int64_t N, int64_t K,
+                       const float *bias, void *out, DType out_dtype);
 
 // ---------------------------------------------------------------------------------------------------------------
 // One family's kernels. Absent kernels are null; the glue then takes the next path (see fused_linear.cpp).
