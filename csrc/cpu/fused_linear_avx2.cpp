@@ -347,8 +347,6 @@ FA void fgemm_pack_a_avx2(const FgemmArgs &g, int64_t panel0, int64_t panel1, fl
     }
 }
 
-// The columns [nc, nc + 16 * njr) of B over the whole K into the strip buffer bp (layout above): B trans 8 weight rows
-// at a time, each read over its whole K in order; B rows row by row (only for short K: see fgemm_strip_mode).
 // 8 k of an int8 weight row (n valid, zeros beyond) dequantized: q * group code (exact) * the row's scale.
 FA FA_INLINE __m256 load_int8_weight(const Int8Weight &w, int64_t j, int64_t k, int64_t n) {
     const int8_t *src = w.q + j * w.ldq + k;
@@ -366,6 +364,8 @@ FA FA_INLINE __m256 load_int8_weight(const Int8Weight &w, int64_t j, int64_t k, 
     return _mm256_mul_ps(v, _mm256_set1_ps(w.scale[j]));
 }
 
+// The columns [nc, nc + 16 * njr) of B over the whole K into the strip buffer bp (layout above): B trans 8 weight rows
+// at a time, each read over its whole K in order; B rows row by row (only for short K: see fgemm_strip_mode).
 FA void fgemm_pack_b(const FgemmArgs &g, int64_t nc, int64_t njr, float *bp) {
     const GemmOperand &b = g.b;
     const int64_t N = g.N, K = g.K;

@@ -18,7 +18,6 @@
 
 #include <algorithm>
 #include <cstdlib>
-#include <cstring>
 #include <memory>
 #include <string>
 #include <tuple>
@@ -521,7 +520,7 @@ at::Tensor int8_linear_qat(const at::Tensor &x, const at::Tensor &weight, const 
 // 1.03 | 4096x64x512 2.33 vs 1.50 (1.46) | 64x1024^2 1.05 vs 0.80 | 64x384x384 0.15 vs 0.13; kept below 64 rows:
 // 32x1024^2 0.42 vs 0.48 (the dot form reads int8 in its inner loop, and M is too small to amortise the packing).
 bool weight_only_fgemm(const Kernels &kr, int64_t M) {
-    return M >= 64 && std::strcmp(kr.name, "avx2") == 0;
+    return M >= 64 && &kr == kernels_avx2();
 }
 
 at::Tensor int8_weight_only_linear(const at::Tensor &x, const at::Tensor &w_q, const at::Tensor &w_scale,
@@ -555,7 +554,9 @@ at::Tensor int8_weight_only_linear(const at::Tensor &x, const at::Tensor &w_q, c
     // amortised over rows; from 4 rows the bf16 kernel wins (0.257 vs 0.272 ms at 4 rows).
     const int64_t rows_total = c10::multiply_integers(x.sizes().slice(0, x.dim() - 1));
     const bool bf16 = x.scalar_type() == at::kBFloat16 && kr.weight_only_bf16 != nullptr && rows_total >= 4;
-    at::Tensor x2 = rows_view(bf16 ? x : x.to(at::kFloat));
+    // fgemm reads a bf16 x as it is (widened exactly while packed); it has no fp16 (x and out fp16: the kernel).
+    const bool fgemm = weight_only_fgemm(kr, rows_total) && x.scalar_type() != at::kHalf;
+    at::Tensor x2 = rows_view(bf16 || (fgemm && x.scalar_type() == at::kBFloat16) ? x : x.to(at::kFloat));
     const at::Tensor w = w_q.stride(1) == 1 || K <= 1 ? w_q : w_q.contiguous();
     const at::Tensor ws = w_scale.contiguous();
     at::Tensor bias_f;
@@ -575,12 +576,14 @@ at::Tensor int8_weight_only_linear(const at::Tensor &x, const at::Tensor &w_q, c
     base.ldo = N;
     base.out_dtype = dtype_of(x.scalar_type());
     const int64_t M = base.rows;
-    if (weight_only_fgemm(kr, M) && !bf16 && out.scalar_type() != at::kHalf) {
+    if (fgemm) {
         namespace fl = fastdl::fused_linear;
         const fl::Int8Weight iw{base.w, base.ldw, base.w_scale, base.w_group, base.ldg};
+        const fl::DType xd = x2.scalar_type() == at::kFloat ? fl::DType::F32 : fl::DType::BF16;
         const fl::DType od = out.scalar_type() == at::kFloat ? fl::DType::F32 : fl::DType::BF16;
-        if (fl::fgemm_int8_weight(base.x, fl::DType::F32, base.ldx, M, iw, N, K, base.bias, base.out, od))
+        if (fl::fgemm_int8_weight(base.x, xd, base.ldx, M, iw, N, K, base.bias, base.out, od))
             return out;
+        TORCH_CHECK(x2.scalar_type() == at::kFloat, op, ": internal error: bf16 x without fgemm");
     }
     auto fn = bf16 ? kr.weight_only_bf16 : kr.weight_only_f32;
     const int64_t xe = bf16 ? 2 : 4, oe = out.element_size();
