@@ -94,6 +94,19 @@ def test_mismatched_caps_are_warned(monkeypatch):
     assert any("oneDNN" in w for w in ctx["warnings"])
 
 
+@pytest.mark.parametrize("level,warned", [("avx512_bf16", True), ("avx2", False)])
+def test_pytorch_capped_below_fastdl_is_warned(monkeypatch, level, warned):
+    """PyTorch capped to AVX2 while fastdl runs uncapped: a warning on an AVX-512 CPU (the ratios mix two levels),
+    none on an AVX2-only CPU, where --isa avx2 caps nothing for either."""
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    monkeypatch.setattr("fastdl._extension.cpu_info", lambda: {
+        "model": "X", "level": level, "detected_level": level, "capped": False, "kernels": {}})
+    monkeypatch.setattr(isa, "pytorch_levels", lambda: {
+        "aten": "AVX2", "onednn_bf16": False, "onednn_max_isa": "AVX2", "mkl_cap": "AVX2", "fbgemm_cap": "AVX2"})
+    warnings = isa.run_context()["warnings"]
+    assert any("but fastdl is not" in w for w in warnings) == warned, warnings
+
+
 def test_slow_call_is_timed_fewer_times_and_marked():
     calls = []
 

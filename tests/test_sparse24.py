@@ -333,6 +333,11 @@ def test_opcheck_every_op(backend):
         torch.library.opcheck(torch.ops.fastdl.sparse24_linear.default, (x, v, meta, b))
         torch.library.opcheck(torch.ops.fastdl.sparse24_linear.default,
                               (x.detach().bfloat16(), values.bfloat16(), meta, None))
+        g = torch.randn(7, 9)
+        torch.library.opcheck(torch.ops.fastdl.sparse24_linear_backward.default,
+                              (g, x.detach(), values, meta, [True, True, True]))
+        torch.library.opcheck(torch.ops.fastdl.sparse24_linear_backward.default,
+                              (g.bfloat16(), x.detach().bfloat16(), values.bfloat16(), meta, [True, False, True]))
 
 
 def test_sparse_linear_gradients():
@@ -341,6 +346,60 @@ def test_sparse_linear_gradients():
     v = values.clone().requires_grad_()
     b = torch.randn(6, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda x, v, b: sp.sparse24_linear(x, v, meta, b), (x, v, b))
+
+
+def backward_float64(g, x, values, meta):
+    """The backward of x @ W.T + b written independently: float64, the values' gradient read from the dense weight
+    gradient at the positions of the mask ``decompress_2_4(ones)`` (two per group, in increasing order)."""
+    N, K = values.shape[0], 2 * values.shape[1]
+    w = torch.zeros(N, K, dtype=torch.float64)
+    keep = sp.unpack_meta(meta, K)
+    w[keep] = values.double().reshape(-1)
+    g2, x2 = g.double().reshape(-1, N), x.double().reshape(-1, K)
+    return (g2 @ w).reshape(x.shape), (g2.t() @ x2)[keep].reshape(N, K // 2), g2.sum(0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape,K,N", [((1,), 4, 1), ((7,), 44, 33), ((2, 3), 100, 9), ((33,), 132, 127)])
+def test_sparse_linear_backward_op_matches_float64(backend, dtype, shape, K, N):
+    """fastdl::sparse24_linear_backward (one call: grad_x, grad_values, grad_bias) against float64, on odd shapes,
+    a non-contiguous x and grad_out, each output_mask; the gradients of sparse24_linear flow through it."""
+    values, meta = sp.compress_2_4(torch.randn(N, K))
+    values = values.to(dtype)
+    x = torch.randn(*shape, 2 * K).to(dtype)[..., ::2]  # non-contiguous
+    g = torch.randn(N, *shape).to(dtype).movedim(0, -1)  # non-contiguous
+    rx, rv, rb = backward_float64(g, x, values, meta)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    with fastdl.use_backend(backend):
+        gx, gv, gb = sp.sparse24_linear_backward_op(g, x, values, meta, [True, True, True])
+        assert gx.shape == x.shape and gx.dtype == dtype and gv.shape == values.shape and gv.dtype == dtype
+        assert gb.dtype == torch.float32 and gb.shape == (N,)
+        assert rel_err(gx, rx) < tol and rel_err(gv, rv) < tol and rel_err(gb, rb) < 1e-5
+        for mask in ([True, False, False], [False, True, False], [False, False, True]):
+            part = sp.sparse24_linear_backward_op(g, x, values, meta, mask)
+            for want, got, full in zip(mask, part, (gx, gv, gb)):
+                assert (torch.equal(got, full) if want else got.numel() == 0), mask
+        xr, vr = x.detach().clone().requires_grad_(), values.clone().requires_grad_()
+        br = torch.randn(N, dtype=dtype, requires_grad=True)
+        sp.sparse24_linear(xr, vr, meta, br).backward(g)
+    assert torch.equal(xr.grad, gx) and torch.equal(vr.grad, gv) and torch.equal(br.grad, gb.to(dtype))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sparse_linear_backward_op_bad_inputs(backend):
+    values, meta = sp.compress_2_4(torch.randn(6, 12))
+    x, g = torch.randn(5, 12), torch.randn(5, 6)
+    with fastdl.use_backend(backend):
+        msg = r"sparse24_linear_backward: grad_out must have shape \[5, 6\], got \[5, 7\]"
+        with pytest.raises(ValueError, match=msg):
+            sp.sparse24_linear_backward_op(torch.randn(5, 7), x, values, meta, [True, True, True])
+        with pytest.raises(ValueError, match=r"x.shape\[-1\] = 8 must equal K = 2 \* values.shape\[1\] = 12"):
+            sp.sparse24_linear_backward_op(g, torch.randn(5, 8), values, meta, [True, True, True])
+        bad = meta.clone()
+        bad[0, 0] = 0x11  # one bit in each of the first two groups
+        with pytest.raises(ValueError, match="meta must have exactly 2 bits set in every 4-bit group"):
+            sp.sparse24_linear_backward_op(g, x, values, bad, [False, True, False])
 
 
 def test_backend_routing_and_explicit_triton_on_cpu():

@@ -422,9 +422,13 @@ FDL_AVX2 inline void wo_group1(const float *x, const int8_t *w, int64_t ldw, int
     const __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
 #pragma GCC unroll 8
     for (int j = 0; j < NB; ++j) {
-        const __m128i w16 = _mm_loadu_si128(reinterpret_cast<const __m128i *>(w + j * ldw + k));
-        const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(w16));
-        const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(w16, w16)));
+        // Two 8-byte loads, each folded into vpmovsxbd's memory operand, instead of one 16-byte load and a vpunpckhqdq
+        // (one shuffle less per 16 weights).
+        const int8_t *wj = w + j * ldw + k;
+        const __m256 w0 =
+            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(wj))));
+        const __m256 w1 =
+            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(wj + 8))));
         const __m256 t = _mm256_fmadd_ps(x1, w1, _mm256_mul_ps(x0, w0));
         acc[j] = _mm256_fmadd_ps(t, _mm256_broadcast_ss(c + j * kCodeChunk), acc[j]);
     }

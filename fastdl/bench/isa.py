@@ -139,7 +139,9 @@ def run_context() -> dict:
     if cpu["capped"] and level in ("scalar", "avx2") and pt["onednn_bf16"]:
         warnings.append(f"fastdl is capped to {level} but oneDNN still runs bf16 with AVX-512 (set "
                         "ONEDNN_MAX_CPU_ISA=AVX2 or use --isa)")  # fmt: skip
-    if not cpu["capped"] and any(os.environ.get(k) for k in CAP_VARS[1:]):
+    # PyTorch capped below fastdl's level (the caps of a CPU's own level, e.g. --isa avx2 on an AVX2-only CPU, change
+    # nothing for either: no warning then)
+    if not cpu["capped"] and any(os.environ.get(k) for k in CAP_VARS[1:]) and pt["aten"] != want_aten:
         warnings.append("PyTorch is capped (" + ", ".join(f"{k}={os.environ[k]}" for k in CAP_VARS[1:]
                                                          if os.environ.get(k)) + ") but fastdl is not")  # fmt: skip
     return {

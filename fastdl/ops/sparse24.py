@@ -20,6 +20,10 @@ Ops (``torch.ops.fastdl.<name>``; every backend implements exactly this):
     as fp32), one rounding to x's dtype. x is float32/bfloat16 (float16 on CUDA; float64 on the reference path).
     Differentiable in x, values and bias (the gradient of values is the dense weight gradient at the kept
     positions).
+``sparse24_linear_backward(grad_out [..., N], x, values, meta, output_mask bool[3]) -> (grad_x, grad_v, grad_b)``
+    The backward of ``sparse24_linear`` in one call: ``grad_x = grad_out @ W`` in x's dtype, ``grad_values`` =
+    ``grad_out^T @ x`` (fp32) at the kept positions in values' dtype, ``grad_bias`` = the fp32 sum of ``grad_out``
+    over rows. An output whose ``output_mask`` entry is False is an empty tensor.
 
 Helpers (plain functions): ``pack_mask(mask) -> meta`` and ``unpack_meta(meta, K) -> mask`` convert between a bool
 mask and the meta layout (any mask, not only 2-of-4: fastdl.sparsity stores its training masks this way).
@@ -37,6 +41,9 @@ MASK_SCHEMA = "(Tensor w) -> Tensor"
 COMPRESS_SCHEMA = "(Tensor w) -> (Tensor, Tensor)"
 DECOMPRESS_SCHEMA = "(Tensor values, Tensor meta) -> Tensor"
 LINEAR_SCHEMA = "(Tensor x, Tensor values, Tensor meta, Tensor? bias) -> Tensor"
+BACKWARD_SCHEMA = (
+    "(Tensor grad_out, Tensor x, Tensor values, Tensor meta, bool[3] output_mask) -> (Tensor, Tensor, Tensor)"
+)
 
 
 # ----------------------------------------------------------------------------------------------- argument checks
@@ -327,22 +334,65 @@ def _linear_setup_context(ctx, inputs, output):
     ctx.save_for_backward(x, values, meta)
 
 
-def _linear_backward(ctx, grad_out):
-    x, values, meta = ctx.saved_tensors
-    need_x, need_v, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[3]
+def _check_backward(grad_out, x, values, meta):
+    N, _ = check_linear(x, values, meta, None)
+    fn = "sparse24_linear_backward"
+    require_dtype(grad_out.dtype in _FLOAT, lambda: f"{fn}: grad_out must be a floating tensor, got {grad_out.dtype}")
+    out_shape = (*x.shape[:-1], N)
+    require(
+        tuple(grad_out.shape) == out_shape,
+        lambda: f"{fn}: grad_out must have shape {list(out_shape)}, got {list(grad_out.shape)}",
+    )
+    require_device(
+        grad_out.device == x.device, lambda: f"{fn}: grad_out must be on x's device {x.device}, got {grad_out.device}"
+    )
+
+
+def _backward_fake(grad_out, x, values, meta, output_mask):
+    _check_backward(grad_out, x, values, meta)
+    gx = x.new_empty(x.shape) if output_mask[0] else x.new_empty(0)
+    gv = values.new_empty(values.shape) if output_mask[1] else values.new_empty(0)
+    gb = x.new_empty((values.shape[0],), dtype=torch.float32) if output_mask[2] else x.new_empty(0, dtype=torch.float32)
+    return gx, gv, gb
+
+
+def _backward_reference(grad_out, x, values, meta, output_mask):
+    _check_backward(grad_out, x, values, meta)
     N, K = values.shape[0], 2 * values.shape[1]
     g = grad_out.reshape(-1, N)
-    gx = gv = gb = None
-    if need_x:
+    gx, gv, gb = x.new_empty(0), values.new_empty(0), x.new_empty(0, dtype=torch.float32)
+    if output_mask[0]:
         w = decompress_2_4_op(values, meta).to(x.dtype)
         gx = torch.matmul(g.to(x.dtype), w).reshape(x.shape)
-    if need_v:
+    if output_mask[1]:
         dense = torch.matmul(g.t().float(), x.reshape(-1, K).float())
         keep = decompress_2_4_op(torch.ones_like(values), meta) != 0
         gv = dense[keep].reshape(N, K // 2).to(values.dtype)
-    if need_b:
-        gb = g.float().sum(0).to(ctx.bias_dtype)
-    return gx, gv, None, gb
+    if output_mask[2]:
+        gb = g.float().sum(0)
+    return gx, gv, gb
+
+
+sparse24_linear_backward_op = define(
+    "sparse24_linear_backward",
+    BACKWARD_SCHEMA,
+    reference=_backward_reference,
+    fake=_backward_fake,
+    prefer={"cpu": ("cpp", "torch"), "cuda": ("torch",)},
+    supports=lambda backend, args: _linear_supports(backend, args[1:]),
+    check=lambda g, x, values, meta, mask: _check_backward(g, x, values, meta),
+)
+
+
+def _linear_backward(ctx, grad_out):
+    x, values, meta = ctx.saved_tensors
+    need_x, need_v, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[3]
+    if not (need_x or need_v or need_b):
+        return None, None, None, None
+    gx, gv, gb = sparse24_linear_backward_op(grad_out, x, values, meta, [need_x, need_v, need_b])
+    if need_b and gb.dtype != ctx.bias_dtype:
+        gb = gb.to(ctx.bias_dtype)
+    return (gx if need_x else None), (gv if need_v else None), None, (gb if need_b else None)
 
 
 register_autograd(sparse24_linear_op, _linear_backward, _linear_setup_context)
