@@ -19,7 +19,7 @@ from . import BENCHMARKS
 from .common import context, print_table, pyplot, say, set_deadline, stop_requested, write_csv
 
 # Share of the time box per benchmark (the model benchmark converts and runs whole models; overhead is cheap).
-WEIGHTS = {"fused_linear": 0.22, "int8": 0.18, "sparse24": 0.1, "overhead": 0.06, "model": 0.36, "loader": 0.08}
+WEIGHTS = {"fused_linear": 0.2, "int8": 0.16, "sparse24": 0.09, "overhead": 0.05, "model": 0.42, "loader": 0.08}
 # --quick: the microbenchmarks run 3 shapes each; the whole models get the largest share
 QUICK_WEIGHTS = {"fused_linear": 0.19, "int8": 0.13, "sparse24": 0.08, "overhead": 0.06, "model": 0.47, "loader": 0.07}
 # The box bounds when a benchmark starts its next shape; the shape it is measuring then finishes (the slowest: one
