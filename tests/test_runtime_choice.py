@@ -272,6 +272,35 @@ def test_nothing_is_timed_under_grad_and_decisions_are_used_there(timer):
     torch.testing.assert_close(f.weight.grad, lin.weight.grad)
 
 
+def test_trainable_sparse24_takes_the_fixed_rule_not_an_inference_decision(timer):
+    """A decision measured on inference calls (here "dense_fused" for the layer's shape and bucket, made by another
+    module of that shape) is not used by a call that trains the values: it takes the fixed rule's path (the sparse op
+    with its one-call backward below 256 rows), and its gradients are those of the dense layer on the masked weight."""
+    timer.fn = lambda name, rows: {"sparse": 3.0, "dense": 2.0, "dense_fused": 1.0}[name]
+    lin = _linear(64, 32)
+    inference = Sparse24Linear.from_linear(lin, activation="gelu")
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        inference(x)
+    assert inference.last_path == "dense_fused"
+    timer.fn = None  # nothing is timed from here on
+    trainable = Sparse24Linear.from_linear(lin, activation="gelu", trainable=True)
+    xg = x.clone().requires_grad_()
+    assert trainable.path_for(xg) == "sparse"
+    out = trainable(xg)
+    assert trainable.last_path == "sparse"
+    out.sum().backward()
+    dense = trainable.dense_weight().detach().requires_grad_()
+    x2 = x.clone().requires_grad_()
+    torch.nn.functional.gelu(torch.nn.functional.linear(x2, dense, trainable.bias.detach())).sum().backward()
+    torch.testing.assert_close(xg.grad, x2.grad)
+    keep = dense.detach() != 0
+    torch.testing.assert_close(trainable.values.grad.reshape(-1), dense.grad[keep])
+    with torch.no_grad():  # inference calls of the trainable layer still use the decision
+        trainable(x)
+    assert trainable.last_path == "dense_fused"
+
+
 def test_no_timing_under_autocast_or_inside_torch_compile(timer):
     f = FusedLinear.from_linear(_linear(), "gelu")
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
