@@ -325,11 +325,10 @@ class Sparse24Linear(RuntimeChoice, VersionedModule):
         """Which path ``forward(x)`` takes now: ``"sparse"``, ``"dense"``, ``"dense_fused"`` or ``"semi"`` (the
         decision of x's bucket if one was made, else the fixed rule; the fixed rule for calls that train the values;
         nothing is timed)."""
-        path = self.known_path(x) if self.mode == "auto" and not self._training_values() else None
-        path = path or self._fixed_path(x)
-        if path == "semi" and self._training_values():
-            path = "dense"
-        return path
+        if self._training_values():
+            return self._fixed_path(x)  # never "semi": _semi_ok excludes training calls
+        path = self.known_path(x) if self.mode == "auto" else None
+        return path or self._fixed_path(x)
 
     def _fixed_path(self, x: torch.Tensor) -> str:
         """The path of the fixed rule (thresholds) for x."""
@@ -429,8 +428,6 @@ class Sparse24Linear(RuntimeChoice, VersionedModule):
             out = self._dense_fast(x)  # the path of tiny shapes, where ~1 us per call shows
             if out is not None:
                 return out
-        if path == "semi" and self._training_values():
-            path = "dense"
         return not_a_view(self._run_path(path, x, residual))
 
     def _dense_fast(self, x: torch.Tensor) -> torch.Tensor | None:
