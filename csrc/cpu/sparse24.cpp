@@ -380,8 +380,8 @@ at::Tensor sparse24_linear(const at::Tensor &x_in, const at::Tensor &values_in, 
 
 // ------------------------------------------------------------------------------------------- backward
 // The gradient of the values is the dense weight gradient (g^T x, fp32) at the kept positions: rows [r0, r1) of
-// dense [N, K] gathered into out [N, K/2] in the order of the values (the first two set bits of each group's nibble,
-// as decompress_rows reads them). Returns false when a group of these rows has fewer than 2 bits set.
+// dense [N, K] gathered into out [N, K/2] in the order of the values (detail::kept_positions, as decompress_rows
+// reads them). Returns false when a group of these rows has fewer than 2 bits set.
 bool gather_kept_rows(const float *dense, const uint8_t *meta, int64_t K, int64_t r0, int64_t r1, float *out) {
     const int64_t mb = (K + 7) / 8, half = K / 2;
     for (int64_t r = r0; r < r1; ++r) {
@@ -389,14 +389,13 @@ bool gather_kept_rows(const float *dense, const uint8_t *meta, int64_t K, int64_
         const uint8_t *m = meta + r * mb;
         float *o = out + r * half;
         for (int64_t g = 0; g < K / 4; ++g) {
-            const int nib = (m[g / 2] >> (4 * (g & 1))) & 15;
-            int j = 0;
-            for (int i = 0; i < 4 && j < 2; ++i) {
-                if ((nib >> i) & 1)
-                    o[2 * g + j++] = d[4 * g + i];
-            }
-            if (j < 2)
+            const int nib = detail::meta_nibble(m, g);
+            if (__builtin_popcount(nib) < 2)
                 return false;
+            int p0, p1;
+            detail::kept_positions(nib, p0, p1);
+            o[2 * g] = d[4 * g + p0];
+            o[2 * g + 1] = d[4 * g + p1];
         }
     }
     return true;
