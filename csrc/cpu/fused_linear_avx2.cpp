@@ -315,19 +315,36 @@ FA void fgemm_pack_a_avx2(const FgemmArgs &g, int64_t panel0, int64_t panel1, fl
     const GemmOperand &a = g.a;
     const size_t esz = a.dtype == DType::F32 ? 4 : 2;
     const char *base = static_cast<const char *>(a.ptr);
+    if (a.trans) { // A[i][k] = a[k * lda + i]: 6 contiguous elements of a row of a per k and panel
+        // Rows of a are walked in chunks of 16 across all the panels (each row read once, while in L1), not panel by
+        // panel over all of K, which read every row once per panel from L3 or DRAM. A full 8-element load where the
+        // row has 2 more elements (a partial bf16 load goes through a stack copy). The transposed dpre of
+        // grad_weight, Zen 2, 2 threads, grad_weight time, 4096 x 64 x 512: bf16 4.81 -> 2.88 ms (the full loads),
+        // fp32 3.06 -> 2.66-2.90 ms (the row chunks; three runs); 64 x 64 x 512 bf16 163 -> 55-90 us.
+        constexpr int64_t kChunk = 16;
+        for (int64_t pc = 0; pc < K; pc += kFgKC) {
+            const int64_t kc = std::min(kFgKC, K - pc);
+            for (int64_t k0 = 0; k0 < kc; k0 += kChunk) {
+                const int64_t k1 = std::min(kc, k0 + kChunk);
+                for (int64_t i = panel0; i < panel1; ++i) {
+                    const int64_t i0 = i * kFgMR, rows = std::min<int64_t>(kFgMR, M - i0);
+                    const int64_t n = rows == kFgMR && i0 + 8 <= a.ld ? 8 : rows;
+                    float *dst = ap + ((pc / kFgKC) * P + i) * kFgKC * kFgMR;
+                    for (int64_t k = k0; k < k1; ++k) {
+                        const __m256 v = v_load(base + ((pc + k) * a.ld + i0) * esz, a.dtype, 0, n);
+                        _mm_storeu_ps(dst + k * kFgMR, _mm256_castps256_ps128(v));
+                        _mm_storel_pi(reinterpret_cast<__m64 *>(dst + k * kFgMR + 4), _mm256_extractf128_ps(v, 1));
+                    }
+                }
+            }
+        }
+        return;
+    }
     for (int64_t i = panel0; i < panel1; ++i) {
         const int64_t i0 = i * kFgMR, rows = std::min<int64_t>(kFgMR, M - i0);
         for (int64_t pc = 0; pc < K; pc += kFgKC) {
             const int64_t kc = std::min(kFgKC, K - pc);
             float *dst = ap + ((pc / kFgKC) * P + i) * kFgKC * kFgMR;
-            if (a.trans) { // A[i][k] = a[k * lda + i]: 6 contiguous elements per k
-                for (int64_t k = 0; k < kc; ++k) {
-                    const __m256 v = v_load(base + ((pc + k) * a.ld + i0) * esz, a.dtype, 0, rows);
-                    _mm_storeu_ps(dst + k * kFgMR, _mm256_castps256_ps128(v));
-                    _mm_storel_pi(reinterpret_cast<__m64 *>(dst + k * kFgMR + 4), _mm256_extractf128_ps(v, 1));
-                }
-                continue;
-            }
             // A[i][k] = a[i * lda + k]: 6 rows x 8 k transposed in registers (2 zero rows)
             for (int64_t k = 0; k < kc; k += 8) {
                 __m256 r[8];
