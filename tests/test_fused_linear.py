@@ -1,6 +1,7 @@
 """Fused mixed-precision linear: every CPU backend against a float64 reference, gradients, opcheck, compile,
 bad inputs, the FusedLinear module (state_dict, autocast, DDP)."""
 
+import contextlib
 import os
 import sys
 import tempfile
@@ -417,8 +418,18 @@ class _Passthrough(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+def _op_node(out):
+    node = out.grad_fn  # the op's node (under the non-view of a 3-D output)
+    return node.next_functions[0][0] if type(node).__name__ == "UnsafeViewBackward0" else node
+
+
+@pytest.mark.parametrize("backend", ["cpp", "torch"])
 @pytest.mark.parametrize("activation", ["none", "gelu"])
-def test_eager_autograd_function_matches_the_dispatcher_autograd(activation):
+def test_eager_autograd_matches_the_dispatcher_autograd(activation, backend):
+    # an eager call that needs a gradient runs the C++ backend's own autograd kernel (csrc/fused_linear_autograd.cpp)
+    # or, on the other backends, the op's autograd.Function - not the dispatcher's autograd: the same results
+    if backend not in cpu_backends("fused_linear"):
+        pytest.skip(f"backend {backend} is not available here")
     torch.manual_seed(0)
     x = torch.randn(3, 5, 16, requires_grad=True)
     w = torch.randn(24, 16, requires_grad=True)
@@ -426,24 +437,117 @@ def test_eager_autograd_function_matches_the_dispatcher_autograd(activation):
     r = torch.randn(3, 5, 24, requires_grad=True)
     g = torch.randn(3, 5, 24)
     results = []
-    for mode in (None, _Passthrough()):
-        for t in (x, w, b, r):
-            t.grad = None
-        if mode is None:
-            out = fused_linear(x, w, b, activation, r)
-        else:
-            with mode:
+    with fastdl.use_backend(backend):
+        for mode in (None, _Passthrough()):
+            for t in (x, w, b, r):
+                t.grad = None
+            if mode is None:
                 out = fused_linear(x, w, b, activation, r)
-        node = out.grad_fn  # the op's node (under the non-view of a 3-D output)
-        node = node.next_functions[0][0] if type(node).__name__ == "UnsafeViewBackward0" else node
-        results.append((type(node).__name__, out.detach(), out._base))
-        out.backward(g)
-        results[-1] += tuple(t.grad.clone() for t in (x, w, b, r))
+            else:
+                with mode:
+                    out = fused_linear(x, w, b, activation, r)
+            results.append((type(_op_node(out)).__name__, out.detach(), out._base))
+            out.backward(g)
+            results[-1] += tuple(t.grad.clone() for t in (x, w, b, r))
     (eager_fn, *eager), (disp_fn, *disp) = results
-    assert eager_fn != disp_fn and "eager" in eager_fn  # two different paths were taken
+    assert eager_fn != disp_fn  # two different paths were taken
+    assert eager_fn == ("CppFunction" if backend == "cpp" else "fused_linear_eagerBackward"), eager_fn
     assert eager[1] is None and disp[1] is None  # neither hands out a view
     for a, c in zip(eager[:1] + eager[2:], disp[:1] + disp[2:]):
         torch.testing.assert_close(a, c, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "needs", [(1, 0, 0, 0), (0, 1, 0, 0), (0, 0, 1, 0), (0, 0, 0, 1), (1, 1, 0, 1), (0, 1, 1, 0)], ids=str
+)
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_cpp_autograd_gives_exactly_the_gradients_asked_for(needs, with_bias):
+    # the C++ autograd kernel maps each argument to its autograd edge (bias and residual are optional): every subset
+    # of x / weight / bias / residual needing a gradient gets the float64 reference's gradients and None elsewhere
+    if "cpp" not in cpu_backends("fused_linear"):
+        pytest.skip("the compiled extension is not loaded")
+    torch.manual_seed(1)
+    x = torch.randn(2, 7, 33)
+    w = torch.randn(20, 33) / 33**0.5
+    b = torch.randn(20) if with_bias else None
+    r = torch.randn(2, 7, 20)
+    leaves = [x, w, b, r]
+    for t, need in zip(leaves, needs):
+        if t is not None and need:
+            t.requires_grad_()
+    if not any(t is not None and t.requires_grad for t in leaves):
+        pytest.skip("bias is absent: nothing needs a gradient")
+    g = torch.randn(2, 7, 20)
+    with fastdl.use_backend("cpp"):
+        out = fused_linear(x, w, b, "silu", r)
+    assert type(_op_node(out)).__name__ == "CppFunction"
+    out.backward(g)
+    ref_leaves = [None if t is None else t.detach().double().requires_grad_(t.requires_grad) for t in leaves]
+    xr, wr, br, rr = ref_leaves
+    ref = F.silu(F.linear(xr, wr, br)) + rr
+    ref.backward(g.double())
+    for t, tr in zip(leaves, ref_leaves):
+        if t is None:
+            continue
+        if not t.requires_grad:
+            continue
+        assert t.grad is not None and t.grad.dtype == t.dtype
+        torch.testing.assert_close(t.grad.double(), tr.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_cpp_autograd_without_saved_preact_says_how_to_fix_it():
+    if "cpp" not in cpu_backends("fused_linear"):
+        pytest.skip("the compiled extension is not loaded")
+    from fastdl.ops.fused_linear import fused_linear_op
+
+    x = torch.randn(4, 8, requires_grad=True)
+    with fastdl.use_backend("cpp"):
+        out, _ = fused_linear_op(x, torch.randn(6, 8), None, "gelu", None, False)
+    assert type(out.grad_fn).__name__ == "CppFunction"
+    with pytest.raises(RuntimeError, match="save_preact=False"):
+        out.sum().backward()
+
+
+@pytest.mark.parametrize("needs_grad", [False, True])
+def test_autocast_fast_path_matches_the_dispatcher_autocast(needs_grad):
+    # under autocast an eager call applies the op's autocast rule itself (x to bf16, fp32 master weights and bias
+    # kept) instead of going through the dispatcher's Autocast kernel: the same outputs, dtypes and gradients
+    torch.manual_seed(2)
+    x = torch.randn(3, 9, 32)
+    w = torch.randn(40, 32) / 32**0.5
+    b = torch.randn(40)
+    for t in (x, w, b):
+        t.requires_grad_(needs_grad)
+    g = torch.randn(3, 9, 40, dtype=torch.bfloat16)
+    results = []
+    for mode in (None, _Passthrough()):
+        for t in (x, w, b):
+            t.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16), (mode or contextlib.nullcontext()):
+            out = fused_linear(x, w, b, "gelu")
+        assert out.dtype == torch.bfloat16
+        grads = ()
+        if needs_grad:
+            out.backward(g)
+            grads = tuple(t.grad.clone() for t in (x, w, b))
+            assert [t.dtype for t in grads] == [torch.float32] * 3
+        results.append((out.detach(), *grads))
+    for a, c in zip(*results):
+        torch.testing.assert_close(a, c, rtol=0, atol=0)
+
+
+def test_autocast_for_another_device_leaves_cpu_calls_alone():
+    # autocast on for CUDA only: a CPU call is not cast (as the dispatcher's AutocastCPU key is off)
+    x, w = torch.randn(4, 8), torch.randn(6, 8)
+    was = torch.is_autocast_enabled("cuda")
+    torch.set_autocast_enabled("cuda", True)  # (torch.autocast("cuda") turns itself off on a machine without CUDA)
+    try:
+        assert torch.is_autocast_enabled("cuda") and not torch.is_autocast_enabled("cpu")
+        out = fused_linear(x, w)
+    finally:
+        torch.set_autocast_enabled("cuda", was)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, x @ w.t())
 
 
 def test_vmap_over_the_op_matches_per_sample_calls():

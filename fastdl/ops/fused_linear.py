@@ -185,6 +185,7 @@ fused_linear_op = define(
     triton="fused_linear:fused_linear_fwd",
     supports=_cpp_supports,
     check=lambda x, w, b, act, res, save: check_args(x, w, b, act, res),
+    cpp_autograd=True,  # csrc/fused_linear_autograd.cpp
 )
 
 
