@@ -128,3 +128,29 @@ def native_cpu_kernels() -> dict:
 def _seed():
     torch.manual_seed(1234)
     yield
+
+
+class Passthrough(torch.overrides.TorchFunctionMode):
+    """A torch-function mode that changes nothing: fastdl's ops then go through the dispatcher and its registered
+    (Python) autograd instead of the eager fast paths (the C++ autograd kernels, the autograd.Function)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def grads_eager_and_dispatcher(fn, leaves, grad_out):
+    """``fn()`` run eagerly and under ``Passthrough``, ``backward(grad_out)`` after each: for both, the type name of
+    the output's grad_fn, the output and the gradients of ``leaves`` (None where a leaf needs none)."""
+    results = []
+    for mode in (None, Passthrough()):
+        for t in leaves:
+            t.grad = None
+        if mode is None:
+            out = fn()
+        else:
+            with mode:
+                out = fn()
+        name = type(out.grad_fn).__name__
+        out.backward(grad_out)
+        results.append((name, out.detach(), [None if t.grad is None else t.grad.clone() for t in leaves]))
+    return results

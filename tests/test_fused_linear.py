@@ -9,7 +9,15 @@ import tempfile
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import cpu_backends, native_cpu_kernels, rel_err, requires_cuda, run_at_isa, skip_unsupported
+from conftest import (
+    Passthrough,
+    cpu_backends,
+    native_cpu_kernels,
+    rel_err,
+    requires_cuda,
+    run_at_isa,
+    skip_unsupported,
+)
 from torch import nn
 
 import fastdl
@@ -411,13 +419,6 @@ def test_bad_inputs_raise_the_same_error_when_a_gradient_is_needed(case, monkeyp
     assert type(info.value) is exc, (type(info.value), info.value)
 
 
-class _Passthrough(torch.overrides.TorchFunctionMode):
-    """A torch-function mode that changes nothing: the ops then go through the dispatcher's registered autograd."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        return func(*args, **(kwargs or {}))
-
-
 def _op_node(out):
     node = out.grad_fn  # the op's node (under the non-view of a 3-D output)
     return node.next_functions[0][0] if type(node).__name__ == "UnsafeViewBackward0" else node
@@ -438,7 +439,7 @@ def test_eager_autograd_matches_the_dispatcher_autograd(activation, backend):
     g = torch.randn(3, 5, 24)
     results = []
     with fastdl.use_backend(backend):
-        for mode in (None, _Passthrough()):
+        for mode in (None, Passthrough()):
             for t in (x, w, b, r):
                 t.grad = None
             if mode is None:
@@ -520,7 +521,7 @@ def test_autocast_fast_path_matches_the_dispatcher_autocast(needs_grad):
         t.requires_grad_(needs_grad)
     g = torch.randn(3, 9, 40, dtype=torch.bfloat16)
     results = []
-    for mode in (None, _Passthrough()):
+    for mode in (None, Passthrough()):
         for t in (x, w, b):
             t.grad = None
         with torch.autocast("cpu", dtype=torch.bfloat16), (mode or contextlib.nullcontext()):

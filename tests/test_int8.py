@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import cpu_backends, native_cpu_kernels, rel_err, requires_cuda, run_at_isa
+from conftest import cpu_backends, grads_eager_and_dispatcher, native_cpu_kernels, rel_err, requires_cuda, run_at_isa
 from torch import nn
 
 import fastdl
@@ -684,6 +684,31 @@ def test_qat_forward_and_straight_through_backward(weight_only):
     torch.testing.assert_close(x.grad, (g2 @ w.detach()).reshape(x.shape), rtol=1e-5, atol=1e-5)  # g @ W
     torch.testing.assert_close(w.grad, g2.t() @ x2, rtol=1e-5, atol=1e-5)  # g^T @ x
     torch.testing.assert_close(b.grad, g2.sum(0), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("needs", [(1, 1, 1), (1, 0, 0), (0, 1, 0), (0, 0, 1), (0, 1, 1)], ids=str)
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_qat_cpp_autograd_matches_the_dispatcher_autograd(needs, with_bias):
+    # with the C++ backend an eager QAT call that needs a gradient records the extension's C++ autograd node
+    # (csrc/int8_autograd.cpp): the same output and straight-through gradients, bit for bit, as the op's registered
+    # autograd (reached through the dispatcher), for every subset of x / weight / bias needing one
+    if not backends.available("cpp", "int8_linear_qat", "cpu")[0]:
+        pytest.skip("needs the compiled extension")
+    K, N = 40, 12
+    x, w = torch.randn(2, 7, K), torch.randn(N, K)
+    b = torch.randn(N) if with_bias else None
+    leaves = [t for t, need in zip((x, w, b), needs) if t is not None and need]
+    if not leaves:
+        pytest.skip("no bias: nothing in this subset needs a gradient")
+    for t in leaves:
+        t.requires_grad_()
+    (eager_fn, out_e, grads_e), (disp_fn, out_d, grads_d) = grads_eager_and_dispatcher(
+        lambda: int8_linear_qat(x, w, b), leaves, torch.randn(2, 7, N)
+    )
+    assert eager_fn == "CppFunction" and disp_fn != eager_fn
+    assert same(out_e, out_d)
+    for ge, gd in zip(grads_e, grads_d):
+        assert ge is not None and same(ge, gd)
 
 
 def test_qat_w8a8_is_one_cpp_call_with_the_composite_s_result_and_words():

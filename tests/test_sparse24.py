@@ -11,7 +11,7 @@ import tempfile
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import cpu_backends, native_cpu_kernels, rel_err, requires_cuda, run_at_isa
+from conftest import cpu_backends, grads_eager_and_dispatcher, native_cpu_kernels, rel_err, requires_cuda, run_at_isa
 from torch import nn
 
 import fastdl
@@ -346,6 +346,32 @@ def test_sparse_linear_gradients():
     v = values.clone().requires_grad_()
     b = torch.randn(6, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda x, v, b: sp.sparse24_linear(x, v, meta, b), (x, v, b))
+
+
+@pytest.mark.parametrize("needs", [(1, 1, 1), (1, 0, 0), (0, 1, 0), (0, 0, 1), (1, 0, 1)], ids=str)
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_sparse_linear_cpp_autograd_matches_the_dispatcher_autograd(needs, with_bias):
+    # with the C++ backend an eager call that needs a gradient records the extension's C++ autograd node
+    # (csrc/sparse24_autograd.cpp): the same output and gradients, bit for bit, as the op's registered autograd
+    # (reached through the dispatcher), for every subset of x / values / bias needing one
+    if not backends.available("cpp", "sparse24_linear", "cpu")[0]:
+        pytest.skip("needs the compiled extension")
+    values, meta = sp.compress_2_4(torch.randn(10, 24))
+    x = torch.randn(3, 5, 24)
+    b = torch.randn(10) if with_bias else None
+    leaves = [t for t, need in zip((x, values, b), needs) if t is not None and need]
+    if not leaves:
+        pytest.skip("no bias: nothing in this subset needs a gradient")
+    for t in leaves:
+        t.requires_grad_()
+    (eager_fn, out_e, grads_e), (disp_fn, out_d, grads_d) = grads_eager_and_dispatcher(
+        lambda: sp.sparse24_linear(x, values, meta, b), leaves, torch.randn(3, 5, 10)
+    )
+    assert eager_fn == "CppFunction" and disp_fn != eager_fn
+    torch.testing.assert_close(out_e, out_d, rtol=0, atol=0)
+    for ge, gd in zip(grads_e, grads_d):
+        assert ge is not None
+        torch.testing.assert_close(ge, gd, rtol=0, atol=0)
 
 
 def backward_float64(g, x, values, meta):

@@ -562,6 +562,7 @@ int8_linear_qat_op = define(
     prefer={"cpu": ("cpp", "torch"), "cuda": ("torch",)},
     supports=_qat_supports,
     check=lambda x, weight, bias, weight_only=False: check_qat(x, weight, bias),
+    cpp_autograd=True,  # csrc/int8_autograd.cpp
 )
 
 

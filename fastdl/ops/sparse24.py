@@ -325,6 +325,7 @@ sparse24_linear_op = define(
     prefer={"cpu": ("cpp", "torch"), "cuda": ("torch",)},
     supports=_linear_supports,
     check=check_linear,
+    cpp_autograd=True,  # csrc/sparse24_autograd.cpp
 )
 
 

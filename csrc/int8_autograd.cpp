@@ -1,0 +1,79 @@
+// Autograd kernel of fastdl_cpp::int8_linear_qat (every device): the straight-through estimator of
+// fastdl/ops/int8.py's _qat_setup_context / _qat_backward in C++ (the quantizers treated as the identity: the
+// gradients of the float linear, from fastdl_cpp::fused_linear_backward), for the eager calls that need a gradient and
+// run the compiled kernels (fastdl/ops/_library.py, Op; the same scheme as fused_linear_autograd.cpp). Calls through
+// the dispatcher (torch.compile, modes, the fastdl::int8_linear_qat op) keep the op's Python autograd registration.
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+#include <array>
+#include <optional>
+
+namespace fastdl {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+using ForwardSig = at::Tensor(const at::Tensor &, const at::Tensor &, const std::optional<at::Tensor> &, bool);
+using BackwardSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor &, const at::Tensor &,
+                                                                   const at::Tensor &, const at::Tensor &,
+                                                                   c10::string_view, std::array<bool, 3>);
+
+// The ops' handles, looked up on first use (the schemas are defined from Python when fastdl is imported).
+const c10::TypedOperatorHandle<ForwardSig> &forward_op() {
+    static const auto op =
+        c10::Dispatcher::singleton().findSchemaOrThrow("fastdl_cpp::int8_linear_qat", "").typed<ForwardSig>();
+    return op;
+}
+const c10::TypedOperatorHandle<BackwardSig> &backward_op() {
+    static const auto op =
+        c10::Dispatcher::singleton().findSchemaOrThrow("fastdl_cpp::fused_linear_backward", "").typed<BackwardSig>();
+    return op;
+}
+
+struct Int8LinearQatFunction : public torch::autograd::Function<Int8LinearQatFunction> {
+    static at::Tensor forward(AutogradContext *ctx, const at::Tensor &x, const at::Tensor &weight,
+                              const std::optional<at::Tensor> &bias, bool weight_only) {
+        at::AutoDispatchBelowADInplaceOrView below; // the device kernel, not this one again
+        const bool has_bias = bias.has_value() && bias->defined();
+        ctx->saved_data["bias_dtype"] = has_bias ? bias->scalar_type() : at::kFloat;
+        ctx->saved_data["has_bias"] = has_bias;
+        ctx->save_for_backward({x, weight});
+        return forward_op().call(x, weight, bias, weight_only);
+    }
+
+    static variable_list backward(AutogradContext *ctx, variable_list grads) {
+        variable_list result(4); // x, weight, bias, weight_only (never)
+        const auto saved = ctx->get_saved_variables();
+        const at::Tensor &x = saved[0], &weight = saved[1];
+        // edges: x 0, weight 1, bias 2 where given
+        const bool need_x = ctx->needs_input_grad(0), need_w = ctx->needs_input_grad(1);
+        const bool need_b = ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2);
+        if (!(need_x || need_w || need_b))
+            return result;
+        const at::Tensor no_preact = at::empty({0}, x.options()); // activation "none" reads no pre-activation
+        auto [gx, gw, gb] =
+            backward_op().call(grads[0].contiguous(), x, weight, no_preact, "none", {need_x, need_w, need_b});
+        if (need_x)
+            result[0] = gx;
+        if (need_w)
+            result[1] = gw;
+        if (need_b)
+            result[2] = gb.to(ctx->saved_data["bias_dtype"].toScalarType());
+        return result;
+    }
+};
+
+at::Tensor int8_linear_qat_autograd(const at::Tensor &x, const at::Tensor &weight,
+                                    const std::optional<at::Tensor> &bias, bool weight_only) {
+    return Int8LinearQatFunction::apply(x, weight, bias, weight_only);
+}
+
+} // namespace
+} // namespace fastdl
+
+TORCH_LIBRARY_IMPL(fastdl_cpp, Autograd, m) {
+    m.impl("int8_linear_qat", &fastdl::int8_linear_qat_autograd);
+}

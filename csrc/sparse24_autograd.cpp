@@ -1,0 +1,77 @@
+// Autograd kernel of fastdl_cpp::sparse24_linear (every device): the formulas of fastdl/ops/sparse24.py's
+// _linear_setup_context / _linear_backward in C++, for the eager calls that need a gradient and run the compiled
+// kernels (fastdl/ops/_library.py, Op; the same scheme as fused_linear_autograd.cpp). Calls through the dispatcher
+// (torch.compile, modes, the fastdl::sparse24_linear op) keep the op's Python autograd registration.
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+#include <array>
+#include <optional>
+
+namespace fastdl {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+using ForwardSig = at::Tensor(const at::Tensor &, const at::Tensor &, const at::Tensor &,
+                              const std::optional<at::Tensor> &);
+using BackwardSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor &, const at::Tensor &,
+                                                                   const at::Tensor &, const at::Tensor &,
+                                                                   std::array<bool, 3>);
+
+// The ops' handles, looked up on first use (the schemas are defined from Python when fastdl is imported).
+const c10::TypedOperatorHandle<ForwardSig> &forward_op() {
+    static const auto op =
+        c10::Dispatcher::singleton().findSchemaOrThrow("fastdl_cpp::sparse24_linear", "").typed<ForwardSig>();
+    return op;
+}
+const c10::TypedOperatorHandle<BackwardSig> &backward_op() {
+    static const auto op =
+        c10::Dispatcher::singleton().findSchemaOrThrow("fastdl_cpp::sparse24_linear_backward", "").typed<BackwardSig>();
+    return op;
+}
+
+struct Sparse24LinearFunction : public torch::autograd::Function<Sparse24LinearFunction> {
+    static at::Tensor forward(AutogradContext *ctx, const at::Tensor &x, const at::Tensor &values,
+                              const at::Tensor &meta, const std::optional<at::Tensor> &bias) {
+        at::AutoDispatchBelowADInplaceOrView below; // the device kernel, not this one again
+        const bool has_bias = bias.has_value() && bias->defined();
+        ctx->saved_data["bias_dtype"] = has_bias ? bias->scalar_type() : at::kFloat;
+        ctx->saved_data["has_bias"] = has_bias;
+        ctx->save_for_backward({x, values, meta});
+        return forward_op().call(x, values, meta, bias);
+    }
+
+    static variable_list backward(AutogradContext *ctx, variable_list grads) {
+        variable_list result(4); // x, values, meta (never), bias
+        const auto saved = ctx->get_saved_variables();
+        const at::Tensor &x = saved[0], &values = saved[1], &meta = saved[2];
+        // edges: x 0, values 1, meta 2, bias 3 where given
+        const bool need_x = ctx->needs_input_grad(0), need_v = ctx->needs_input_grad(1);
+        const bool need_b = ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(3);
+        if (!(need_x || need_v || need_b))
+            return result;
+        auto [gx, gv, gb] = backward_op().call(grads[0], x, values, meta, {need_x, need_v, need_b});
+        if (need_x)
+            result[0] = gx;
+        if (need_v)
+            result[1] = gv;
+        if (need_b)
+            result[3] = gb.to(ctx->saved_data["bias_dtype"].toScalarType());
+        return result;
+    }
+};
+
+at::Tensor sparse24_linear_autograd(const at::Tensor &x, const at::Tensor &values, const at::Tensor &meta,
+                                    const std::optional<at::Tensor> &bias) {
+    return Sparse24LinearFunction::apply(x, values, meta, bias);
+}
+
+} // namespace
+} // namespace fastdl
+
+TORCH_LIBRARY_IMPL(fastdl_cpp, Autograd, m) {
+    m.impl("sparse24_linear", &fastdl::sparse24_linear_autograd);
+}
