@@ -19,6 +19,11 @@ def _fmt(v) -> str:
     return "-" if v is None else f"{v:.2f}x"
 
 
+def _beyond_noise(slower: str) -> bool:
+    """Whether a row's "slower" note (its comparisons joined by "; ") has one that is not marked as within noise."""
+    return any(part and "noise" not in part for part in slower.split("; "))
+
+
 def main(folders: list[str]) -> None:
     runs = [_load(f) for f in folders]
     heads = []
@@ -47,7 +52,7 @@ def main(folders: list[str]) -> None:
             if s is None:
                 vals.append("-")
                 continue
-            mark = " **slower**" if s.get("slower") and "noise" not in s["slower"] else ""
+            mark = " **slower**" if _beyond_noise(s.get("slower") or "") else ""
             vals.append(f"{_fmt(s['x_replaced'])} / {_fmt(s['x_best'])}{mark}")
         print("| " + " | ".join(k) + " | " + " | ".join(vals) + " |")
 

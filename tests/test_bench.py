@@ -285,3 +285,17 @@ def test_model_bench_judges_against_the_best_pytorch_policy_so_far():
     assert int8["slower"] == "" and abs(int8["x_best"] - 1.25) < 1e-12
     compiled = {"policy": "compile", "x_fp32": 0.9}  # a slower PyTorch policy does not become the best
     assert _judge(compiled, best) == best
+
+
+def test_bench_tables_marks_a_row_slower_when_any_comparison_is_beyond_noise():
+    # a row's note joins its comparisons with "; ": one within the noise band must not hide another beyond it
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "scripts", "bench_tables.py")
+    spec = importlib.util.spec_from_file_location("bench_tables", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert not mod._beyond_noise("")
+    assert not mod._beyond_noise("0.97x best PyTorch (compile) (within 5%: may be noise)")
+    assert mod._beyond_noise("0.90x best PyTorch (compile)")
+    assert mod._beyond_noise("0.99x fp32 original (within 5%: may be noise); 0.89x best PyTorch (compile)")
