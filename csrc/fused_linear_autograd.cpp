@@ -5,13 +5,14 @@
 // 2-core Zen 2 (fused_linear, bf16 under autocast, M = 64, K = N = 384: 807 vs 795 us for the eager fp32 step, whose
 // kernels take 100 us longer). Calls through the dispatcher (torch.compile, modes, the fastdl::fused_linear op) keep
 // the op's Python autograd registration, which reaches this kernel with grad mode off (no graph is recorded here).
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
 
 #include <optional>
 #include <string>
 #include <tuple>
+
+#include "autograd_ops.h"
 
 namespace fastdl {
 namespace {
@@ -22,19 +23,9 @@ using torch::autograd::variable_list;
 using ForwardSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor &, const at::Tensor &,
                                                       const std::optional<at::Tensor> &, c10::string_view,
                                                       const std::optional<at::Tensor> &, bool);
-using BackwardSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor &, const at::Tensor &,
-                                                                   const at::Tensor &, const at::Tensor &,
-                                                                   c10::string_view, std::array<bool, 3>);
 
-// The ops' handles, looked up on first use (the schemas are defined from Python when fastdl is imported).
 const c10::TypedOperatorHandle<ForwardSig> &forward_op() {
-    static const auto op =
-        c10::Dispatcher::singleton().findSchemaOrThrow("fastdl_cpp::fused_linear", "").typed<ForwardSig>();
-    return op;
-}
-const c10::TypedOperatorHandle<BackwardSig> &backward_op() {
-    static const auto op =
-        c10::Dispatcher::singleton().findSchemaOrThrow("fastdl_cpp::fused_linear_backward", "").typed<BackwardSig>();
+    static const auto op = find_cpp_op<ForwardSig>("fastdl_cpp::fused_linear");
     return op;
 }
 
@@ -80,14 +71,8 @@ struct FusedLinearFunction : public torch::autograd::Function<FusedLinearFunctio
             TORCH_CHECK(act == "none" || ctx->saved_data["has_preact"].toBool(),
                         "fused_linear: gradients were requested but the op ran with save_preact=False; "
                         "call fastdl.ops.fused_linear (which sets it) or pass save_preact=True");
-            auto [gx, gw, gb] =
-                backward_op().call(grad_out.contiguous(), x, weight, preact, act, {need_x, need_w, need_b});
-            if (need_x)
-                result[0] = gx;
-            if (need_w)
-                result[1] = gw;
-            if (need_b)
-                result[2] = gb.to(ctx->saved_data["bias_dtype"].toScalarType());
+            linear_grads(result, grad_out, x, weight, preact, act, need_x, need_w, need_b,
+                         ctx->saved_data["bias_dtype"].toScalarType());
         }
         if (need_r)
             result[4] = grad_out.to(ctx->saved_data["residual_dtype"].toScalarType());

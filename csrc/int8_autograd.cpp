@@ -3,12 +3,13 @@
 // gradients of the float linear, from fastdl_cpp::fused_linear_backward), for the eager calls that need a gradient and
 // run the compiled kernels (fastdl/ops/_library.py, Op; the same scheme as fused_linear_autograd.cpp). Calls through
 // the dispatcher (torch.compile, modes, the fastdl::int8_linear_qat op) keep the op's Python autograd registration.
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
 
 #include <array>
 #include <optional>
+
+#include "autograd_ops.h"
 
 namespace fastdl {
 namespace {
@@ -17,19 +18,9 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 using ForwardSig = at::Tensor(const at::Tensor &, const at::Tensor &, const std::optional<at::Tensor> &, bool);
-using BackwardSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor &, const at::Tensor &,
-                                                                   const at::Tensor &, const at::Tensor &,
-                                                                   c10::string_view, std::array<bool, 3>);
 
-// The ops' handles, looked up on first use (the schemas are defined from Python when fastdl is imported).
 const c10::TypedOperatorHandle<ForwardSig> &forward_op() {
-    static const auto op =
-        c10::Dispatcher::singleton().findSchemaOrThrow("fastdl_cpp::int8_linear_qat", "").typed<ForwardSig>();
-    return op;
-}
-const c10::TypedOperatorHandle<BackwardSig> &backward_op() {
-    static const auto op =
-        c10::Dispatcher::singleton().findSchemaOrThrow("fastdl_cpp::fused_linear_backward", "").typed<BackwardSig>();
+    static const auto op = find_cpp_op<ForwardSig>("fastdl_cpp::int8_linear_qat");
     return op;
 }
 
@@ -54,14 +45,8 @@ struct Int8LinearQatFunction : public torch::autograd::Function<Int8LinearQatFun
         if (!(need_x || need_w || need_b))
             return result;
         const at::Tensor no_preact = at::empty({0}, x.options()); // activation "none" reads no pre-activation
-        auto [gx, gw, gb] =
-            backward_op().call(grads[0].contiguous(), x, weight, no_preact, "none", {need_x, need_w, need_b});
-        if (need_x)
-            result[0] = gx;
-        if (need_w)
-            result[1] = gw;
-        if (need_b)
-            result[2] = gb.to(ctx->saved_data["bias_dtype"].toScalarType());
+        linear_grads(result, grads[0], x, weight, no_preact, "none", need_x, need_w, need_b,
+                     ctx->saved_data["bias_dtype"].toScalarType());
         return result;
     }
 };

@@ -2,12 +2,13 @@
 // _linear_setup_context / _linear_backward in C++, for the eager calls that need a gradient and run the compiled
 // kernels (fastdl/ops/_library.py, Op; the same scheme as fused_linear_autograd.cpp). Calls through the dispatcher
 // (torch.compile, modes, the fastdl::sparse24_linear op) keep the op's Python autograd registration.
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
 
 #include <array>
 #include <optional>
+
+#include "autograd_ops.h"
 
 namespace fastdl {
 namespace {
@@ -21,15 +22,12 @@ using BackwardSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Ten
                                                                    const at::Tensor &, const at::Tensor &,
                                                                    std::array<bool, 3>);
 
-// The ops' handles, looked up on first use (the schemas are defined from Python when fastdl is imported).
 const c10::TypedOperatorHandle<ForwardSig> &forward_op() {
-    static const auto op =
-        c10::Dispatcher::singleton().findSchemaOrThrow("fastdl_cpp::sparse24_linear", "").typed<ForwardSig>();
+    static const auto op = find_cpp_op<ForwardSig>("fastdl_cpp::sparse24_linear");
     return op;
 }
 const c10::TypedOperatorHandle<BackwardSig> &backward_op() {
-    static const auto op =
-        c10::Dispatcher::singleton().findSchemaOrThrow("fastdl_cpp::sparse24_linear_backward", "").typed<BackwardSig>();
+    static const auto op = find_cpp_op<BackwardSig>("fastdl_cpp::sparse24_linear_backward");
     return op;
 }
 

@@ -154,3 +154,20 @@ def grads_eager_and_dispatcher(fn, leaves, grad_out):
         out.backward(grad_out)
         results.append((name, out.detach(), [None if t.grad is None else t.grad.clone() for t in leaves]))
     return results
+
+
+def check_cpp_autograd_matches_dispatcher(fn, tensors, needs, grad_out) -> None:
+    """The tensors flagged in ``needs`` (None entries skipped) are made to need a gradient; then ``fn()`` run eagerly
+    must record the extension's C++ autograd node (csrc/<op>_autograd.cpp) and give, bit for bit, the output and the
+    gradients of the op's registered autograd reached through the dispatcher."""
+    leaves = [t for t, need in zip(tensors, needs) if t is not None and need]
+    if not leaves:
+        pytest.skip("no tensor of this subset is given: nothing needs a gradient")
+    for t in leaves:
+        t.requires_grad_()
+    (eager_fn, out_e, grads_e), (disp_fn, out_d, grads_d) = grads_eager_and_dispatcher(fn, leaves, grad_out)
+    assert eager_fn == "CppFunction" and disp_fn != eager_fn, (eager_fn, disp_fn)
+    torch.testing.assert_close(out_e, out_d, rtol=0, atol=0, equal_nan=True)
+    for ge, gd in zip(grads_e, grads_d):
+        assert ge is not None
+        torch.testing.assert_close(ge, gd, rtol=0, atol=0, equal_nan=True)

@@ -11,7 +11,14 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import cpu_backends, grads_eager_and_dispatcher, native_cpu_kernels, rel_err, requires_cuda, run_at_isa
+from conftest import (
+    check_cpp_autograd_matches_dispatcher,
+    cpu_backends,
+    native_cpu_kernels,
+    rel_err,
+    requires_cuda,
+    run_at_isa,
+)
 from torch import nn
 
 import fastdl
@@ -697,18 +704,7 @@ def test_qat_cpp_autograd_matches_the_dispatcher_autograd(needs, with_bias):
     K, N = 40, 12
     x, w = torch.randn(2, 7, K), torch.randn(N, K)
     b = torch.randn(N) if with_bias else None
-    leaves = [t for t, need in zip((x, w, b), needs) if t is not None and need]
-    if not leaves:
-        pytest.skip("no bias: nothing in this subset needs a gradient")
-    for t in leaves:
-        t.requires_grad_()
-    (eager_fn, out_e, grads_e), (disp_fn, out_d, grads_d) = grads_eager_and_dispatcher(
-        lambda: int8_linear_qat(x, w, b), leaves, torch.randn(2, 7, N)
-    )
-    assert eager_fn == "CppFunction" and disp_fn != eager_fn
-    assert same(out_e, out_d)
-    for ge, gd in zip(grads_e, grads_d):
-        assert ge is not None and same(ge, gd)
+    check_cpp_autograd_matches_dispatcher(lambda: int8_linear_qat(x, w, b), (x, w, b), needs, torch.randn(2, 7, N))
 
 
 def test_qat_w8a8_is_one_cpp_call_with_the_composite_s_result_and_words():
