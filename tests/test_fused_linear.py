@@ -186,6 +186,54 @@ def test_cpp_dispatch_regions_forward_backward(dtype, threads, onednn, M, K, N, 
         torch.set_num_threads(old_threads)
 
 
+@pytest.mark.skipif(not HAS_CPP, reason="needs the compiled extension")
+@pytest.mark.parametrize("M,K,N", [(300, 64, 200), (300, 64, 600), (257, 192, 40), (300, 256, 200)])
+def test_cpp_bf16_backward_rounds_dpre_like_autocast_on_every_route(M, K, N):
+    """bf16 training's dpre is rounded to bf16 before the gradient GEMMs (autocast's gelu_backward output), also where
+    the AVX2 family hands the GEMMs to MKL's sgemm on an fp32 dpre (K <= 192: grad_x, and grad_weight up to N = 512):
+    grad_weight (fp32) matches the reference backend's to ~1e-5; the same GEMMs on an unrounded dpre differ by ~2e-3."""
+    torch.manual_seed(M + K + N)
+    x, w, b = torch.randn(M, K).bfloat16(), torch.randn(N, K) / K**0.5, torch.randn(N)
+    g = torch.randn(M, N).bfloat16()
+    grads = {}
+    for be in ("cpp", "torch"):
+        leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+        with fastdl.use_backend(be):
+            fused_linear(*leaves, "gelu").backward(g)
+        grads[be] = [t.grad for t in leaves]
+    (gx, gw, gb), (rx, rw, rb) = grads["cpp"], grads["torch"]
+    assert gx.dtype == torch.bfloat16 and gw.dtype == gb.dtype == torch.float32
+    assert rel_err(gw, rw) <= 2e-4, rel_err(gw, rw)
+    assert rel_err(gx, rx) <= 1e-3 and rel_err(gb, rb) <= 1e-5, (rel_err(gx, rx), rel_err(gb, rb))
+
+
+@pytest.mark.skipif(not HAS_CPP, reason="needs the compiled extension")
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("M,K,N,act", [(1030, 64, 300, "gelu"), (600, 100, 513, "none"), (700, 24, 400, "silu")])
+def test_cpp_large_fp32_outputs_written_with_streaming_stores_match_reference(threads, M, K, N, act):
+    """fp32 outputs of 1 MB and more leave the AVX2 GEMM through non-temporal stores (aligned full vectors; rows of an
+    odd width alternate between aligned and not, partial tiles go through the buffered epilogue): forward with bias and
+    residual, and a training step (the pre-activation kept, normal stores) against float64."""
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.manual_seed(M)
+        x, w, b, r = make(M, K, N, torch.float32, res=True)
+        with fastdl.use_backend("cpp"):
+            check_close(fused_linear(x, w, b, act, r), x, w, b, act, r)
+            leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+            out = fused_linear(*leaves, act)
+            check_close(out.detach(), x, w, b, act, None)
+            g = torch.randn(M, N)
+            out.backward(g)
+        refs = [t.double().requires_grad_() for t in (x, w, b)]
+        ref64(*refs, act, None).backward(g.double())
+        for name, got, want in zip("xwb", leaves, refs):
+            assert rel_err(got.grad, want.grad) <= 2e-5, (name, rel_err(got.grad, want.grad))
+    finally:
+        torch.set_num_threads(old_threads)
+
+
 def onednn_dtypes() -> str:
     return fastdl.info(print_result=False)["cpu"].get("fused_linear_onednn", "") if HAS_CPP else ""
 
@@ -279,7 +327,32 @@ def check_cpp_levels_match() -> str:
                 x[M // 2, 3] = float("nan")
                 out = fused_linear(x, torch.randn(24, 64).to(dtype), None, "gelu")
                 assert out[M // 2].isnan().all() and not out[torch.arange(M) != M // 2].isnan().any(), (dtype, M)
+        check_activations_against_float64()
     return fastdl.info(print_result=False)["cpu"]["kernels"]["fused_linear"]
+
+
+def check_activations_against_float64():
+    """Every activation and its derivative as the kernels compute them (the vectorised exp / erf / sigmoid forms of
+    the level), on a fine grid of [-12, 12]: within 1e-6 of float64 (absolute, relative above 1); gelu saturates
+    cleanly for huge |x| (0 and x, derivative 0 and 1: a cancellation there once gave -3e22 at x = -1e30)."""
+    grid = torch.linspace(-12, 12, 24001)
+    for act in ACTIVATIONS:
+        xx = grid[:, None].clone().requires_grad_()
+        y = fused_linear(xx, torch.ones(1, 1), None, act)
+        y.backward(torch.ones_like(y))
+        x64 = grid.double().requires_grad_()
+        r = activation_fn(x64, act)
+        r.backward(torch.ones_like(r))
+        for what, got, want in (("forward", y.detach()[:, 0], r.detach()), ("derivative", xx.grad[:, 0], x64.grad)):
+            err = ((got.double() - want).abs() / want.abs().clamp(min=1)).max().item()
+            assert err <= 1e-6, (act, what, err)
+    big = torch.tensor([[-1e30], [-100.0], [100.0], [1e30], [float("nan")]], requires_grad=True)
+    y = fused_linear(big, torch.ones(1, 1), None, "gelu")
+    y.sum().backward()
+    want_y = torch.tensor([0.0, 0.0, 100.0, 1e30, float("nan")])
+    want_d = torch.tensor([0.0, 0.0, 1.0, 1.0, float("nan")])
+    torch.testing.assert_close(y.detach()[:, 0], want_y, atol=1e-6, rtol=1e-6, equal_nan=True)
+    torch.testing.assert_close(big.grad[:, 0], want_d, atol=1e-6, rtol=1e-6, equal_nan=True)
 
 
 @pytest.mark.skipif(not HAS_CPP, reason="needs the compiled extension fastdl._C (C++ kernels)")

@@ -20,8 +20,8 @@
 //     operands in their stored dtype (bf16 widened in registers, fp32 master weights rounded to bf16 on the way, never
 //     a converted copy of the weight): M <= 4 weight streaming (inner products), M <= 32 a broadcast kernel reading the
 //     weight rows in place against x^T, larger M the packed-panel GEMM "fgemm" (6 x 16 register tiles, the epilogue
-//     in registers on the last K block). Crossovers at kAvx2StreamMaxM; MKL's sgemm (at::mm) was faster only for fp32
-//     with K <= 64 from M = 256 (fwd_f32_aten), which takes the scalar family's route below.
+//     in registers on the last K block; fp32 outputs of 1 MB and more with non-temporal stores: kFgStreamOut).
+//     Crossovers at kAvx2StreamMaxM.
 //   scalar family and fp16: at::mm in fp32 on the operands rounded to c (products of bf16/fp16 values are exact in
 //     fp32), then the epilogue (in place in an fp32 output).
 // Backward: one pass computes dpre (rounded to c) and grad_bias; then grad_x / grad_weight with the pb kernels
@@ -166,13 +166,15 @@ constexpr int64_t kFwdF32SmallM = 64;
 // 41 / 36 vs 25 / 24 | 16: 72 / 61 vs 45 / 41 | 24: 64 / 67 vs 59 / 56 | 32: 60 / 59 vs 64 / 52 (the fgemm's
 // 6-row tiles and weight transposes do not pay off below ~32 rows).
 constexpr int64_t kAvx2StreamMaxM = 32;
-// AVX2 family, fp32 with K <= 64 from 256 rows: MKL's sgemm (at::mm, then the epilogue in place) instead of fgemm,
-// whose packing of A and B is not repaid by 64 multiply-adds per output. Capped Zen 4, 2 threads, gelu + bias, ms
-// (fgemm vs F.linear + gelu): 512x64x512 0.482 vs 0.412 | 2048x64x512 1.87 vs 1.46; kept 128x64x512 0.140 vs 0.144,
-// 2048x256x1024 7.50 vs 7.29 (noise), 512x384x384 0.855 vs 0.872.
-bool fwd_f32_aten(int64_t M, int64_t K) {
-    return K <= 64 && M >= 256;
-}
+// fgemm's fp32 outputs of at least this many elements (1 MB) are written with non-temporal stores: the op does not
+// read them back, and a 6 x 16 tile writes 6 lines 1 row apart, each of which a normal store first reads from memory.
+// Zen 2, 2 threads, gelu + bias, ms, per-path loops (normal -> streaming stores; MKL's sgemm + fastdl's in-place
+// epilogue; F.linear + F.gelu): 4096x64x512 4.46 -> 2.60 (3.03; 3.08) | 4096x32x512 3.63 -> 1.92 (2.37; 2.42) |
+// 1024x64x512 0.869 -> 0.691 (0.697; 0.760) | 1024x384x384 2.25 -> 1.98 (eager 2.21) | 4096x256x1024 16.4 -> 13.7
+// (eager 21.2); 256x64x512 (512 KB) 0.207 -> 0.198, kept normal stores for outputs a next layer may still find in
+// cache. With streaming stores fgemm beats the MKL route at every K <= 64 measured, which the AVX2 family's fp32
+// took before (fwd_f32_aten, M >= 256).
+constexpr int64_t kFgStreamOut = int64_t{1} << 18;
 
 Act parse_activation(c10::string_view s, const char *fn) {
     Act act = Act::None;
@@ -377,6 +379,20 @@ bool gx_f32_fgemm(int64_t M, int64_t N, int64_t K) {
 bool gw_f32_pb(int64_t M, int64_t N, int64_t K) {
     return M >= 2 || N * K >= (int64_t{1} << 20);
 }
+// AVX2 family (no AVX-512), a forward K <= 192 from 256 rows: MKL's sgemm (at::mm) for grad_x, and for grad_weight
+// while N <= 512, on dpre written in fp32 (bf16 training: fp32 holding the bf16-rounded values, so the products are
+// the same as fgemm's). With so few output columns (K) fgemm's packing of the whole dpre (a round trip through memory)
+// is not repaid. Zen 2, 2 threads, ms, fgemm vs at::mm (fp32 dpre, bf16 grad_x cast included), (M, K, N):
+//   grad_x: 4096,64,512 2.22 vs 1.93 | 4096,32,1024 3.66 vs 2.46 | 4096,128,1024 8.93 vs 7.28 | 256,64,256 0.134 vs
+//   0.083 | 4096,192,1024 12.0 vs 11.1 | kept 4096,256,1024 14.4 vs 14.5;
+//   grad_weight: 4096,64,512 2.93 vs 2.27 | 4096,128,256 2.69 vs 1.93 | 256,192,256 0.263 vs 0.183 | kept N >= 1024:
+//   4096,64,1024 6.0 vs 6.9 | 4096,128,2048 17.4 vs 20.1 | 256,32,1024 0.228 vs 0.290.
+bool gx_aten_small_k(int64_t M, int64_t K) {
+    return K <= 192 && M >= 256;
+}
+bool gw_aten_small_k(int64_t M, int64_t N, int64_t K) {
+    return gx_aten_small_k(M, K) && N <= 512;
+}
 
 // Packed-B GEMM (pb_* kernels). The work is laid out panel-major (panel of 48 columns, then groups of 8 rows), each
 // group weighted by its panel's 16-column vectors (a last panel of 16 columns costs a third); each thread takes one
@@ -517,7 +533,7 @@ void forward_kernels(const FwdKernel &fk, const at::Tensor &x2, const at::Tensor
 }
 
 // Generic: fp32 GEMM of the operands rounded to c (the products of bf16/fp16 values are exact in fp32), then the
-// epilogue: the scalar family, fp16, and the AVX2 family's fp32 at shapes where MKL's sgemm is faster (fwd_f32_aten).
+// epilogue: the scalar family and fp16.
 void forward_aten(const at::Tensor &x2, const at::Tensor &w, int64_t M, int64_t N, const Epilogue &e,
                   const at::Tensor &out, const at::Tensor &pre, const at::Tensor &b32) {
     const auto c = x2.scalar_type();
@@ -561,8 +577,6 @@ void forward_compute(const at::Tensor &x2, const at::Tensor &w, int64_t M, int64
         const FwdKernel &fk = c == at::kBFloat16 ? kr.fwd_bf16 : kr.fwd_f32;
         if (fk.run && M <= std::min(kAvx2StreamMaxM, fk.max_m))
             return forward_kernels(fk, x2, w, M, N, K, e);
-        if (c == at::kFloat && w.scalar_type() == at::kFloat && fwd_f32_aten(M, K))
-            return forward_aten(x2, w, M, N, e, out, pre, b32);
         FgemmArgs g;
         g.a = GemmOperand{x2.data_ptr(), K, dtype_of(c), false};
         g.b = GemmOperand{w.data_ptr(), K, dtype_of(w.scalar_type()), true};
@@ -570,7 +584,9 @@ void forward_compute(const at::Tensor &x2, const at::Tensor &w, int64_t M, int64
         g.M = M;
         g.N = N;
         g.K = K;
-        return run_fgemm(g, e);
+        Epilogue es = e;
+        es.stream = e.out_dtype == DType::F32 && M * N >= kFgStreamOut;
+        return run_fgemm(g, es);
     }
     forward_aten(x2, w, M, N, e, out, pre, b32);
 }
@@ -589,7 +605,7 @@ void forward_compute(const at::Tensor &x2, const at::Tensor &w, int64_t M, int64
 //   region (16x1536^2 0.265 vs 0.325, 64x11008x4096 14.2 vs 18.1, 128x4096^2 10.8 vs 11.6) and pb with larger weights
 //   (2048x4096^2 174 vs 198).
 //   AVX2 family: oneDNN's fp32 lost to fgemm at every shape measured (capped Zen 4: 512x4096^2 87.8 vs 108) and it
-//   has no bf16 there; MKL's sgemm wins at K <= 64 (fwd_f32_aten).
+//   has no bf16 there.
 // The route needs the weight in the compute dtype (fp32 master weights with bf16 x keep fastdl's kernels, which round
 // it in registers), computes the stored pre-activation only in fp32 (bf16 training keeps the kernels: out must come
 // from the fp32 accumulator), and takes a bf16 residual only without an activation (a binary post-op).
@@ -721,6 +737,7 @@ struct BackwardFamily {
     bool f32_pb = false;    // AVX-512 F with an fp32 weight: the fp32 pb kernels
     bool fg = false;        // fgemm for both GEMMs: the AVX2 family (bf16, fp32), the AVX-512 F family's bf16
     bool fg_gx = false;     // fgemm for grad_x: as fg, plus AVX-512 fp32 grad_x of large weights at M <= 64
+    bool avx2 = false;      // fg without AVX-512: MKL's sgemm at small K (gx_aten_small_k, gw_aten_small_k)
 };
 
 BackwardFamily backward_family(at::ScalarType c, at::ScalarType wt, int64_t M, int64_t N, int64_t K) {
@@ -730,13 +747,15 @@ BackwardFamily backward_family(at::ScalarType c, at::ScalarType wt, int64_t M, i
     f.f32_pb = c == at::kFloat && kr.pb_f32.block && kr.pb_f32.pack_a && wt == at::kFloat;
     f.fg = kr.fgemm.block && (c == at::kBFloat16 || (c == at::kFloat && !kr.pb_f32.block));
     f.fg_gx = f.fg || (kr.fgemm.block && f.f32_pb && gx_f32_fgemm(M, N, K));
+    f.avx2 = f.fg && !kr.pb_f32.block;
     return f;
 }
 
 // Step 1: dpre = g * act'(p) (fp32) -> grad_bias (fp32 column sums, into gb when need_gb) and dpre_c = round_c(dpre)
-// as [M, N] (returned when need_d; fp16: computed in fp32, rounded here), one pass over grad_out and preact.
+// as [M, N] (returned when need_d; fp16: computed in fp32, rounded here), one pass over grad_out and preact. d_f32:
+// dpre_c stored in fp32 (bf16: the rounded values), for MKL's sgemm.
 at::Tensor backward_dpre(const at::Tensor &grad_out, const at::Tensor &preact, const at::Tensor &x, Act act, int64_t M,
-                         int64_t N, bool need_d, bool need_gb, at::Tensor &gb) {
+                         int64_t N, bool need_d, bool d_f32, bool need_gb, at::Tensor &gb) {
     const Kernels &kr = kernels();
     const auto c = x.scalar_type();
     const at::Tensor g2 = as_matrix(grad_out, M, N);
@@ -746,7 +765,7 @@ at::Tensor backward_dpre(const at::Tensor &grad_out, const at::Tensor &preact, c
         dpre = g2;
     else if (need_d) { // internal: a kept buffer (a fresh 8 MB one: page faults, grad_x-only backward M = 4096,
                        // K = 256, N = 1024 gelu 5.0 -> 4.1 ms)
-        const auto dt = c == at::kHalf ? at::kFloat : c;
+        const auto dt = c == at::kHalf || d_f32 ? at::kFloat : c;
         const Scratch ds = thread_scratch(kDpreSlot, at::elementSize(dt) * M * N);
         dpre = at::from_blob(ds.ptr, {M, N}, x.options().dtype(dt));
     }
@@ -766,6 +785,7 @@ at::Tensor backward_dpre(const at::Tensor &grad_out, const at::Tensor &preact, c
             a.dpre = dpre.data_ptr();
             a.ld_dpre = N;
             a.dpre_dtype = dtype_of(dpre.scalar_type());
+            a.dpre_round_bf16 = c == at::kBFloat16 && a.dpre_dtype == DType::F32;
         }
         // Tasks: blocks of kDpreRows whole rows (contiguous streams: splitting the columns between the threads made
         // each read 1 KB of every 2 KB row, which the prefetchers did not follow: M = 4096, N = 1024 gelu, grad_bias
@@ -825,7 +845,7 @@ GradXPath choose_grad_x_path(const BackwardFamily &f, at::ScalarType c, int64_t 
         return GradXPath::PbF32;
     if (f.fast_bf16)
         return M <= kSmallGradXMax ? GradXPath::SmallBf16 : GradXPath::GemmBf16;
-    if (f.fg_gx)
+    if (f.fg_gx && !(f.avx2 && gx_aten_small_k(M, K)))
         return GradXPath::Fgemm;
     return c == at::kFloat ? GradXPath::AtenF32 : GradXPath::AtenRounded;
 }
@@ -901,7 +921,7 @@ GradWPath choose_grad_weight_path(const BackwardFamily &f, at::ScalarType c, int
         return M > kSmallGradXMax ? GradWPath::PbBf16 : GradWPath::SmallBf16;
     if (f.f32_pb && gw_f32_pb(M, N, K))
         return GradWPath::PbF32;
-    if (f.fg)
+    if (f.fg && !(f.avx2 && gw_aten_small_k(M, N, K)))
         return GradWPath::Fgemm;
     return c == at::kFloat ? GradWPath::AtenF32 : GradWPath::AtenRounded;
 }
@@ -994,15 +1014,18 @@ fused_linear_backward_cpu(const at::Tensor &grad_out, const at::Tensor &x, const
 
     at::Tensor gb =
         need_gb ? at::empty({N}, x.options().dtype(at::kFloat)) : at::empty({0}, x.options().dtype(at::kFloat));
-    const at::Tensor dpre = backward_dpre(grad_out, preact, x, act, M, N, need_gx || need_gw, need_gb, gb);
+    const GradXPath gx_path = choose_grad_x_path(fam, c, M, N, K);
+    const GradWPath gw_path = choose_grad_weight_path(fam, c, M, N, K);
+    // a bf16 dpre for MKL's sgemm would be widened to fp32 by at::mm's caller: write it in fp32 at once
+    const bool d_f32 = c == at::kBFloat16 && ((need_gx && gx_path == GradXPath::AtenRounded) ||
+                                              (need_gw && gw_path == GradWPath::AtenRounded));
+    const at::Tensor dpre = backward_dpre(grad_out, preact, x, act, M, N, need_gx || need_gw, d_f32, need_gb, gb);
     at::Tensor gx = at::empty({0}, x.options());
     if (need_gx)
-        gx =
-            backward_grad_x(choose_grad_x_path(fam, c, M, N, K), dpre, weight.contiguous(), x, M, N, K).view(x.sizes());
+        gx = backward_grad_x(gx_path, dpre, weight.contiguous(), x, M, N, K).view(x.sizes());
     at::Tensor gw = at::empty({0}, weight.options());
     if (need_gw)
-        gw = backward_grad_weight(choose_grad_weight_path(fam, c, M, N, K), dpre, x.reshape({M, K}).contiguous(),
-                                  weight, M, N, K);
+        gw = backward_grad_weight(gw_path, dpre, x.reshape({M, K}).contiguous(), weight, M, N, K);
     if (need_gb && M == 0)
         gb.zero_();
     return {gx, gw, gb};

@@ -198,6 +198,9 @@ struct Avx512Vec {
     static FL_AVX512 FL_INLINE void store(void *p, DType dt, int64_t i, Vec v, Mask m) { v_store(p, dt, i, v, m); }
     static FL_AVX512 FL_INLINE Vec add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
     static FL_AVX512 FL_INLINE Vec mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+    static FL_AVX512 FL_INLINE Vec round_bf16(Vec v) {
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v_to_bf16(v)), 16));
+    }
     static FL_AVX512 FL_INLINE void stream(float *p, Vec v) { _mm512_stream_ps(p, v); }
     static FL_AVX512 FL_INLINE void fence() { _mm_sfence(); }
     static FL_AVX512 FL_INLINE void zero(float *p, int64_t n) {

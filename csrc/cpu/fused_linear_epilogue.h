@@ -5,7 +5,7 @@
 //   Vec, Mask, kLanes, kStreamAlign (the alignment a non-temporal store needs)
 //   mask(n): the first n lanes (n >= kLanes: all); full(m): all lanes
 //   loadf(p, m) / storef(p, v, m): fp32; load(p, dt, i, m) / store(p, dt, i, v, m): element i of fp32 or bf16 data
-//   add, mul, stream(p, v) (non-temporal store), fence(), zero(p, n) (n fp32 zeros)
+//   add, mul, stream(p, v) (non-temporal store), fence(), zero(p, n) (n fp32 zeros), round_bf16(v) (RNE, kept in fp32)
 //   act<A>(v), act_grad<A>(v): the level's activation and its derivative
 // Include it inside the level's unnamed namespace (fastdl::fused_linear::{}) after defining FL_SIMD as the level's
 // target attribute: the templates then compile with that ISA and have internal linkage, so each translation unit keeps
@@ -75,7 +75,7 @@ FL_SIMD FL_SIMD_INLINE void dpre_group(const DpreArgs &a, int64_t r, int64_t c, 
         if (part)
             V::storef(part + cg, V::add(V::loadf(part + cg, m[g]), d[g]), m[g]);
         if (a.dpre)
-            V::store(a.dpre, a.dpre_dtype, r * a.ld_dpre + cg, d[g], m[g]);
+            V::store(a.dpre, a.dpre_dtype, r * a.ld_dpre + cg, a.dpre_round_bf16 ? V::round_bf16(d[g]) : d[g], m[g]);
     }
 }
 

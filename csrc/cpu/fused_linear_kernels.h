@@ -86,6 +86,7 @@ struct DpreArgs {
     void *dpre = nullptr;
     int64_t ld_dpre = 0;
     DType dpre_dtype = DType::F32;
+    bool dpre_round_bf16 = false; // fp32 dpre holding values rounded to bf16 (RNE): bf16 training's dpre for MKL
 };
 using DprePassFn = void (*)(const DpreArgs &a, int64_t row0, int64_t row1, int64_t col0, int64_t col1, float *partial,
                             int64_t ld_partial);

@@ -98,7 +98,8 @@ void dpre_pass_scalar(const DpreArgs &a, int64_t row0, int64_t row1, int64_t col
                 if (part)
                     part[c] += d;
                 if (a.dpre)
-                    store_scalar(a.dpre, a.dpre_dtype, r * a.ld_dpre + c, d);
+                    store_scalar(a.dpre, a.dpre_dtype, r * a.ld_dpre + c,
+                                 a.dpre_round_bf16 ? bf16_to_f32(f32_to_bf16(d)) : d);
             }
     }
 }
