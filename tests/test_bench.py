@@ -287,15 +287,46 @@ def test_model_bench_judges_against_the_best_pytorch_policy_so_far():
     assert _judge(compiled, best) == best
 
 
-def test_bench_tables_marks_a_row_slower_when_any_comparison_is_beyond_noise():
-    # a row's note joins its comparisons with "; ": one within the noise band must not hide another beyond it
+def _bench_tables():
+    """scripts/bench_tables.py as a module (scripts/ is not a package)."""
     import importlib.util
 
     path = os.path.join(os.path.dirname(__file__), "..", "scripts", "bench_tables.py")
     spec = importlib.util.spec_from_file_location("bench_tables", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_tables_marks_a_row_slower_when_any_comparison_is_beyond_noise():
+    # a row's note joins its comparisons with "; ": one within the noise band must not hide another beyond it
+    mod = _bench_tables()
     assert not mod._beyond_noise("")
     assert not mod._beyond_noise("0.97x best PyTorch (compile) (within 5%: may be noise)")
     assert mod._beyond_noise("0.90x best PyTorch (compile)")
     assert mod._beyond_noise("0.99x fp32 original (within 5%: may be noise); 0.89x best PyTorch (compile)")
+
+
+def test_bench_tables_update_refreshes_one_column_by_row_key():
+    mod = _bench_tables()
+    text = "\n".join([
+        "intro",
+        "| bench | mode | what | M x K x N | avx512: x repl / x best | avx2 (native Zen 2): x repl / x best |",
+        "|---|---|---|---|---|---|",
+        "| fused_linear | fwd | fastdl | 1x64x64 | 1.50x / 1.50x | 1.00x / 1.00x |",
+        "| int8 | w8a8 | fastdl | 16x64x64 | 1.20x / 1.20x | 0.90x / 0.90x **slower** |",
+        "",
+        "| not | the | table | row |",
+    ])  # fmt: skip
+    run = [{"bench": "int8", "mode": "w8a8", "what": "fastdl", "shape": "16x64x64", "x_replaced": 1.04,
+            "x_best": 0.8, "slower": "0.80x best PyTorch (x)"},
+           {"bench": "loader", "mode": "cpu", "what": "fastdl", "shape": "", "x_replaced": 1.3,
+            "x_best": None}]  # fmt: skip
+    new, missing = mod.update_column(text, "avx2 (native Zen 2)", run)
+    lines = new.split("\n")
+    assert lines[3] == "| fused_linear | fwd | fastdl | 1x64x64 | 1.50x / 1.50x | - / - |"  # not in the run
+    assert lines[4] == "| int8 | w8a8 | fastdl | 16x64x64 | 1.20x / 1.20x | 1.04x / 0.80x **slower** |"
+    assert lines[0] == "intro" and lines[6] == "| not | the | table | row |"  # outside the table: untouched
+    assert missing == [("loader", "cpu", "fastdl", "")]
+    with pytest.raises(SystemExit):
+        mod.update_column(text, "avx9", run)
