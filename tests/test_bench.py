@@ -122,6 +122,19 @@ def test_slow_call_is_timed_fewer_times_and_marked():
     assert out["slow"].reduced and not out["fast"].reduced and out["fast"].reps >= 5
 
 
+def test_interleaved_rounds_rotate_so_no_function_always_follows_the_same_one():
+    calls = []
+    fns = {name: (lambda n=name: calls.append(n)) for name in "abc"}
+    common.interleaved(fns, budget_s=0, min_reps=6, max_reps=6)
+    timed = calls[6:]  # after the probe and the warm-up call of each
+    assert len(timed) == 18
+    rounds = [timed[i : i + 3] for i in range(0, 18, 3)]
+    for pos in range(3):  # every function takes every place in a round equally often
+        assert sorted(r[pos] for r in rounds) == ["a", "a", "b", "b", "c", "c"]
+    follows = set(zip(timed, timed[1:]))
+    assert follows >= {(x, y) for x in "abc" for y in "abc" if x != y}  # each is preceded by each other one
+
+
 def test_call_predictor_skips_only_a_predicted_slow_call():
     p = common.CallPredictor(max_call_s=2.0)
     assert p.allowed("eager", 16) == (True, None)  # nothing seen yet

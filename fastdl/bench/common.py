@@ -203,12 +203,15 @@ def interleaved(fns: dict[str, Callable[[], object]], device: str = "cpu", budge
                 max_reps: int = 200, slow_call_s: float | None = None, before_round=None, block: int = 1,
                 cold: bool = False) -> dict[str, Seconds]:
     """Median seconds per call of each function. The first call of each is timed as a probe; a function slower than
-    ``slow_call_s`` (default ``SLOW_CALL_S``) is a slow baseline, timed on its own with 1-2 more calls (``reduced``);
-    the others are called round robin (every function sees the same machine load), after one more warm-up call,
-    for at least ``min_reps`` rounds and more while ``budget_s`` lasts. ``block`` > 1: each turn of a function is one
-    untimed call (its operands back in the cache) and then ``block`` timed calls, so a function whose weights fit the
-    last-level cache is timed warm although the others ran in between. ``cold``: flush the caches before every timed
-    call instead (no untimed call)."""
+    ``slow_call_s`` (default ``SLOW_CALL_S``) is a slow baseline, timed on its own with 1-2 more calls
+    (``reduced``); the others are called round robin (every function sees the same machine load), after one more
+    warm-up call, for at least ``min_reps`` rounds and more while ``budget_s`` lasts. Each round starts one function
+    later than the one before, so every function takes every place in a round equally often: a call right after one
+    that allocated and freed large buffers runs slower (allocator and cache state: 8-13% for a 2-layer MLP at M =
+    128-256 on a Zen 2), and in a fixed order that cost fell on the same function (the one after the eager baseline)
+    every round. ``block`` > 1: each turn of a function is one untimed call (its operands back in the cache) and
+    then ``block`` timed calls, so a function whose weights fit the last-level cache is timed warm although the
+    others ran in between. ``cold``: flush the caches before every timed call instead (no untimed call)."""
     slow = SLOW_CALL_S if slow_call_s is None else slow_call_s
     first = {name: _timed_call(fn, device, cold) for name, fn in fns.items()}
     out: dict[str, Seconds] = {}
@@ -225,10 +228,12 @@ def interleaved(fns: dict[str, Callable[[], object]], device: str = "cpu", budge
     times: dict[str, list[float]] = {k: [] for k in fast}
     start = time.perf_counter()
     reps = 0
+    order = list(fast.items())
     while fast and reps < max_reps and (reps < min_reps or time.perf_counter() - start < budget_s):
         if before_round is not None:
             before_round(reps)
-        for name, fn in fast.items():
+        shift = reps % len(order)
+        for name, fn in order[shift:] + order[:shift]:
             if block > 1 and not cold:
                 fn()
             for _ in range(block):
