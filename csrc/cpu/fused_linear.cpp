@@ -29,8 +29,9 @@
 // M <= 16: weight rows streamed once, grad_weight written row by row) or, for grad_x with a large weight, the packed
 // bf16 GEMM (vdpbf16ps, fp32 accumulation, epilogue per 512 x 48 block); the AVX2 family (and the AVX-512 F family's
 // bf16, and fp32 grad_x of large weights at M <= 64) with fgemm (grad_x: A = dpre, B = the weight's rows; grad_weight:
-// A = dpre^T, B = x). fp32 master weights are read directly and grad_weight is written directly in fp32: no bf16
-// weight copy, no bf16 gradient + cast. AVX-512 fp32 M = 1 / fp16 / scalar: at::mm.
+// A = dpre^T, B = x), except with a forward K <= 192 from M = 256, where MKL's sgemm (at::mm) on an fp32 dpre takes
+// grad_x and, up to N = 512, grad_weight (gx_aten_small_k). fp32 master weights are read directly and grad_weight is
+// written directly in fp32: no bf16 weight copy, no bf16 gradient + cast. AVX-512 fp32 M = 1 / fp16 / scalar: at::mm.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
