@@ -6,9 +6,15 @@
 #include <torch/autograd.h>
 
 #include <array>
+#include <optional>
 #include <tuple>
 
 namespace fastdl {
+
+// An optional tensor argument that was passed (an undefined tensor counts as absent, as in the schemas' `Tensor?`).
+inline bool is_given(const std::optional<at::Tensor> &t) {
+    return t.has_value() && t->defined();
+}
 
 template <class Sig> c10::TypedOperatorHandle<Sig> find_cpp_op(const char *qualified_name) {
     return c10::Dispatcher::singleton().findSchemaOrThrow(qualified_name, "").typed<Sig>();

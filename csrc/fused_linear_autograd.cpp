@@ -29,10 +29,6 @@ const c10::TypedOperatorHandle<ForwardSig> &forward_op() {
     return op;
 }
 
-bool defined(const std::optional<at::Tensor> &t) {
-    return t.has_value() && t->defined();
-}
-
 struct FusedLinearFunction : public torch::autograd::Function<FusedLinearFunction> {
     static variable_list forward(AutogradContext *ctx, const at::Tensor &x, const at::Tensor &weight,
                                  const std::optional<at::Tensor> &bias, c10::string_view activation,
@@ -43,10 +39,10 @@ struct FusedLinearFunction : public torch::autograd::Function<FusedLinearFunctio
         ctx->saved_data["activation"] = act;
         ctx->saved_data["has_preact"] = save_preact && act != "none";
         // edges: x 0, weight 1, then bias and residual where given
-        ctx->saved_data["bias_edge"] = defined(bias) ? int64_t{2} : int64_t{-1};
-        ctx->saved_data["bias_dtype"] = defined(bias) ? bias->scalar_type() : at::kFloat;
-        ctx->saved_data["residual_edge"] = defined(residual) ? int64_t{defined(bias) ? 3 : 2} : int64_t{-1};
-        ctx->saved_data["residual_dtype"] = defined(residual) ? residual->scalar_type() : at::kFloat;
+        ctx->saved_data["bias_edge"] = is_given(bias) ? int64_t{2} : int64_t{-1};
+        ctx->saved_data["bias_dtype"] = is_given(bias) ? bias->scalar_type() : at::kFloat;
+        ctx->saved_data["residual_edge"] = is_given(residual) ? int64_t{is_given(bias) ? 3 : 2} : int64_t{-1};
+        ctx->saved_data["residual_dtype"] = is_given(residual) ? residual->scalar_type() : at::kFloat;
         ctx->save_for_backward({x, weight, preact});
         // preact is an internal output nobody differentiates: no zero gradient is filled for it on every backward
         ctx->mark_non_differentiable({preact});

@@ -28,7 +28,7 @@ struct Int8LinearQatFunction : public torch::autograd::Function<Int8LinearQatFun
     static at::Tensor forward(AutogradContext *ctx, const at::Tensor &x, const at::Tensor &weight,
                               const std::optional<at::Tensor> &bias, bool weight_only) {
         at::AutoDispatchBelowADInplaceOrView below; // the device kernel, not this one again
-        const bool has_bias = bias.has_value() && bias->defined();
+        const bool has_bias = is_given(bias);
         ctx->saved_data["bias_dtype"] = has_bias ? bias->scalar_type() : at::kFloat;
         ctx->saved_data["has_bias"] = has_bias;
         ctx->save_for_backward({x, weight});

@@ -35,7 +35,7 @@ struct Sparse24LinearFunction : public torch::autograd::Function<Sparse24LinearF
     static at::Tensor forward(AutogradContext *ctx, const at::Tensor &x, const at::Tensor &values,
                               const at::Tensor &meta, const std::optional<at::Tensor> &bias) {
         at::AutoDispatchBelowADInplaceOrView below; // the device kernel, not this one again
-        const bool has_bias = bias.has_value() && bias->defined();
+        const bool has_bias = is_given(bias);
         ctx->saved_data["bias_dtype"] = has_bias ? bias->scalar_type() : at::kFloat;
         ctx->saved_data["has_bias"] = has_bias;
         ctx->save_for_backward({x, values, meta});

@@ -167,10 +167,6 @@ FA FA_INLINE __m256 v_rcp(__m256 d) {
     return _mm256_mul_ps(r, _mm256_fnmadd_ps(d, r, _mm256_set1_ps(2.f)));
 }
 
-FA FA_INLINE __m256 v_abs(__m256 x) {
-    return _mm256_andnot_ps(_mm256_set1_ps(-0.f), x);
-}
-
 // x P(x^2) / Q(x^2), P and Q by Horner (the coefficients highest power first); vdivps for the quotient: it runs
 // beside the FMA pipes (Zen 2, L1-resident loop: gelu 9.0 cycles per 8 elements with vdivps, 11.2 with vrcpps + a
 // Newton step).
