@@ -392,6 +392,30 @@ def test_weight_only_nan_rows_noncontiguous_empty(backend):
         assert same(out, b.expand(2, N).contiguous())
 
 
+@pytest.mark.skipif(not backends.available("cpp", "int8_linear", "cpu")[0], reason="needs the compiled extension")
+@pytest.mark.parametrize("grouped", [False, True])
+@pytest.mark.parametrize("M,K,N", [(1, 384, 1536), (1, 1536, 384), (3, 200, 701)])
+def test_cpp_weight_only_thread_split_matches_one_thread(grouped, M, K, N):
+    # Sizes above the AVX2 weight-only kernel's serial limit (128 Ki MACs; the other kernels' limit is 1 Mi MACs): the
+    # column split over threads gives the bits one thread gives, and both match float64.
+    x = torch.randn(M, K)
+    w = torch.randn(N, K) * torch.rand(N, 1)
+    q = quantize_per_group(w) if grouped else (*quantize_per_channel(w), None)
+    bias = torch.randn(N)
+    threads = torch.get_num_threads()
+    try:
+        with fastdl.use_backend("cpp"):
+            torch.set_num_threads(1)
+            one = int8_weight_only_linear(x, q[0], q[1], bias, q[2])
+            torch.set_num_threads(max(2, threads))
+            many = int8_weight_only_linear(x, q[0], q[1], bias, q[2])
+    finally:
+        torch.set_num_threads(threads)
+    assert same(one, many)
+    ref = grouped_64(x, *q[:2], bias, q[2]) if grouped else weight_only_64(x, *q[:2], bias)
+    assert rel_err(many, ref) <= 1e-5
+
+
 # ------------------------------------------------------------------- weight-only with group scales (format v2)
 def grouped_64(x, w_q, w_scale, bias, w_group):
     d = w_q.double() * w_group.double().repeat_interleave(16, dim=1)[:, : w_q.shape[1]]

@@ -588,7 +588,7 @@ at::Tensor int8_weight_only_linear(const at::Tensor &x, const at::Tensor &w_q, c
     auto fn = bf16 ? kr.weight_only_bf16 : kr.weight_only_f32;
     const int64_t xe = bf16 ? 2 : 4, oe = out.element_size();
     // Threads split N (each streams its share of the weights), then M when N is too narrow.
-    const int64_t T = (M * N * std::max<int64_t>(K, 1) < kSerialMacs) ? 1 : at::get_num_threads();
+    const int64_t T = (M * N * std::max<int64_t>(K, 1) < kr.wo_serial_macs) ? 1 : at::get_num_threads();
     const int64_t tn = std::max<int64_t>(1, std::min(T, ceil_div(N, 64)));
     const int64_t tm = std::max<int64_t>(1, std::min(T / tn, ceil_div(M, 4)));
     auto body = [&](int64_t b, int64_t e) {

@@ -774,6 +774,10 @@ void weight_only_f32(const WeightOnly &p) {
 
 } // namespace
 
+// Weight-only threads from 128 Ki MACs: at M = 1 the kernel converts ~8 weights per cycle (vpmovsxbd, vcvtdq2ps,
+// FMA), so 147 Ki MACs already take ~16 us on one core. AMD EPYC Zen 2, 2 threads, the op alone, us, one thread vs
+// two: 1x128x512 11.4 vs 12.9 (kept serial) | 1x256x512 15.1 vs 15.3 | 1x384x512 19.0 vs 17.1 | 1x512x512 22.8 vs
+// 18.9 | 1x384x1536 45.5 vs 31.9 | 1x1536x384 41.4 vs 27.9 (the shared default, 1 Mi MACs, kept all of these serial).
 const Kernels *kernels_avx2() {
     static const Kernels k{.name = "avx2",
                            .a_min = -127,
@@ -782,7 +786,8 @@ const Kernels *kernels_avx2() {
                            .pack_a = &pack_a,
                            .gemm_block = &gemm_block,
                            .pack_b = &pack_b_portable,
-                           .weight_only_f32 = &weight_only_f32};
+                           .weight_only_f32 = &weight_only_f32,
+                           .wo_serial_macs = int64_t(1) << 17};
     return &k;
 }
 

@@ -185,6 +185,9 @@ struct Kernels {
     void (*pack_b)(const PackB &) = nullptr;
     void (*weight_only_f32)(const WeightOnly &) = nullptr;  // x fp32
     void (*weight_only_bf16)(const WeightOnly &) = nullptr; // x bf16
+    // The weight-only kernel runs on one thread below this many MACs (M x N x K): under it, waking the other
+    // threads costs more than splitting the columns saves. It depends on the kernel's MAC rate (int8_avx2.cpp).
+    int64_t wo_serial_macs = int64_t(1) << 20;
 };
 
 // Each returns nullptr when the TU was compiled for another architecture. The caller checks cpuid.
