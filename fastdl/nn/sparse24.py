@@ -333,7 +333,7 @@ class Sparse24Linear(RuntimeChoice, VersionedModule):
     def _fixed_path(self, x: torch.Tensor) -> str:
         """The path of the fixed rule (thresholds) for x."""
         rows = x.numel() // max(self.in_features, 1)
-        if x.device.type == "cuda":
+        if x.is_cuda:
             # the semi-structured cache is an inference copy: with gradients for the values, stay on dense/sparse
             semi_ok = self._semi_ok(x.dtype)
             if self.mode == "dense":
@@ -343,7 +343,7 @@ class Sparse24Linear(RuntimeChoice, VersionedModule):
             return "semi" if semi_ok and rows >= self.semi_min_rows else "dense"
         if self.mode != "auto":
             return self.mode
-        if x.device.type == "cpu" and x.dtype not in (torch.float32, torch.bfloat16):
+        if x.is_cpu and x.dtype not in (torch.float32, torch.bfloat16):
             return "dense"  # no CPU kernel for this dtype: the op would run the (slow) reference
         return "sparse" if rows < self.dense_threshold else "dense"
 

@@ -62,7 +62,7 @@ def _recheck(check: Callable, args) -> None:
 def _device_type(args) -> str:
     a = args[0] if args else None
     if isinstance(a, torch.Tensor):  # the first argument, in every op but loader_fill
-        return a.device.type
+        return "cpu" if a.is_cpu else a.device.type  # is_cpu: 0.13 us, .device.type: 0.73 us (a device object)
     for a in args:
         if isinstance(a, torch.Tensor):
             return a.device.type

@@ -309,7 +309,7 @@ def _linear_supports(backend: str, args) -> str | None:
     x, values = args[0], args[1]
     if not (x.is_floating_point() and values.is_floating_point()):
         return None
-    if backend == "cpp" and x.device.type == "cpu":
+    if backend == "cpp" and x.is_cpu:
         if x.dtype not in (torch.float32, torch.bfloat16):
             return f"the C++ CPU kernel takes float32/bfloat16 x, not {x.dtype}"
         if values.dtype not in (torch.float32, torch.bfloat16):
