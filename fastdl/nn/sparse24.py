@@ -413,10 +413,13 @@ class Sparse24Linear(RuntimeChoice, VersionedModule):
         return out
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        if self.input_permutation is not None:  # from fastdl.sparsity.prune(..., permute=True)
-            x = x.index_select(-1, self.input_permutation)
+        # Parameters and buffers are read from _parameters / _buffers on this path: through nn.Module.__getattr__
+        # each read costs ~1.2 us, and a call at M = 1 made eight of them (AMD EPYC Zen 2).
+        perm = self._buffers.get("input_permutation")
+        if perm is not None:  # from fastdl.sparsity.prune(..., permute=True)
+            x = x.index_select(-1, perm)
         k = self.in_features
-        if self._training_values():
+        if torch.is_grad_enabled() and self._parameters["values"].requires_grad:  # _training_values()
             # The run-time choice measures inference calls (with the weight cached); a call that trains the values
             # takes the fixed rule: the sparse op and its one-call backward at small M. A decision measured without
             # gradients ("dense_fused") made a trainable step at M = 1, K = N = 64 + gelu 1.81x the time of
@@ -434,13 +437,14 @@ class Sparse24Linear(RuntimeChoice, VersionedModule):
         """The "dense" path of ``_run_path`` for fp32 inference calls with the decompressed weight cached and fresh,
         without its per-call casts and checks (same result); None when it does not apply. At M = 1, K = N = 64 +
         gelu: 1.73x -> see ``fastdl bench overhead`` (thread CPU time, loaded machine)."""
-        if torch.compiler.is_compiling() or (self.values.requires_grad and torch.is_grad_enabled()):
+        values = self._parameters["values"]
+        if torch.compiler.is_compiling() or (values.requires_grad and torch.is_grad_enabled()):
             return None
         cache = self._weight_cache
         dense = cache.get("dense")
-        if dense is None or dense.dtype != torch.float32 or not cache.is_fresh(self.values, self.meta):
+        if dense is None or dense.dtype != torch.float32 or not cache.is_fresh(values, self._buffers["meta"]):
             return None
-        b = self.bias
+        b = self._parameters.get("bias")
         out = F.linear(x, dense, b if b is None or b.dtype == torch.float32 else b.float())
         self.__dict__["last_path"] = "dense"
         if self.activation != "none":
