@@ -16,6 +16,21 @@ inline bool is_given(const std::optional<at::Tensor> &t) {
     return t.has_value() && t->defined();
 }
 
+inline bool requires_grad_arg(const at::Tensor &t) {
+    return t.defined() && t.requires_grad();
+}
+inline bool requires_grad_arg(const std::optional<at::Tensor> &t) {
+    return is_given(t) && t->requires_grad();
+}
+
+// Whether a call records a graph: grad mode is on and an argument requires a gradient. When it does not (inference,
+// frozen weights), the Autograd kernels call the device kernel directly, as PyTorch's generated kernels do, instead of
+// building a Function node, its context and saved data that nothing reads: ~2.5 us a call at M = 1 (fused_linear,
+// K = N = 64, AMD EPYC Zen 2).
+template <class... Args> bool records_graph(const Args &...args) {
+    return at::GradMode::is_enabled() && (requires_grad_arg(args) || ...);
+}
+
 template <class Sig> c10::TypedOperatorHandle<Sig> find_cpp_op(const char *qualified_name) {
     return c10::Dispatcher::singleton().findSchemaOrThrow(qualified_name, "").typed<Sig>();
 }

@@ -80,6 +80,10 @@ std::tuple<at::Tensor, at::Tensor> fused_linear_autograd(const at::Tensor &x, co
                                                          const std::optional<at::Tensor> &bias,
                                                          c10::string_view activation,
                                                          const std::optional<at::Tensor> &residual, bool save_preact) {
+    if (!records_graph(x, weight, bias, residual)) {
+        at::AutoDispatchBelowADInplaceOrView below;
+        return forward_op().call(x, weight, bias, activation, residual, save_preact);
+    }
     const variable_list r = FusedLinearFunction::apply(x, weight, bias, activation, residual, save_preact);
     return {r[0], r[1]};
 }

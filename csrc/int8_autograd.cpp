@@ -53,6 +53,10 @@ struct Int8LinearQatFunction : public torch::autograd::Function<Int8LinearQatFun
 
 at::Tensor int8_linear_qat_autograd(const at::Tensor &x, const at::Tensor &weight,
                                     const std::optional<at::Tensor> &bias, bool weight_only) {
+    if (!records_graph(x, weight, bias)) {
+        at::AutoDispatchBelowADInplaceOrView below;
+        return forward_op().call(x, weight, bias, weight_only);
+    }
     return Int8LinearQatFunction::apply(x, weight, bias, weight_only);
 }
 

@@ -64,6 +64,10 @@ struct Sparse24LinearFunction : public torch::autograd::Function<Sparse24LinearF
 
 at::Tensor sparse24_linear_autograd(const at::Tensor &x, const at::Tensor &values, const at::Tensor &meta,
                                     const std::optional<at::Tensor> &bias) {
+    if (!records_graph(x, values, bias)) { // meta is integer: never differentiable
+        at::AutoDispatchBelowADInplaceOrView below;
+        return forward_op().call(x, values, meta, bias);
+    }
     return Sparse24LinearFunction::apply(x, values, meta, bias);
 }
 

@@ -569,6 +569,38 @@ def test_cpp_autograd_gives_exactly_the_gradients_asked_for(needs, with_bias):
         torch.testing.assert_close(t.grad.double(), tr.grad, rtol=1e-4, atol=1e-5)
 
 
+def test_cpp_autograd_kernels_record_no_graph_when_no_argument_needs_one():
+    # The C++ Autograd kernels of fused_linear, int8_linear_qat and sparse24_linear call the device kernel directly when
+    # grad mode is off or no argument requires a gradient: the same output, and no graph node; with a gradient needed,
+    # a node that backpropagates.
+    if "cpp" not in cpu_backends("fused_linear"):
+        pytest.skip("the compiled extension is not loaded")
+    from fastdl.ops import sparse24 as sp
+
+    torch.manual_seed(2)
+    x, w, b = torch.randn(3, 16), torch.randn(8, 16), torch.randn(8)
+    values, meta = sp.compress_2_4(sp.mask_2_4(w) * w)
+    cpp = torch.ops.fastdl_cpp
+    calls = {
+        "fused_linear": lambda x, w, b: cpp.fused_linear(x, w, b, "gelu", None, True)[0],
+        "int8_linear_qat": lambda x, w, b: cpp.int8_linear_qat(x, w, b, False),
+        "sparse24_linear": lambda x, w, b: cpp.sparse24_linear(x, values if w is None else w, meta, b),
+    }
+    for name, call in calls.items():
+        wt = None if name == "sparse24_linear" else w
+        with torch.no_grad():
+            ref = call(x, wt, b)
+        frozen = call(x, wt, b)  # grad mode on, nothing requires a gradient
+        assert frozen.grad_fn is None and not frozen.requires_grad, name
+        assert torch.equal(frozen, ref), name
+        xg = x.clone().requires_grad_()
+        out = call(xg, wt, b)
+        assert type(out.grad_fn).__name__ == "CppFunction", name
+        assert torch.equal(out.detach(), ref), name
+        out.sum().backward()
+        assert xg.grad is not None and xg.grad.shape == x.shape and torch.isfinite(xg.grad).all(), name
+
+
 def test_cpp_autograd_without_saved_preact_says_how_to_fix_it():
     if "cpp" not in cpu_backends("fused_linear"):
         pytest.skip("the compiled extension is not loaded")

@@ -90,6 +90,7 @@ def _load_triton(path: str) -> Callable:
 
 
 _PARAMETER = torch.nn.Parameter
+_PLAIN_ARGS = frozenset((str, bool, int, float))
 
 
 def _tensor_state(args, grad: bool) -> int:
@@ -101,6 +102,8 @@ def _tensor_state(args, grad: bool) -> int:
         if t is torch.Tensor or t is _PARAMETER:
             if grad and a.requires_grad:
                 state = 1
+        elif a is None or t in _PLAIN_ARGS:  # first: in most ops half of the arguments (~0.4 us of 1.4 us in 6)
+            continue
         elif t is list or t is tuple:
             sub = _tensor_state(a, grad)
             if sub == 2:
