@@ -196,7 +196,6 @@ std::tuple<at::Tensor, at::Tensor> pack_weight(const at::Tensor &w_q) {
 //   are split and each thread quantises the (few) rows itself rather than waiting for another thread.
 constexpr int64_t kMaxKc = 4096;
 constexpr int64_t kABlockBytes = 512 << 10;
-constexpr int64_t kSerialMacs = int64_t(1) << 20; // below ~1 M MACs (< 10 us) threads cost more than they save
 
 struct W8A8 {
     const Kernels *kr = nullptr;

@@ -171,6 +171,10 @@ struct LinePrefetch {
 };
 } // namespace
 
+// Below ~1 M MACs (< 10 us) threads cost more than they save: W8A8 runs on one thread, and so does the weight-only
+// kernel of every family that does not set its own limit (Kernels::wo_serial_macs).
+constexpr int64_t kSerialMacs = int64_t(1) << 20;
+
 // One ISA's kernels. A null pointer means "not available".
 struct Kernels {
     const char *name = "scalar";
@@ -187,7 +191,7 @@ struct Kernels {
     void (*weight_only_bf16)(const WeightOnly &) = nullptr; // x bf16
     // The weight-only kernel runs on one thread below this many MACs (M x N x K): under it, waking the other
     // threads costs more than splitting the columns saves. It depends on the kernel's MAC rate (int8_avx2.cpp).
-    int64_t wo_serial_macs = int64_t(1) << 20;
+    int64_t wo_serial_macs = kSerialMacs;
 };
 
 // Each returns nullptr when the TU was compiled for another architecture. The caller checks cpuid.

@@ -263,7 +263,8 @@ class Sparse24Linear(RuntimeChoice, VersionedModule):
         return why if cls is None else self._weight_cache.get("semi_reason")
 
     def _training_values(self) -> bool:
-        return torch.is_grad_enabled() and self.values.requires_grad
+        # values from _parameters: through nn.Module.__getattr__ the read costs ~1.2 us, on every forward
+        return torch.is_grad_enabled() and self._parameters["values"].requires_grad
 
     def _dense_for(self, dtype: torch.dtype) -> torch.Tensor:
         if self._training_values():  # the cache is detached: decompress per call so that values get gradients
@@ -419,7 +420,7 @@ class Sparse24Linear(RuntimeChoice, VersionedModule):
         if perm is not None:  # from fastdl.sparsity.prune(..., permute=True)
             x = x.index_select(-1, perm)
         k = self.in_features
-        if torch.is_grad_enabled() and self._parameters["values"].requires_grad:  # _training_values()
+        if self._training_values():
             # The run-time choice measures inference calls (with the weight cached); a call that trains the values
             # takes the fixed rule: the sparse op and its one-call backward at small M. A decision measured without
             # gradients ("dense_fused") made a trainable step at M = 1, K = N = 64 + gelu 1.81x the time of
@@ -437,12 +438,12 @@ class Sparse24Linear(RuntimeChoice, VersionedModule):
         """The "dense" path of ``_run_path`` for fp32 inference calls with the decompressed weight cached and fresh,
         without its per-call casts and checks (same result); None when it does not apply. At M = 1, K = N = 64 +
         gelu: 1.73x -> see ``fastdl bench overhead`` (thread CPU time, loaded machine)."""
-        values = self._parameters["values"]
-        if torch.compiler.is_compiling() or (values.requires_grad and torch.is_grad_enabled()):
+        if torch.compiler.is_compiling() or self._training_values():
             return None
         cache = self._weight_cache
         dense = cache.get("dense")
-        if dense is None or dense.dtype != torch.float32 or not cache.is_fresh(values, self._buffers["meta"]):
+        if (dense is None or dense.dtype != torch.float32
+                or not cache.is_fresh(self._parameters["values"], self._buffers["meta"])):
             return None
         b = self._parameters.get("bias")
         out = F.linear(x, dense, b if b is None or b.dtype == torch.float32 else b.float())
