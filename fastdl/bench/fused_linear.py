@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import time
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +38,7 @@ from .common import (
     over_time,
     print_header,
     say,
+    sync,
     write_csv,
 )
 
@@ -183,6 +185,14 @@ def run(args) -> list[dict]:
                 meta[name] = base
             try:
                 try:
+                    if "compile" in calls:
+                        # compile time is not call time: the first call of a compiled function compiles it for this
+                        # shape (seconds); timed as interleaved()'s probe it became the row (9-27 s at 1x512x512)
+                        t0 = time.perf_counter()
+                        calls["compile"]()
+                        sync(device)
+                        say(f"  compile: {time.perf_counter() - t0:.1f} s to compile {mode} M={M} K={K} N={N} "
+                            "(a warm-up, not timed as a call)")  # fmt: skip
                     times = interleaved(calls, device, budget_s=args.budget)
                 except Exception as exc:  # a provider that cannot run here is reported, then the shape without it
                     say(f"  a provider failed at {mode} M={M} K={K} N={N}: {type(exc).__name__}: {exc}; retrying "
