@@ -25,12 +25,22 @@ def _load_build_module():
 
 def _extensions():
     build = _load_build_module()
+    if build.no_extension_requested():
+        print("fastdl setup: FASTDL_NO_EXTENSION=1: building no compiled extension (PyTorch reference kernels only)")
+        return [], {}
     try:
         import torch  # noqa: F401
     except ImportError:
-        print("fastdl setup: torch is not installed in this environment: building no extension.")
-        print("fastdl setup: install torch first, then `pip install --no-build-isolation .`")
-        return [], {}
+        # Almost always pip's build isolation: it builds in a fresh environment without the user's torch. A wheel
+        # built there would have no fastdl._C and "succeed" quietly (212 KB, pure Python): fail loudly instead.
+        sys.exit(
+            "fastdl setup: ERROR: torch is not importable in the build environment, so the compiled extension "
+            "fastdl._C cannot be built.\n"
+            "  If torch is installed: pip built in an isolated environment. Install with\n"
+            "      pip install --no-build-isolation .      (or -e . while developing)\n"
+            "  If it is not: install torch first (tested: torch>=2.11,<2.15), then the command above.\n"
+            "  To build without the extension on purpose (PyTorch reference kernels only): FASTDL_NO_EXTENSION=1."
+        )
     cfg = build.build_config(jit=False)
     for note in cfg.notes:
         print(f"fastdl setup: {note}")

@@ -31,6 +31,7 @@ from .dispatch import clear_decisions, load_decisions, save_decisions, set_choic
 from .nn import CheckpointError  # noqa: E402
 from .serialization import load, load_pretrained, save  # noqa: E402
 
+_extension.warn_if_untested_torch()
 _extension.warn_if_missing()
 
 __all__ = [

@@ -10,6 +10,7 @@ Switches (environment variables):
   TORCH_CUDA_ARCH_LIST    CUDA targets, e.g. "8.0;9.0a" (default for pip builds: "8.0;9.0a";
                           default for JIT builds: the GPUs that are visible, else the pip default)
   CUDA_HOME / CUDA_PATH   the CUDA toolkit (default: found from nvcc on PATH, or /usr/local/cuda)
+  FASTDL_DEBUG=1          keep the debug info in the library (stripped at link time otherwise)
 """
 
 from __future__ import annotations
@@ -99,12 +100,23 @@ def _nvidia_wheel_dirs() -> tuple[list[str], list[str]]:
     return incs, libs
 
 
-def _cublaslt_link_flags(lib_dirs: list[str], cuda_home: str) -> list[str]:
+def _runpath(lib_dir: str, jit: bool) -> str:
+    """Where the loader looks for cuBLASLt at run time. A pip build (a wheel, or an install) must not carry the
+    build environment's absolute path: the nvidia wheel's lib dir is named relative to the installed fastdl/_C*.so
+    (``$ORIGIN/../nvidia/cu13/lib`` in the same site-packages; torch also loads cuBLASLt itself on import). A JIT
+    build stays on this machine and keeps the absolute path."""
+    parts = os.path.normpath(lib_dir).split(os.sep)
+    if not jit and "nvidia" in parts:
+        return "$ORIGIN/../" + "/".join(parts[parts.index("nvidia"):])
+    return lib_dir
+
+
+def _cublaslt_link_flags(lib_dirs: list[str], cuda_home: str, jit: bool = False) -> list[str]:
     """Link cuBLASLt. The wheels ship only versioned names (libcublasLt.so.13), so link by file name."""
     for d in lib_dirs + [os.path.join(cuda_home, "lib64"), os.path.join(cuda_home, "lib")]:
         for name in sorted(glob.glob(os.path.join(d, "libcublasLt.so*")), key=len):
             base = os.path.basename(name)
-            return [f"-L{d}", f"-l:{base}", f"-Wl,-rpath,{d}"]
+            return [f"-L{d}", f"-l:{base}", f"-Wl,-rpath,{_runpath(d, jit)}"]
     return ["-lcublasLt"]
 
 
@@ -157,10 +169,15 @@ class BuildConfig:
         return h.hexdigest()[:16]
 
 
+def no_extension_requested() -> bool:
+    """FASTDL_NO_EXTENSION=1: build no compiled extension."""
+    return _truthy("FASTDL_NO_EXTENSION")
+
+
 def build_config(jit: bool = False) -> BuildConfig:
     """Decide what to compile. Every skipped part is recorded in ``notes`` with the reason."""
     cfg = BuildConfig()
-    if _truthy("FASTDL_NO_EXTENSION"):
+    if no_extension_requested():
         cfg.enabled = False
         cfg.notes.append("FASTDL_NO_EXTENSION=1: not building fastdl._C (the PyTorch reference kernels serve every op)")
         return cfg
@@ -169,6 +186,10 @@ def build_config(jit: bool = False) -> BuildConfig:
     cfg.sources = cpp_sources()
     cfg.cxx_flags = list(CXX_FLAGS)
     cfg.ldflags = list(LD_FLAGS)
+    if not _truthy("FASTDL_DEBUG"):
+        # Python's own CFLAGS carry -g: with debug info the library is 48 MB, without it 9 MB. Stripped at link
+        # time (no recompile); FASTDL_DEBUG=1 keeps it.
+        cfg.ldflags.append("-Wl,--strip-debug")
     cfg.include_dirs = [CSRC]
     if _truthy("FASTDL_NO_CUDA"):
         cfg.notes.append("FASTDL_NO_CUDA=1: skipping the CUDA sources (csrc/cuda/*.cu)")
@@ -192,7 +213,7 @@ def build_config(jit: bool = False) -> BuildConfig:
     cfg.cxx_flags.append("-DFASTDL_WITH_CUDA")
     cfg.nvcc_flags = NVCC_FLAGS + ["-DFASTDL_WITH_CUDA"] + gencode
     cfg.include_dirs += incs
-    cfg.ldflags += _cublaslt_link_flags(libs, cuda_home)
+    cfg.ldflags += _cublaslt_link_flags(libs, cuda_home, jit)
     cfg.notes.append(f"CUDA sources: {len(cu)} file(s) for {archs} with {cuda_home}/bin/nvcc")
     return cfg
 

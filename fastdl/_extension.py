@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import subprocess
 import threading
 import time
 import warnings
@@ -15,7 +16,8 @@ import warnings
 from . import _build
 
 _lock = threading.RLock()
-_state: dict = {"attempted": False, "module": None, "source": "missing", "error": None, "path": None}
+_state: dict = {"attempted": False, "module": None, "source": "missing", "error": None, "path": None,
+                "jit_failed": False}
 
 FIX = (
     "build it with `pip install --no-build-isolation .` (or `-e .`) in the fastdl source tree, "
@@ -60,7 +62,8 @@ def _jit_build(verbose: bool = False):
     except OSError:
         up_to_date = False
     t0 = time.perf_counter()
-    if not up_to_date:
+    compiles = not up_to_date or _ninja_has_work(build_dir)
+    if compiles:
         what = f"{len(cfg.sources)} sources, CUDA {'for ' + cfg.archs if cfg.with_cuda else 'skipped'}"
         print(f"fastdl: JIT-compiling csrc/ ({what}) into {build_dir} ...", flush=True)
     mod = cpp_extension.load(
@@ -75,12 +78,26 @@ def _jit_build(verbose: bool = False):
         is_python_module=True,
         verbose=verbose,
     )
-    if not up_to_date:
+    if compiles:
         print(f"fastdl: JIT build done in {time.perf_counter() - t0:.1f} s", flush=True)
+    if not up_to_date:
         with open(stamp_path, "w") as f:
             f.write(fingerprint)
     _state["path"] = getattr(mod, "__file__", build_dir)
     return mod
+
+
+def _ninja_has_work(build_dir: str) -> bool:
+    """Whether ninja will recompile something in ``build_dir`` (a source newer than its object, e.g. after a
+    ``touch``, although its content and so the fingerprint did not change): then the compile line is printed too.
+    ``ninja -n`` is a dry run (~10 ms)."""
+    if not os.path.exists(os.path.join(build_dir, "build.ninja")):
+        return True
+    try:
+        r = subprocess.run(["ninja", "-n", "-C", build_dir], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return True
+    return "no work to do" not in r.stdout
 
 
 def load_extension(jit: bool | None = None, verbose: bool = False):
@@ -113,8 +130,23 @@ def load_extension(jit: bool | None = None, verbose: bool = False):
 
 
 def ensure_loaded() -> bool:
-    """True when the compiled kernels are registered (loads them on first call)."""
-    return load_extension() is not None
+    """True when the compiled kernels are registered (loads them on first call). Under FASTDL_JIT=1 a JIT build that
+    fails (no ninja, no compiler, a compile error) is reported once as a warning with its reason and the ops run
+    their PyTorch reference kernels; ``load_extension(jit=True)`` called explicitly raises instead."""
+    if _state["jit_failed"]:
+        return False
+    try:
+        return load_extension() is not None
+    except Exception as exc:  # only a JIT build raises here
+        _state["jit_failed"] = True
+        warnings.warn(
+            f"fastdl: FASTDL_JIT=1 but the JIT build of fastdl._C failed: {type(exc).__name__}: {exc}; using the "
+            "PyTorch reference kernels (`fastdl info` says what serves each op). To fix: install ninja and a C++ "
+            "compiler (`pip install ninja`), or build once with `pip install --no-build-isolation -e .`.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return False
 
 
 def warn_if_missing() -> None:
@@ -126,6 +158,35 @@ def warn_if_missing() -> None:
         warnings.warn(
             f"fastdl: compiled extension fastdl._C not available ({_state['error']}); "
             f"using the PyTorch reference kernels. To fix: {FIX}.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+# The torch releases CI builds and tests against (requirements/oldest.txt and requirements/dev.txt; pyproject's
+# dependency range says the same).
+TESTED_TORCH = ((2, 11), (2, 14))
+
+
+def torch_version_tested(version: str) -> bool:
+    """Whether ``version`` ("2.14.1+cu130") is within TESTED_TORCH (by major.minor)."""
+    try:
+        major, minor = (int(v) for v in version.split("+")[0].split(".")[:2])
+    except ValueError:
+        return False
+    return TESTED_TORCH[0] <= (major, minor) <= TESTED_TORCH[1]
+
+
+def warn_if_untested_torch() -> None:
+    """Called once by ``import fastdl``: a warning naming the tested range when this torch is outside it."""
+    import torch
+
+    if not torch_version_tested(torch.__version__):
+        lo, hi = (f"{a}.{b}" for a, b in TESTED_TORCH)
+        warnings.warn(
+            f"fastdl: torch {torch.__version__} is outside the tested range {lo}-{hi} (CI builds and tests torch "
+            f"{lo} and {hi}); fastdl may work, but its compiled extension and kernels were not tested with it. "
+            f'To stay in range: pip install "torch>={lo},<{TESTED_TORCH[1][0]}.{TESTED_TORCH[1][1] + 1}".',
             RuntimeWarning,
             stacklevel=3,
         )

@@ -8,7 +8,7 @@
 #    $VENV/.fastdl-requirements.sha256.
 #  * the extension is built again only when an input of the build changed: every file under csrc/, setup.py,
 #    pyproject.toml, fastdl/_build.py, the torch version, the Python version and the build switches
-#    (FASTDL_NO_EXTENSION, FASTDL_NO_CUDA, TORCH_CUDA_ARCH_LIST, CUDA_HOME, CUDA_PATH). Their hash is kept in
+#    (FASTDL_NO_EXTENSION, FASTDL_NO_CUDA, FASTDL_DEBUG, TORCH_CUDA_ARCH_LIST, CUDA_HOME, CUDA_PATH). Their hash is kept in
 #    $VENV/.fastdl-build.sha256 and checked with fastdl._C present and the editable install pointing at this checkout.
 #    When only those inputs changed and the install is in place, the rebuild is incremental
 #    (setup.py build_ext --inplace: ninja recompiles the changed translation units only).
@@ -42,7 +42,7 @@ build_hash="$(
         "$VENV/bin/python" - <<'PY'
 import importlib.metadata as md, os, sys
 print(sys.version, md.version("torch"))
-for var in ("FASTDL_NO_EXTENSION", "FASTDL_NO_CUDA", "TORCH_CUDA_ARCH_LIST", "CUDA_HOME", "CUDA_PATH"):
+for var in ("FASTDL_NO_EXTENSION", "FASTDL_NO_CUDA", "FASTDL_DEBUG", "TORCH_CUDA_ARCH_LIST", "CUDA_HOME", "CUDA_PATH"):
     print(var, os.environ.get(var, ""))
 PY
     } | _fastdl_hash
