@@ -483,7 +483,7 @@ def _stage(sh: _Shared, batch) -> _Item:
                 nbytes += t.numel() * t.element_size()
         out[i] = t
         if cuda and t.is_cuda:
-            record.append(t)
+            record += _device_buffers(t)
     if cuda and (direct or staged):
         if event is None or direct:
             event = torch.cuda.Event()
@@ -494,6 +494,17 @@ def _stage(sh: _Shared, batch) -> _Item:
         stats.bytes += nbytes
         stats.oversize += oversize
     return _Item(spec, out, event, record)
+
+
+def _device_buffers(t: torch.Tensor) -> list[torch.Tensor]:
+    """Plain tensors viewing ``t``'s device memory, for ``record_stream`` (which a nested tensor does not take; it
+    protects the whole allocation through any view of it)."""
+    if not t.is_nested:
+        return [t]
+    if t.layout == torch.jagged:
+        return [b for b in (t.values(), t.offsets(), t.lengths()) if b is not None]
+    parts = t.unbind()  # strided nested layout: one buffer, every component a view of it
+    return [parts[0]] if parts else []
 
 
 def _produce(sh: _Shared) -> None:

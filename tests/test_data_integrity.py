@@ -261,6 +261,21 @@ def test_nested_tensors_pass_through(layout, backend):
         assert all(torch.equal(a, r) for a, r in zip(b["w"].unbind(), batch["w"].unbind(), strict=True))
 
 
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
+@pytest.mark.parametrize("layout", [torch.strided, torch.jagged])
+def test_nested_tensor_device_buffers_view_its_memory(layout):
+    """What the CUDA path passes to record_stream for a nested tensor: plain tensors on its memory (checked here on
+    the CPU, where the same views exist)."""
+    from fastdl.data import _device_buffers
+
+    nt = _nested(layout)
+    bufs = _device_buffers(nt)
+    assert bufs and all(type(b) is torch.Tensor and not b.is_nested for b in bufs)
+    ptrs = {b.untyped_storage().data_ptr() for b in bufs}
+    assert {p.untyped_storage().data_ptr() for p in nt.unbind()} <= ptrs
+    assert _device_buffers(torch.ones(2))[0].shape == (2,)
+
+
 @needs_cuda
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
 @pytest.mark.parametrize("layout", [torch.strided, torch.jagged])
