@@ -61,6 +61,7 @@ class _Site:
     layer: LayerSite
     act_attr: str | None = None
     activation: str = "none"
+    tied: tuple[str, ...] = ()  # parameters of other modules that are this layer's weight or bias (weight tying)
 
     @property
     def name(self) -> str:
@@ -76,6 +77,15 @@ class _Site:
 
 
 def _find_sites(model: nn.Module, filter_fn, fuse_activations: bool) -> tuple[list[_Site], list[str]]:
+    """The Linear layers to convert. Shared and tied layers:
+
+    * a module registered in several places (``nn.Sequential(l, nn.ReLU(), l)``, a block reused by two parents) is
+      converted once and every place gets the same new module; an activation that follows it in one place is *not*
+      fused into it (its other uses would apply it too), unless the module has one registration (a parent reused
+      as a whole: the activation slot is shared as well);
+    * a layer whose weight or bias is also another module's parameter (tied embeddings / lm_head, two Linears with
+      one weight) records the other owners in ``site.tied``: "fused" keeps the parameters shared (still tied);
+      the policies that replace the weight by another form would untie it, so they leave the layer as it is."""
     skipped: dict[str, str] = {}
     sites = []
     for layer in find_layers(model, filter_fn=filter_fn, skipped=skipped, where="fastdl.convert"):
@@ -84,7 +94,26 @@ def _find_sites(model: nn.Module, filter_fn, fuse_activations: bool) -> tuple[li
         if following is not None and activation_of(following[1]) is not None:
             site.act_attr, site.activation = following[0], activation_of(following[1])
         sites.append(site)
+    places: dict[int, set] = {}
+    for site in sites:
+        places.setdefault(id(site.linear), set()).add((id(site.parent), site.layer.attr))
+    owners: dict[int, list[tuple[int, str]]] = {}
+    for name, mod in model.named_modules():
+        for pname, p in mod._parameters.items():
+            if p is not None:
+                owners.setdefault(id(p), []).append((id(mod), f"{name}.{pname}" if name else pname))
+    for site in sites:
+        if len(places[id(site.linear)]) > 1:  # the same module in several places: no activation fused into it
+            site.act_attr, site.activation = None, "none"
+        mine = {id(site.linear.weight), id(site.linear.bias)} - {id(None)}
+        site.tied = tuple(sorted({n for pid in mine for mid, n in owners.get(pid, ()) if mid != id(site.linear)}))
     return sites, [f"{name}: {why}" for name, why in skipped.items()]
+
+
+def _tied_note(site: _Site, policy: str) -> str:
+    shown = ", ".join(site.tied[:4]) + (", ..." if len(site.tied) > 4 else "")
+    return (f"left as is: its parameters are shared with {shown} (weight tying), which {policy} would untie; "
+            "'fused' keeps them shared")
 
 
 def _nbytes(mod: nn.Module) -> int:
@@ -251,6 +280,9 @@ def convert(
     else:
         built: dict[int, nn.Module | None] = {}  # a layer registered under several names is converted once
         for site in sites:
+            if site.tied and policy != "fused":
+                rows.append({"layer": site.name, "kernel": "original", "note": _tied_note(site, policy)})
+                continue
             before = _nbytes(site.linear)
             if policy == "sparse24" and not _is_2_4(site.linear.weight):
                 note = "pruned to 2:4 now (fine-tune with fastdl.sparsity.MaskedTraining to recover accuracy)"
@@ -294,6 +326,8 @@ def _convert_auto(model, sites, examples, max_error, noise, kinds, runtime_choic
         is24 = _is_2_4(site.linear.weight)
         for kind in kinds:
             if kind == "sparse24" and not is24:
+                continue
+            if site.tied and kind != "fused":  # would untie the shared parameters (see _find_sites)
                 continue
             try:
                 mod = _candidate(kind, site)
@@ -346,6 +380,9 @@ def _convert_auto(model, sites, examples, max_error, noise, kinds, runtime_choic
         if best != "original":
             model = _replace(model, site, new, fused_act=best == "fused")
         row.update({"bytes_before": _nbytes(site.linear), "bytes_after": _nbytes(new)})
+        if site.tied:
+            row["note"] = (row.get("note", "") + "; " if row.get("note") else "") + (
+                f"parameters shared with {', '.join(site.tied[:4])}: only 'fused' (which keeps them shared) tried")
         rows.append(row)
         if verbose:
             print(f"fastdl.convert: {site.name}: {row['kernel']} ({row['speedup']:.2f}x vs original)")

@@ -220,11 +220,20 @@ def _align(n: int, a: int = _ALIGN) -> int:
 # ring of host buffers
 
 
-class _Ring:
-    """``nslots`` uint8 host buffers, reused round-robin. Only the producer thread touches it while an iteration
-    runs (the consumer reads the counters)."""
+class _RingCounters:
+    """Allocations and replacements of a loader's ring slots, over every ring it made (not reset by reset_stats)."""
 
-    def __init__(self, nslots: int, pinned: bool, max_slot_bytes: int, handed_out: bool):
+    def __init__(self):
+        self.allocs = 0
+        self.replaced = 0
+
+
+class _Ring:
+    """``nslots`` uint8 host buffers, reused round-robin. A ring belongs to one pass at a time: only that pass's
+    producer thread touches it while the pass runs (the consumer reads the counters). The loader keeps the ring of
+    the last pass that ended for the next one."""
+
+    def __init__(self, nslots: int, pinned: bool, max_slot_bytes: int, handed_out: bool, counters: _RingCounters):
         self.slots: list[torch.Tensor | None] = [None] * nslots
         self.baseline = [0] * nslots
         self.events: list = [None] * nslots  # CUDA: event of the last device copy out of the slot
@@ -232,8 +241,7 @@ class _Ring:
         self.handed_out = handed_out  # CPU target: the consumer gets views of the slots
         self.max_slot_bytes = max_slot_bytes
         self.next = 0
-        self.allocs = 0
-        self.replaced = 0
+        self.counters = counters  # the loader's totals over all its rings (ring_allocs, ring_replaced)
 
     def nbytes(self) -> int:
         return sum(s.numel() for s in self.slots if s is not None)
@@ -259,12 +267,12 @@ class _Ring:
             if loader_use_count(slot) > self.baseline[j]:
                 slot = None
                 self.slots[j] = None
-                self.replaced += 1
+                self.counters.replaced += 1
         if slot is None or slot.numel() < nbytes:
             cap = self._capacity(max(nbytes, 0 if slot is None else slot.numel()))
             slot = self.slots[j] = None  # free the old buffer before allocating the new one
             slot = torch.empty(cap, dtype=torch.uint8, pin_memory=self.pinned)
-            self.allocs += 1
+            self.counters.allocs += 1
             self.slots[j] = slot
             self.baseline[j] = loader_use_count(slot)
         return j, slot
@@ -275,8 +283,26 @@ class _Ring:
 
 
 class _Stats:
+    """Counters of a loader over all its passes. Passes may run at once (each with its own producer thread): the
+    producers add under ``lock``; ``elapsed_s`` counts the wall time during which at least one pass ran."""
+
     def __init__(self):
+        self.lock = threading.Lock()
+        self.running = 0  # passes started and not yet ended
         self.reset()
+
+    def pass_started(self) -> None:
+        with self.lock:
+            if self.running == 0:
+                self.iter_start = time.perf_counter()
+            self.running += 1
+
+    def pass_ended(self) -> None:
+        with self.lock:
+            self.running -= 1
+            if self.running == 0 and self.iter_start is not None:
+                self.elapsed_s += time.perf_counter() - self.iter_start
+                self.iter_start = None
 
     def reset(self):
         self.batches = 0
@@ -332,6 +358,7 @@ class _Shared:
         self.thread: threading.Thread | None = None
         self.pending: collections.deque = collections.deque()  # CUDA timing events (start, end, nbytes)
         self.lock = threading.Lock()
+        self.held = None  # what the producer had ready when the pass was stopped (kept for a one-shot source)
 
     def put(self, item) -> bool:
         while not self.stop.is_set():
@@ -342,13 +369,22 @@ class _Shared:
                 continue
         return False
 
+    def put_or_hold(self, item) -> bool:
+        """``put``; when the pass is stopped first, keep ``item`` in ``held`` (handed to the next pass of a one-shot
+        source: nothing the producer took from the wrapped iterator is lost)."""
+        if self.put(item):
+            return True
+        self.held = item
+        return False
+
     def poll_timing(self, wait: bool = False) -> None:
         with self.lock:
             while self.pending and (wait or self.pending[0][1].query()):
                 start, end, nbytes = self.pending.popleft()
                 end.synchronize()
-                self.stats.h2d_s += start.elapsed_time(end) / 1e3
-                self.stats.h2d_bytes += nbytes
+                with self.stats.lock:
+                    self.stats.h2d_s += start.elapsed_time(end) / 1e3
+                    self.stats.h2d_bytes += nbytes
 
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()
@@ -387,7 +423,8 @@ def _stage(sh: _Shared, batch) -> _Item:
     off = 0
     for i, t in enumerate(leaves):
         if (
-            t.device.type != "cpu"
+            t.is_nested  # nested tensors (strided or jagged layout) have no single strided buffer to stage
+            or t.device.type != "cpu"
             or t.layout != torch.strided
             or t.is_quantized
             or t.numel() == 0
@@ -404,8 +441,8 @@ def _stage(sh: _Shared, batch) -> _Item:
         staged.append((i, t, off, nbytes, keep, strides))
         off += nbytes
     total = off
-    if total > ring.max_slot_bytes:  # larger than the bounded ring allows: no staging for this batch
-        stats.oversize += 1
+    oversize = total > ring.max_slot_bytes
+    if oversize:  # larger than the bounded ring allows: no staging for this batch
         direct += [s[0] for s in staged]
         direct.sort()
         staged, total = [], 0
@@ -434,23 +471,40 @@ def _stage(sh: _Shared, batch) -> _Item:
             record.append(dbuf)
             event = end
         del slot
-        stats.bytes += total
+    nbytes = total
     for i in direct:
         t = leaves[i]
+        if t.requires_grad:
+            t = t.detach()
         if t.device != device:
-            t = t.to(device, non_blocking=cuda and t.device.type == "cpu" and t.is_pinned())
-            if t.layout == torch.strided:
-                stats.bytes += t.numel() * t.element_size()
+            plain = t.layout == torch.strided and not t.is_nested
+            t = t.to(device, non_blocking=cuda and t.device.type == "cpu" and plain and t.is_pinned())
+            if plain:
+                nbytes += t.numel() * t.element_size()
         out[i] = t
         if cuda and t.is_cuda:
-            record.append(t)
+            record += _device_buffers(t)
     if cuda and (direct or staged):
         if event is None or direct:
             event = torch.cuda.Event()
             event.record(cfg["stream"])
         sh.poll_timing()
-    stats.copy_s += time.perf_counter() - t0
+    with stats.lock:
+        stats.copy_s += time.perf_counter() - t0
+        stats.bytes += nbytes
+        stats.oversize += oversize
     return _Item(spec, out, event, record)
+
+
+def _device_buffers(t: torch.Tensor) -> list[torch.Tensor]:
+    """Plain tensors viewing ``t``'s device memory, for ``record_stream`` (which a nested tensor does not take; it
+    protects the whole allocation through any view of it)."""
+    if not t.is_nested:
+        return [t]
+    if t.layout == torch.jagged:
+        return [b for b in (t.values(), t.offsets(), t.lengths()) if b is not None]
+    parts = t.unbind()  # strided nested layout: one buffer, every component a view of it
+    return [parts[0]] if parts else []
 
 
 def _produce(sh: _Shared) -> None:
@@ -474,25 +528,29 @@ def _produce(sh: _Shared) -> None:
             try:
                 next(it)
             except StopIteration:
-                sh.put(_End)
+                sh.put_or_hold(_End)
                 return
-        stats.produce_s += time.perf_counter() - t0
+        with stats.lock:
+            stats.produce_s += time.perf_counter() - t0
         while not sh.stop.is_set():
             t0 = time.perf_counter()
             try:
                 batch = next(it)
             except StopIteration:
                 break
-            stats.produce_s += time.perf_counter() - t0
+            with stats.lock:
+                stats.produce_s += time.perf_counter() - t0
             with backends.use_backend(cfg["copy_backend"]):  # the pass's copy backend, for the copy ops only
                 item = _stage(sh, batch)
             del batch
-            if not sh.put(item):
+            if not sh.put_or_hold(item):
                 return
             del item
-        sh.put(_End)
+        else:
+            return  # stopped before taking another batch from the wrapped iterator
+        sh.put_or_hold(_End)
     except BaseException as exc:  # noqa: B036  (hand everything, KeyboardInterrupt included, to the consumer)
-        sh.put(_Error(exc))
+        sh.put_or_hold(_Error(exc))
     finally:
         sh.it = None
         if ctx is not None:
@@ -504,7 +562,12 @@ def _produce(sh: _Shared) -> None:
 
 
 class _PrefetchIter:
-    def __init__(self, loader: PrefetchLoader, skip: int):
+    """One pass: a producer thread, a queue and a ring of its own. ``src`` is the wrapped loader's iterator (made by
+    the caller, in the caller's thread: DataLoader workers are started from there); ``one_shot``: ``src`` is the
+    wrapped object itself (a generator), so what the producer took from it and the consumer did not get is handed
+    back to the loader when the pass stops (``leftover``: the next pass delivers it first)."""
+
+    def __init__(self, loader: PrefetchLoader, src: Iterator, skip: int, one_shot: bool, leftover: list):
         self._loader_ref = weakref.ref(loader)
         self._device = loader.device
         self._cuda = loader.device.type == "cuda"
@@ -513,11 +576,14 @@ class _PrefetchIter:
         self._shutdown_timeout = loader.shutdown_timeout
         self._bar = None
         self._bar_t = 0.0
-        ring = loader._get_ring()
-        it = iter(loader.loader)  # in the caller's thread: DataLoader workers are started from here
-        self._sh = sh = _Shared(it, loader._cfg(), ring, loader._stats, skip, loader.depth)
+        self._src = src  # identity of the wrapped iterator: a second iter() that gets the same one joins this pass
+        self._one_shot = one_shot
+        ring = loader._take_ring()
+        self._sh = sh = _Shared(src, loader._cfg(), ring, loader._stats, skip, loader.depth)
+        if leftover:  # staged by the previous pass over this one-shot source: first in line (before the thread runs)
+            sh.q.queue.extend(leftover)
         _LIVE.add(sh)
-        self._stats.iter_start = time.perf_counter()
+        self._stats.pass_started()
         if loader.progress:
             self._bar = _make_bar(loader, skip)
         sh.thread = threading.Thread(target=_produce, args=(sh,), name=_THREAD_NAME, daemon=True)
@@ -567,7 +633,7 @@ class _PrefetchIter:
         del item
         self._stats.batches += 1
         loader = self._loader_ref()
-        if loader is not None:
+        if loader is not None and loader._current is not None and loader._current() is self:
             loader._consumed += 1
         if self._bar is not None:
             self._update_bar()
@@ -584,41 +650,49 @@ class _PrefetchIter:
 
     def _finish(self):
         loader = self._loader_ref()
-        if loader is not None:
+        if loader is not None and loader._current is not None and loader._current() is self:
             loader._consumed = 0
         self._stats.epochs += 1
         self.close()
 
     def close(self) -> None:
-        """Stop the producer thread and release everything; safe to call more than once."""
+        """Stop the producer thread and release everything; safe to call more than once. Over a one-shot source,
+        the batches the producer had staged and the consumer did not get go back to the loader (the next pass
+        delivers them first)."""
         sh, self._sh = self._sh, None
         if sh is None:
             return
         sh.stop.set()
-        _drain(sh.q)
         t = sh.thread
-        if t is not None and t is not threading.current_thread():
+        alive = t is not None and t.is_alive()
+        if alive and t is not threading.current_thread():
             t.join(self._shutdown_timeout)
-            if t.is_alive():
+            alive = t.is_alive()
+            if alive:
                 warnings.warn(
                     f"fastdl PrefetchLoader: producer thread still inside the wrapped loader after "
-                    f"{self._shutdown_timeout} s; leaving it (daemon) and using a new ring",
+                    f"{self._shutdown_timeout} s; leaving it (daemon) and using a new ring"
+                    + (" (a batch it still returns is dropped)" if self._one_shot else ""),
                     RuntimeWarning,
                     stacklevel=2,
                 )
-                loader = self._loader_ref()
-                if loader is not None and loader._ring is sh.ring:
-                    loader._ring = None
-            _drain(sh.q)
+        loader = self._loader_ref()
+        if loader is not None and not alive:
+            if self._one_shot:  # the thread is done: the queue and what it held are final
+                left = list(sh.q.queue)
+                if sh.held is not None:
+                    left.append(sh.held)
+                loader._leftover = left
+            loader._return_ring(sh.ring)
+        sh.held = None
+        _drain(sh.q)
+        self._src = None
         if self._cuda:
             try:
-                sh.poll_timing(wait=not t.is_alive())
+                sh.poll_timing(wait=not alive)
             except Exception:
                 pass
-        s = self._stats
-        if s.iter_start is not None:
-            s.elapsed_s += time.perf_counter() - s.iter_start
-            s.iter_start = None
+        self._stats.pass_ended()
         if self._bar is not None:
             self._bar.close()
             self._bar = None
@@ -674,8 +748,23 @@ class PrefetchLoader:
     referenced is never reused). Tensors are detached; tensors that share memory in the source batch are copied
     separately (aliasing is not preserved).
 
+    Passes (``iter()``): each ``iter(loader)`` over a re-iterable source (a list, a ``DataLoader``) is an
+    independent pass with its own producer thread, queue and ring, as each ``iter()`` of a ``DataLoader`` is its
+    own iterator: ``zip(loader, loader)`` and nested loops see every batch, and a loop after a ``break`` starts a
+    new epoch. Two passes running at once hold two rings (up to ``max_ring_bytes`` each; a pass that ends leaves
+    its ring to the next one, so sequential epochs reuse one); ``stats()`` counts the batches, bytes and times of
+    all passes, ``elapsed_s`` the time during which at least one ran. Over a one-shot source (an iterator or
+    generator, ``iter(source) is source``) there is one stream of data: an ``iter()`` while a pass is live returns
+    that pass (``zip(loader, loader)`` pairs consecutive batches, as ``zip(gen, gen)`` does), and the batches a
+    stopped pass had prefetched (``break``, ``del``, ``close()``, an interrupt) are delivered first by the next
+    pass, so every element arrives exactly once and in order. Why not one error for a second ``iter()``: a
+    ``DataLoader`` allows it, and code that peeks a batch (``next(iter(loader))``) or zips two loops relies on it.
+    The exception: a ``DataLoader(persistent_workers=True)`` reuses one iterator for every ``iter()``, so a second
+    pass while one runs raises RuntimeError (finish or ``close()`` the first).
+
     What a batch may hold: tensors (any shapes: a list of ragged tensors is moved tensor by tensor; sparse, nested
-    and quantized tensors are moved with ``.to(device)`` without the ring), nested in Mappings, lists and tuples
+    (strided or jagged layout) and quantized tensors are moved with ``.to(device)`` without the ring, so a CPU
+    target hands them out as they are, detached), nested in Mappings, lists and tuples
     (rebuilt as the same type: dict subclasses such as ``defaultdict`` or a transformers ``BatchEncoding`` keep
     their type and attributes, namedtuples their fields). Any other leaf that holds no tensor (numbers, strings,
     None, numpy arrays, arbitrary objects) is passed through untouched: the consumer gets the same object. A leaf
@@ -735,13 +824,18 @@ class PrefetchLoader:
         # and in `for b in loader` the slots of the batch still bound to `b`, of the one being returned, of the
         # `depth` queued ones and of the one the producer holds while it waits for queue space are all referenced.
         self._nslots = max(self.depth, 2) if cuda else self.depth + 3
-        self._ring: _Ring | None = None
+        self._ring: _Ring | None = None  # the ring of the last pass that ended, for the next pass
+        self._rings: weakref.WeakSet = weakref.WeakSet()  # every ring still alive (ring_bytes)
+        self._ring_counters = _RingCounters()
         self._stream = None
         self._stats = _Stats()
-        self._active: weakref.ref | None = None
+        self._passes: weakref.WeakSet = weakref.WeakSet()  # live passes (_PrefetchIter)
+        self._current: weakref.ref | None = None  # the pass started last: its position is state_dict()'s
+        self._leftover: list = []  # one-shot source: what a stopped pass had staged, for the next pass
         self._consumed = 0  # batches handed out in the current (or interrupted) pass
         self._skip = 0  # batches to skip at the start of the next pass (load_state_dict)
         self._epoch: int | None = None
+        self._closed = False
 
     # -- mode / configuration ------------------------------------------------------------------------------------
 
@@ -770,38 +864,71 @@ class PrefetchLoader:
             "intra_op_threads": torch.get_num_threads(),  # of the thread that starts the pass
         }
 
-    def _get_ring(self) -> _Ring:
-        if self._ring is None:
-            self._ring = _Ring(
+    def _take_ring(self) -> _Ring:
+        """The ring for a pass starting now: the one the last pass left, else a new one (a pass running at the
+        same time as another gets its own)."""
+        ring, self._ring = self._ring, None
+        if ring is None:
+            ring = _Ring(
                 self._nslots,
                 self.pin_memory,
                 max(self.max_ring_bytes // self._nslots, 1),
                 self.device.type == "cpu",
+                self._ring_counters,
             )
-        return self._ring
+            self._rings.add(ring)
+        return ring
+
+    def _return_ring(self, ring: _Ring) -> None:
+        if self._ring is None and not self._closed:
+            self._ring = ring
 
     # -- iteration -------------------------------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator:
+        """A new pass, independent of the others: its own producer thread, queue and ring. Over a re-iterable
+        source (a list, a ``DataLoader``) each ``iter()`` starts a new epoch, so ``zip(loader, loader)`` and nested
+        loops see every batch, as with a ``DataLoader``, and ``break`` then a new loop starts anew. Over a one-shot
+        source (an iterator or generator: ``iter(source) is source``) all passes read the one iterator, as looping
+        over it directly does: an ``iter()`` while a pass is live returns that pass, and the batches a stopped pass
+        had prefetched (``break``, ``del``) are delivered first by the next pass, so every element arrives once,
+        in order."""
         # the pass's copy backend, chosen in the thread that starts it (use_backend / FASTDL_BACKEND): before
         # anything changes, so a backend that cannot be honoured leaves the loader as it was
-        self._pass_backend = _resolve_copy_backend(self._copy_backend_arg)
-        self._close_active()  # one pass at a time: the ring belongs to it
+        backend = _resolve_copy_backend(self._copy_backend_arg)
+        src = self.loader
+        live = [p for p in list(self._passes) if p._sh is not None]
+        if live and getattr(src, "persistent_workers", False) and getattr(src, "_iterator", None) is not None:
+            # DataLoader(persistent_workers=True).__iter__ resets and returns its one iterator, which the live
+            # pass's producer is reading: calling it would mix two epochs in one iterator across two threads
+            raise RuntimeError(
+                "fastdl PrefetchLoader: a second iter() while a pass is running over a DataLoader with "
+                "persistent_workers=True (it reuses one iterator for every pass, so passes cannot run at once); "
+                "finish or close() the running pass first (e.g. `it.close()`, or `loader.close()`)"
+            )
+        self._pass_backend = backend
+        self._closed = False
+        it = iter(src)
+        for p in live:
+            if p._src is it:  # the source hands out one iterator (a generator): share its pass
+                return p
+        one_shot = it is src
         skip, self._skip = self._skip, 0
-        self._consumed = skip
-        it = _PrefetchIter(self, skip)
-        self._active = weakref.ref(it)
-        return it
-
-    def _close_active(self) -> None:
-        it = self._active() if self._active is not None else None
-        if it is not None:
-            it.close()
-        self._active = None
+        leftover, self._leftover = (self._leftover, []) if one_shot else ([], [])
+        if skip or not one_shot:  # a one-shot source's pass goes on where the last one stopped
+            self._consumed = skip
+        p = _PrefetchIter(self, it, skip, one_shot, leftover)
+        self._passes.add(p)
+        self._current = weakref.ref(p)
+        return p
 
     def close(self) -> None:
-        """Stop the current pass (if any) and free the ring."""
-        self._close_active()
+        """Stop every running pass and free the idle ring. Over a one-shot source, batches already prefetched are
+        kept for the next pass (they are the source's data: nothing is dropped)."""
+        self._closed = True
+        for p in list(self._passes):
+            p.close()
+        self._current = None
         self._ring = None
 
     # No __del__: a live iterator owns its producer thread and keeps working if the loader is dropped (as with
@@ -835,21 +962,42 @@ class PrefetchLoader:
     # -- resume ----------------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """Position in the current pass: batches already handed to the consumer (prefetched ones do not count),
-        and the epoch last given to ``set_epoch``. 0 after a pass completed."""
+        """Position in the current pass (the one started last): batches already handed to the consumer (prefetched
+        ones do not count), and the epoch last given to ``set_epoch``. 0 after a pass completed."""
         return {"version": 1, "batches_consumed": int(self._consumed), "epoch": self._epoch}
 
-    def load_state_dict(self, state: dict) -> None:
+    _STATE_KEYS = ("version", "batches_consumed", "epoch")
+
+    def load_state_dict(self, state: Mapping) -> None:
         """The next pass skips the ``batches_consumed`` batches (read from the wrapped loader, not staged), so a
         restarted job continues with the next unseen batch; needs a deterministic sampler order. Restores the
-        epoch with ``set_epoch``."""
-        if state.get("version") != 1:
-            raise ValueError(f"unsupported PrefetchLoader state version {state.get('version')!r} (expected 1)")
-        n = int(state["batches_consumed"])
+        epoch with ``set_epoch``. ``state`` is what ``state_dict`` returned: a mapping with ``version`` 1,
+        ``batches_consumed`` (an int >= 0) and optionally ``epoch`` (an int or None); anything else raises
+        TypeError (a wrong type) or ValueError (a wrong or missing value) naming the key, and nothing changes."""
+        where = "PrefetchLoader.load_state_dict"
+        if not isinstance(state, Mapping):
+            raise TypeError(f"{where}: state must be a dict from PrefetchLoader.state_dict(), got "
+                            f"{type(state).__name__}: {state!r:.80}")
+        unknown = [k for k in state if k not in self._STATE_KEYS]
+        if unknown:
+            raise ValueError(f"{where}: state has unknown keys {unknown!r:.200}; expected {list(self._STATE_KEYS)}")
+        version = state.get("version")
+        if type(version) is not int or version != 1:
+            raise ValueError(f"{where}: unsupported PrefetchLoader state version {version!r} (expected 1)")
+        if "batches_consumed" not in state:
+            raise ValueError(f"{where}: state['batches_consumed'] is missing (expected an int >= 0); got keys "
+                             f"{list(state)}")
+        n, epoch = state["batches_consumed"], state.get("epoch")
+        if not isinstance(n, int) or isinstance(n, bool):
+            raise TypeError(f"{where}: state['batches_consumed'] must be an int >= 0, got {type(n).__name__}: "
+                            f"{n!r:.80}")
         if n < 0:
-            raise ValueError(f"batches_consumed must be >= 0, got {n}")
-        if state.get("epoch") is not None:
-            self.set_epoch(state["epoch"])
+            raise ValueError(f"{where}: state['batches_consumed'] must be >= 0, got {n}")
+        if epoch is not None and (not isinstance(epoch, int) or isinstance(epoch, bool)):
+            raise TypeError(f"{where}: state['epoch'] must be an int or None, got {type(epoch).__name__}: "
+                            f"{epoch!r:.80}")
+        if epoch is not None:
+            self.set_epoch(epoch)
         self._skip = n
         self._consumed = n
 
@@ -860,11 +1008,13 @@ class PrefetchLoader:
         (exposed loading time), ``copy_s`` the producer's staging/copy time, ``h2d_s`` the device time of the
         host-to-device copies (CUDA), ``produce_s`` the time spent in the wrapped loader."""
         s = self._stats
-        it = self._active() if self._active is not None else None
-        if it is not None and it._sh is not None and self.device.type == "cuda":
-            it._sh.poll_timing()
+        if self.device.type == "cuda":
+            for p in list(self._passes):
+                sh = p._sh
+                if sh is not None:
+                    sh.poll_timing()
         elapsed = s.elapsed_s + (time.perf_counter() - s.iter_start if s.iter_start is not None else 0.0)
-        ring = self._ring
+        rings = list(self._rings)
         return {
             "mode": self.mode,
             "device": str(self.device),
@@ -883,17 +1033,18 @@ class PrefetchLoader:
             "h2d_s": s.h2d_s if self.device.type == "cuda" else None,
             "h2d_gbps": s.h2d_bytes / s.h2d_s / 1e9 if s.h2d_s > 0 else None,
             "ring_slots": self._nslots,
-            "ring_bytes": ring.nbytes() if ring is not None else 0,
-            "ring_allocs": ring.allocs if ring is not None else 0,
-            "ring_replaced": ring.replaced if ring is not None else 0,
+            "ring_bytes": sum(r.nbytes() for r in rings),
+            "ring_allocs": self._ring_counters.allocs,
+            "ring_replaced": self._ring_counters.replaced,
             "oversize_batches": s.oversize,
         }
 
     def reset_stats(self) -> None:
-        running = self._stats.iter_start is not None
-        self._stats.reset()
-        if running:
-            self._stats.iter_start = time.perf_counter()
+        with self._stats.lock:
+            running = self._stats.iter_start is not None
+            self._stats.reset()
+            if running:
+                self._stats.iter_start = time.perf_counter()
 
     def __repr__(self) -> str:
         return (

@@ -89,9 +89,19 @@ def _error(where: str, problem: str) -> CheckpointError:
 def _check_recipe(rec: Any, where: str) -> dict:
     if not isinstance(rec, dict) or rec.get("format") != RECIPE_FORMAT or not isinstance(rec.get("layers"), dict):
         raise _error(where, f"not a fastdl conversion recipe: {rec!r:.300}")
-    if not isinstance(rec.get("version"), int) or rec["version"] > RECIPE_VERSION:
-        raise _error(where, f"format version {rec.get('version')!r} is newer than this fastdl's ({RECIPE_VERSION}); "
+    version = rec.get("version")
+    if type(version) is not int or version < 1:
+        raise _error(where, f"the recipe's format version must be an int from 1 to {RECIPE_VERSION}, got {version!r}")
+    if version > RECIPE_VERSION:
+        raise _error(where, f"format version {version!r} is newer than this fastdl's ({RECIPE_VERSION}); "
                             "upgrade fastdl to load it")  # fmt: skip
+    root = rec.get("root")
+    if root is not None and not isinstance(root, str):
+        raise _error(where, f"the recipe's 'root' must be a class name (str), got {root!r:.100}")
+    for name, entry in rec["layers"].items():
+        if not isinstance(name, str) or not isinstance(entry, dict) or not isinstance(entry.get("type"), str):
+            raise _error(where, f"the recipe's layer {name!r:.100} must map to a dict with a 'type' name, got "
+                                f"{entry!r:.200}")  # fmt: skip
     return rec
 
 
@@ -119,6 +129,18 @@ def _plain_linear(m: nn.Module, name: str) -> nn.Linear:
 
 
 def _build(current: nn.Module, entry: dict, name: str) -> nn.Module:
+    """The module ``entry`` describes, built from ``current``. Arguments a fastdl module rejects (a tampered or
+    foreign recipe: unknown keys, wrong values) raise CheckpointError naming the layer and the entry."""
+    try:
+        return _build_entry(current, entry, name)
+    except CheckpointError:
+        raise
+    except (TypeError, ValueError, KeyError, AttributeError) as err:
+        raise _error(name, f"the recipe's entry {entry!r:.300} cannot be built ({type(err).__name__}: "
+                           f"{err})") from err  # fmt: skip
+
+
+def _build_entry(current: nn.Module, entry: dict, name: str) -> nn.Module:
     types = _module_types()
     kind = entry.get("type")
     args = {k: v for k, v in entry.items() if k not in ("type", "pruned")}
@@ -134,34 +156,49 @@ def _build(current: nn.Module, entry: dict, name: str) -> nn.Module:
     if kind == "Int8Linear":
         return types[kind].from_linear(lin, **args)
     if kind == "Sparse24Linear":
-        dtype = getattr(torch, args.pop("dtype"))
+        dtype_name = args.pop("dtype")
+        dtype = getattr(torch, dtype_name, None) if isinstance(dtype_name, str) else None
+        if not isinstance(dtype, torch.dtype):
+            raise _error(name, f"the recipe's Sparse24Linear dtype must name a torch dtype, got {dtype_name!r:.100}")
         return types[kind].from_linear(lin, dtype=dtype, **args)
     raise _error(name, f"unknown layer type {kind!r} (written by a newer fastdl?)")
 
 
 def apply_recipe(model: nn.Module, rec: dict) -> nn.Module:
     """Convert the layers of ``model`` as ``rec`` (from ``recipe``) says, in place; layers already converted that way
-    are kept. Returns the model (the new module when the model itself is a recorded layer)."""
+    are kept. Returns the model (the new module when the model itself is a recorded layer). A recipe that is not
+    one, or one that does not fit the model, raises CheckpointError."""
+    return _apply_recipe(model, rec, "")
+
+
+def _apply_recipe(model: nn.Module, rec: Any, source: str) -> nn.Module:
+    """``apply_recipe``; ``source`` (a file) is named in the errors."""
     from .sparsity import prepare_pruned
 
-    rec = _check_recipe(rec, type(model).__name__)
+    def where(name: str) -> str:
+        return f"{source}, layer {name}" if source else name
+
+    rec = _check_recipe(rec, source or type(model).__name__)
     prefix = _root_prefix(model, rec.get("root"))
     for rel_name, entry in rec["layers"].items():
         name = prefix + rel_name if rel_name else prefix.rstrip(".")
         try:
             current = model.get_submodule(name) if name else model
         except AttributeError:
-            raise _error(name, f"the checkpoint has a layer {name!r} ({entry.get('type')}) that this "
-                               f"{type(model).__name__} does not have") from None  # fmt: skip
-        new = _build(current, entry, name)
+            raise _error(where(name), f"the checkpoint has a layer {name!r} ({entry.get('type')}) that this "
+                                      f"{type(model).__name__} does not have") from None  # fmt: skip
+        new = _build(current, entry, where(name))
         if new is not current:
             if name:
                 parent, _, attr = name.rpartition(".")
                 setattr(model.get_submodule(parent) if parent else model, attr, new)
             else:
                 model = new
-        if entry.get("pruned"):
-            prepare_pruned(new, permuted=bool(entry["pruned"].get("permuted")))
+        pruned = entry.get("pruned")
+        if pruned:
+            if not isinstance(pruned, dict):
+                raise _error(where(name), f"the recipe's 'pruned' must be a dict, got {pruned!r:.100}")
+            prepare_pruned(new, permuted=bool(pruned.get("permuted")))
     return model
 
 
@@ -286,31 +323,103 @@ def save(model: nn.Module, path: str | os.PathLike) -> None:
         torch.save({"fastdl_recipe": rec, "state_dict": sd}, path)
 
 
+# errors of the file system or the environment, not of the file's content: raised as they are
+_NOT_THE_FILE = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, ImportError, MemoryError)
+
+
+def _damaged(path: str, what: str, err: BaseException) -> CheckpointError:
+    said = " ".join(str(err).split())  # one line (torch's load_state_dict message has tabs and newlines)
+    return _error(path, f"{what} ({type(err).__name__}: {said[:300]})")
+
+
 def _read_file(path: str, map_location) -> tuple[dict[str, torch.Tensor], dict | None]:
+    """The state dict and recipe of one file. A file that is not a readable checkpoint (truncated, random bytes,
+    empty, a corrupted safetensors header, bad recipe metadata) raises CheckpointError naming the file, chained to
+    the reader's own error; a missing file stays FileNotFoundError."""
+    _check_map_location(map_location)
     if path.endswith(".safetensors"):
         st = _safetensors()
         from safetensors import safe_open
 
-        with safe_open(path, framework="pt") as f:
-            meta = f.metadata() or {}
-        sd = st.load_file(path, device=str(map_location))
-        for alias, kept in json.loads(meta.get(_META_ALIASES, "{}")).items():
+        try:
+            with safe_open(path, framework="pt") as f:
+                meta = f.metadata() or {}
+            sd = st.load_file(path, device=str(map_location))
+        except _NOT_THE_FILE:
+            raise
+        except Exception as err:
+            raise _damaged(path, "not a readable safetensors file", err) from err
+        aliases = _json_meta(path, meta, _META_ALIASES, {})
+        if not isinstance(aliases, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                    for k, v in aliases.items()):
+            raise _error(path, f"its {_META_ALIASES} metadata must map names to names, got {aliases!r:.200}")
+        for alias, kept in aliases.items():
+            if kept not in sd:
+                raise _error(path, f"its {_META_ALIASES} metadata makes {alias!r} an alias of {kept!r:.100}, which is "
+                                   "not a tensor of the file")  # fmt: skip
             sd[alias] = sd[kept]
-        rec = meta.get(_META_RECIPE)
-        return sd, json.loads(rec) if rec else None
-    obj = torch.load(path, map_location=map_location, weights_only=True)
+        rec = _json_meta(path, meta, _META_RECIPE, None)
+        return sd, rec
+    try:
+        obj = torch.load(path, map_location=map_location, weights_only=True)
+    except _NOT_THE_FILE:
+        raise
+    except Exception as err:  # EOFError, UnpicklingError, miniz RuntimeError, OSError(EINVAL), UnicodeDecodeError
+        raise _damaged(path, "not a readable torch.save checkpoint", err) from err
     if isinstance(obj, dict) and "state_dict" in obj and "fastdl_recipe" in obj:
-        return obj["state_dict"], obj["fastdl_recipe"]
-    return obj, None  # a plain state dict
+        sd, rec = obj["state_dict"], obj["fastdl_recipe"]
+    else:
+        sd, rec = obj, None  # a plain state dict
+    _check_state_dict(sd, path)
+    return sd, rec
+
+
+def _json_meta(path: str, meta: dict, key: str, default):
+    text = meta.get(key)
+    if text is None:
+        return default
+    try:
+        return json.loads(text)
+    except ValueError as err:  # JSONDecodeError
+        raise _damaged(path, f"its {key} metadata is not valid JSON: {text[:80]!r}", err) from err
+
+
+def _check_state_dict(sd: Any, path: str) -> None:
+    if not isinstance(sd, dict):
+        raise _error(path, f"it holds a {type(sd).__name__}, not a state dict (a dict of tensors)")
+    for k, v in sd.items():
+        if not isinstance(k, str) or not isinstance(v, torch.Tensor):
+            raise _error(path, f"it is not a state dict: entry {k!r:.100} holds a {type(v).__name__}, not a tensor")
+
+
+def _check_map_location(map_location) -> None:
+    """A device that cannot be used here is the caller's error, raised before the file is read (so that it is not
+    taken for a damaged file)."""
+    if isinstance(map_location, (str, torch.device)):
+        dev = torch.device(map_location)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(f"fastdl.load: map_location={map_location!r}, but CUDA is not available")
+
+
+def _read_json(path: str, what: str) -> Any:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except _NOT_THE_FILE:
+        raise
+    except (ValueError, OSError) as err:  # JSONDecodeError, UnicodeDecodeError, EINVAL
+        raise _damaged(path, f"not a readable {what} (JSON)", err) from err
 
 
 def _hf_weight_files(path: str) -> list[str]:
     for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
         p = os.path.join(path, index)
         if os.path.isfile(p):
-            with open(p) as f:
-                names = sorted(set(json.load(f)["weight_map"].values()))
-            return [os.path.join(path, n) for n in names]
+            weight_map = _read_json(p, "weight index")
+            weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise _error(p, "its 'weight_map' must map tensor names to file names")
+            return [os.path.join(path, n) for n in sorted(set(weight_map.values()))]
     for single in ("model.safetensors", "pytorch_model.bin"):
         p = os.path.join(path, single)
         if os.path.isfile(p):
@@ -325,8 +434,8 @@ def _read_hf_dir(path: str, map_location) -> tuple[dict[str, torch.Tensor], dict
     rec = None
     cfg = os.path.join(path, "config.json")
     if os.path.isfile(cfg):
-        with open(cfg) as f:
-            qc = json.load(f).get("quantization_config")
+        config = _read_json(cfg, "config.json")
+        qc = config.get("quantization_config") if isinstance(config, dict) else None
         if is_fastdl_quantization_config(qc):
             rec = qc
     return sd, rec
@@ -335,7 +444,12 @@ def _read_hf_dir(path: str, map_location) -> tuple[dict[str, torch.Tensor], dict
 def _load_weights(model: nn.Module, sd: dict[str, torch.Tensor], strict: bool, where: str) -> None:
     """``load_state_dict``; keys missing from the checkpoint because they are tied to a loaded tensor (a
     transformers checkpoint stores ``lm_head.weight`` once when it is the embedding) are not an error."""
-    result = model.load_state_dict(sd, strict=False)
+    try:
+        result = model.load_state_dict(sd, strict=False)
+    except CheckpointError as err:  # a fastdl layer's own check (names the layer): name the file too
+        raise CheckpointError(f"{where}: {err}") from err
+    except (RuntimeError, ValueError, TypeError, KeyError, IndexError) as err:  # size mismatch, wrong dtype, ...
+        raise _damaged(where, f"its weights do not fit this {type(model).__name__}", err) from err
     if not strict:
         return
     live = model.state_dict(keep_vars=True)
@@ -356,7 +470,7 @@ def load(model: nn.Module, path: str | os.PathLike, *, strict: bool = True, map_
     path = os.fspath(path)
     sd, rec = _read_hf_dir(path, map_location) if os.path.isdir(path) else _read_file(path, map_location)
     if rec is not None:
-        model = apply_recipe(model, rec)
+        model = _apply_recipe(model, rec, path)
     _load_weights(model, sd, strict, path)
     return note_conversion(model)
 
@@ -387,7 +501,7 @@ def load_pretrained(model_class, path: str | os.PathLike, **kwargs) -> nn.Module
     del config.quantization_config
     build_kwargs = {k: kwargs[k] for k in ("dtype", "torch_dtype", "attn_implementation") if k in kwargs}
     model = model_class._from_config(config, **build_kwargs)
-    model = apply_recipe(model, qc)
+    model = _apply_recipe(model, qc, os.path.join(path, "config.json"))
     sd = _read_hf_dir(path, "cpu")[0]
     _load_weights(model, sd, True, path)
     _load_generation_config(model, path)

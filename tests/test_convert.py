@@ -147,3 +147,105 @@ def test_converted_checkpoint_loads_in_another_process_state():
     torch.testing.assert_close(fresh(x), model(x))
     plain = copy.deepcopy(_model())
     plain.load_state_dict(model.state_dict())  # keys unchanged: loads back into the unconverted model
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# shared and tied layers (issue 34, item 3)
+
+# relative error of each policy vs the fp32 unconverted model (2:4: the weights are 2:4 already, so exact)
+_TOL = {"fused": 1e-5, "int8": 0.03, "int8_weight_only": 0.03, "sparse24": 1e-5, "auto": 0.03}
+
+
+def _rel(out, ref) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def _pruned(lin: nn.Linear) -> nn.Linear:
+    """Make the weight 2:4 already (2 of every 4 inputs kept), so a 2:4 conversion is exact."""
+    from fastdl.ops import mask_2_4
+
+    with torch.no_grad():
+        lin.weight.mul_(mask_2_4(lin.weight))
+    return lin
+
+
+def _convert(model, policy, x, timer=None):
+    if policy == "auto":
+        timer.set(lambda name, info: 1.0 if name.startswith("original") else 0.5)  # every candidate "faster"
+        return fastdl.convert(model, "auto", example_inputs=(x,))
+    return fastdl.convert(model, policy)
+
+
+@pytest.mark.parametrize("policy", convert_mod.POLICIES)
+def test_a_shared_module_gets_no_fused_activation_and_is_converted_once(policy, timer):
+    torch.manual_seed(0)
+    shared = _pruned(nn.Linear(16, 16))
+    model = nn.Sequential(shared, nn.ReLU(), shared, nn.GELU(), _pruned(nn.Linear(16, 8)), nn.SiLU())
+    x = torch.randn(5, 16)
+    ref = model(x)
+    model = _convert(model, policy, x, timer)
+    assert model[0] is model[2], "both places must hold the same (converted) module"
+    assert type(model[0]) is not nn.Linear, fastdl.report(model)
+    assert getattr(model[0], "activation", "none") == "none"  # no activation fused into the shared module
+    assert type(model[1]) is nn.ReLU and type(model[3]) is nn.GELU
+    if policy in ("fused", "auto"):
+        assert model[4].activation == "silu"  # a module used once still gets its activation fused
+    err = _rel(model(x), ref)
+    assert err < _TOL[policy], (policy, err)
+
+
+def test_a_block_reused_as_a_whole_keeps_its_fusion(timer):
+    """A Sequential used twice (a recurrent block): the Linear has one registration, the activation slot is shared
+    as well, so fusing is right."""
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 12), nn.ReLU())
+    model = nn.Sequential(block, block)
+    x = torch.randn(3, 12)
+    ref = model(x)
+    fastdl.convert(model, "fused")
+    assert model[0] is model[1] and block[2].activation == "relu" and isinstance(block[3], nn.Identity)
+    torch.testing.assert_close(model(x), ref, rtol=1e-5, atol=1e-5)
+
+
+def _tied_model():
+    torch.manual_seed(0)
+    a, b = _pruned(nn.Linear(16, 16)), nn.Linear(16, 16)
+    b.weight = a.weight  # two Linears, one weight (their biases differ)
+    emb = nn.Embedding(10, 16)
+    head = _pruned(nn.Linear(16, 10, bias=False))
+    emb.weight = head.weight  # tied embedding / lm_head
+
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.body, self.head = emb, nn.Sequential(a, nn.ReLU(), b, nn.ReLU()), head
+
+        def forward(self, ids):
+            return self.head(self.body(self.emb(ids)))
+
+    return LM()
+
+
+@pytest.mark.parametrize("policy", convert_mod.POLICIES)
+def test_tied_weights_stay_tied_or_the_layers_are_left_with_a_note(policy, timer):
+    model = _tied_model()
+    ids = torch.randint(0, 10, (4, 7))
+    ref = model(ids)
+    model = _convert(model, policy, ids, timer)
+    body, head = model.body, model.head
+    rep = {r["layer"]: r for r in fastdl.report(model)}
+    for name, mod in (("body.0", body[0]), ("body.2", body[2]), ("head", head)):
+        if type(mod) is nn.Linear:  # left as is: the report says why
+            assert policy not in ("fused",), (policy, name)
+            assert "shared with" in rep[name]["note"], rep[name]
+        else:  # converted: only by a policy that keeps the parameters shared
+            assert isinstance(mod, FusedLinear), (policy, name, type(mod))
+    assert body[0].weight is body[2].weight  # still one weight
+    assert model.emb.weight is head.weight
+    if policy == "fused":
+        assert isinstance(body[0], FusedLinear) and body[0].activation == "relu" and body[2].activation == "relu"
+    err = _rel(model(ids), ref)
+    assert err < _TOL[policy], (policy, err)
+    with torch.no_grad():  # tied means tied: an update to one is seen by the other
+        model.emb.weight.add_(1.0)
+    assert torch.equal(head.weight, model.emb.weight)

@@ -185,6 +185,130 @@ def test_load_errors_name_the_problem(tmp_path):
         fastdl.load("model", tmp_path / "m.pt")
 
 
+# ------------------------------------------------------------------------------------------ damaged files (issue 34)
+def _saved(tmp_path, suffix):
+    model = fastdl.convert(_mlp(), "int8")
+    path = tmp_path / f"good{suffix}"
+    fastdl.save(model, path)
+    return path.read_bytes()
+
+
+def _damage(data: bytes, how: str) -> bytes:
+    if how == "empty":
+        return b""
+    if how == "random":
+        return bytes(torch.randint(0, 256, (4096,), generator=torch.Generator().manual_seed(0)).tolist())
+    if how == "truncated-half":
+        return data[: len(data) // 2]
+    if how == "truncated-8":
+        return data[:8]
+    if how == "truncated-1":
+        return data[:-1]
+    if how == "header-bytes":  # bytes of the safetensors JSON header (or the zip's first entry) overwritten
+        return data[:8] + b"\xff" * 24 + data[32:]
+    if how == "header-length":  # safetensors: the header length field says 2**62
+        return (2**62).to_bytes(8, "little") + data[8:]
+    raise ValueError(how)
+
+
+DAMAGE = ["empty", "random", "truncated-half", "truncated-8", "truncated-1", "header-bytes", "header-length"]
+
+
+@pytest.mark.parametrize("how", DAMAGE)
+@pytest.mark.parametrize("suffix", [pytest.param(".safetensors", marks=needs_safetensors), ".pt"])
+def test_load_of_a_damaged_file_is_a_checkpoint_error_naming_it(suffix, how, tmp_path):
+    path = tmp_path / f"damaged{suffix}"
+    path.write_bytes(_damage(_saved(tmp_path, suffix), how))
+    with pytest.raises(CheckpointError, match=f"checkpoint '{path}'.*not a readable") as info:
+        fastdl.load(_mlp(), path)
+    assert info.value.__cause__ is not None  # the reader's own error, chained
+
+
+def test_load_of_a_missing_file_stays_file_not_found(tmp_path):
+    for suffix in (".pt", ".safetensors") if HAS_SAFETENSORS else (".pt",):
+        with pytest.raises(FileNotFoundError):
+            fastdl.load(_mlp(), tmp_path / f"missing{suffix}")
+    with pytest.raises(FileNotFoundError):
+        fastdl.load(_mlp(), tmp_path)  # a directory without weights
+
+
+def _recipe_of(model) -> dict:
+    return json.loads(json.dumps(fastdl.serialization.recipe(model)))
+
+
+def _bad_recipes(rec: dict) -> list:
+    layer = next(iter(rec["layers"]))
+    return [
+        ("not a fastdl conversion recipe", {"format": "other"}),
+        ("version must be an int from 1", {**rec, "version": 0}),
+        ("version must be an int from 1", {**rec, "version": "1"}),
+        ("format version 99 is newer", {**rec, "version": 99}),
+        ("must map to a dict with a 'type'", {**rec, "layers": {layer: 5}}),
+        ("must map to a dict with a 'type'", {**rec, "layers": {layer: {"kind": "Int8Linear"}}}),
+        (r"cannot be built \(TypeError", {**rec, "layers": {layer: {"type": "Int8Linear", "nope": 1}}}),
+        (r"cannot be built \(ValueError", {**rec, "layers": {layer: {"type": "Int8Linear", "mode": "nope"}}}),
+        ("dtype must name a torch dtype", {**rec, "layers": {layer: {"type": "Sparse24Linear", "dtype": "nope"}}}),
+        (r"cannot be built \(KeyError", {**rec, "layers": {layer: {"type": "Sparse24Linear"}}}),
+        ("unknown layer type 'Nope'", {**rec, "layers": {layer: {"type": "Nope"}}}),
+        ("'root' must be a class name", {**rec, "root": 3}),
+    ]
+
+
+@needs_safetensors
+def test_bad_safetensors_metadata_is_a_checkpoint_error(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model = fastdl.convert(_mlp(), "int8")
+    good = tmp_path / "good.safetensors"
+    fastdl.save(model, good)
+    sd = load_file(good)
+    rec = _recipe_of(model)
+    cases = [
+        ("fastdl.recipe metadata is not valid JSON", {"fastdl.recipe": "{nope"}),
+        ("fastdl.aliases metadata is not valid JSON", {"fastdl.aliases": "[1,"}),
+        ("fastdl.aliases metadata must map names to names", {"fastdl.aliases": "[1]"}),
+        ("an alias of 'nope', which is not a tensor", {"fastdl.aliases": json.dumps({"x": "nope"})}),
+    ] + [(m, {"fastdl.recipe": json.dumps(r)}) for m, r in _bad_recipes(rec)]
+    path = tmp_path / "bad.safetensors"
+    for match, meta in cases:
+        save_file(sd, path, metadata={"format": "pt", **meta})
+        with pytest.raises(CheckpointError, match=f"checkpoint '{path}.*{match}"):
+            fastdl.load(_mlp(), path)
+
+
+def test_bad_torch_checkpoints_are_checkpoint_errors(tmp_path):
+    model = fastdl.convert(_mlp(), "int8")
+    good = tmp_path / "good.pt"
+    fastdl.save(model, good)
+    obj = torch.load(good, weights_only=True)
+    cases = [(m, {**obj, "fastdl_recipe": r}) for m, r in _bad_recipes(obj["fastdl_recipe"])] + [
+        ("holds a list, not a state dict", [torch.ones(1)]),
+        ("entry '0.weight' holds a int, not a tensor", {"0.weight": 3}),
+        ("holds a str, not a state dict", {"fastdl_recipe": obj["fastdl_recipe"], "state_dict": "x"}),
+        ("weights do not fit this Sequential .*size mismatch", {**_mlp().state_dict(), "0.weight": torch.ones(3, 3)}),
+    ]
+    path = tmp_path / "bad.pt"
+    for match, o in cases:
+        torch.save(o, path)
+        with pytest.raises(CheckpointError, match=f"checkpoint '{path}.*{match}"):
+            fastdl.load(_mlp(), path)
+    with pytest.raises(CheckpointError, match="not a fastdl conversion recipe"):  # the public helper too
+        fastdl.serialization.apply_recipe(_mlp(), {"format": "other"})
+
+
+def test_damaged_hf_directory_files_are_checkpoint_errors(tmp_path):
+    model = _mlp()
+    torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")
+    (tmp_path / "config.json").write_bytes(b"\xff\xfe{not json")
+    with pytest.raises(CheckpointError, match="config.json.*not a readable config.json"):
+        fastdl.load(_mlp(), tmp_path)
+    (tmp_path / "config.json").write_text("{}")
+    fastdl.load(_mlp(), tmp_path)  # fine
+    (tmp_path / "pytorch_model.bin.index.json").write_text('{"weight_map": 3}')
+    with pytest.raises(CheckpointError, match="index.json.*'weight_map' must map"):
+        fastdl.load(_mlp(), tmp_path)
+
+
 # ------------------------------------------------------------------------------------------ one layer-matching rule
 class _MyLinear(nn.Linear):  # a subclass may change forward: fastdl leaves it alone
     def forward(self, x):

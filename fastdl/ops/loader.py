@@ -45,6 +45,7 @@ def dense(t: torch.Tensor) -> bool:
 
 def check_fill(src, dst, offsets, keep_strides, num_threads) -> None:
     fn = "loader_fill"
+    require_dtype(isinstance(dst, torch.Tensor), lambda: f"{fn}: dst must be a Tensor, got {type(dst).__name__}")
     require_device(dst.device.type == "cpu", lambda: f"{fn}: dst must be a CPU tensor, got device {dst.device}")
     require_dtype(dst.dtype == torch.uint8, lambda: f"{fn}: dst must be torch.uint8, got dtype {dst.dtype}")
     require(dst.is_contiguous(), lambda: f"{fn}: dst must be contiguous, got strides {dst.stride()}")
@@ -63,11 +64,15 @@ def check_fill(src, dst, offsets, keep_strides, num_threads) -> None:
 
 
 def _check_src(fn, i, s, off, keep, capacity) -> None:
+    require_dtype(isinstance(s, torch.Tensor), lambda: f"{fn}: src[{i}] must be a Tensor, got {type(s).__name__}")
     require_device(s.device.type == "cpu", lambda: f"{fn}: src[{i}] must be a CPU tensor, got device {s.device}")
     require_dtype(
-        s.layout == torch.strided and not s.is_quantized,
-        lambda: f"{fn}: src[{i}] must be a strided, non-quantized tensor, got layout {s.layout}, dtype {s.dtype}",
+        s.layout == torch.strided and not s.is_nested and not s.is_quantized,
+        lambda: f"{fn}: src[{i}] must be a strided, non-quantized tensor, got layout {s.layout}"
+        f"{' (a nested tensor)' if s.is_nested else ''}, dtype {s.dtype}",
     )
+    # Python ints do not overflow: an offset near 2**63 or a size of an expanded tensor past 2**63 bytes is
+    # rejected here exactly (the C++ kernel checks the same with overflow-checked arithmetic)
     nbytes = s.numel() * s.element_size()
     require(
         off >= 0 and off % s.element_size() == 0 and off + nbytes <= capacity,
@@ -117,13 +122,24 @@ loader_fill_op = define(
 
 
 # ------------------------------------------------------------------------------------------------ loader_use_count
+def check_use_count(t) -> None:
+    """A strided tensor with a storage (what the loader's ring slots are); sparse, nested and other layouts have no
+    single storage to count: TypeError on every backend."""
+    fn = "loader_use_count"
+    require_dtype(isinstance(t, torch.Tensor), lambda: f"{fn}: t must be a Tensor, got {type(t).__name__}")
+    require_dtype(
+        t.layout == torch.strided and not t.is_nested,
+        lambda: f"{fn}: t must be a strided tensor with a storage, got layout {t.layout}"
+        f"{' (a nested tensor)' if t.is_nested else ''}",
+    )
+
+
 def _use_count_fake(t):
+    check_use_count(t)
     return 1  # a fake tensor has no storage to share: as if only the caller held it
 
 
-def _use_count_reference(t):
-    if not torch._C._has_storage(t):  # sparse, nested, ... tensors have none
-        return 0
+def _use_count_reference(t):  # t checked by check_use_count (define's check)
     # by the StorageImpl's address: t.untyped_storage() would create a Python storage object, which the storage then
     # keeps (PyObject preservation) and which would count as one more reference from then on
     return torch._C._storage_Use_Count(torch._C._storage_address(t))
@@ -135,6 +151,7 @@ loader_use_count_op = define(
     reference=_use_count_reference,
     fake=_use_count_fake,
     prefer={"cpu": ("cpp", "torch"), "cuda": ("torch",)},
+    check=check_use_count,
 )
 
 
@@ -143,11 +160,17 @@ def loader_fill(
     src: list[torch.Tensor], dst: torch.Tensor, offsets: list[int], keep_strides: list[int], num_threads: int = 1
 ) -> None:
     """Copy each ``src[i]`` into ``dst`` (uint8) at byte offset ``offsets[i]`` (see the module docstring)."""
+    if type(dst) is not torch.Tensor or any(type(s) is not torch.Tensor for s in src):
+        # a tensor subclass (a jagged nested tensor, ...) would be dispatched to its own handler, which does not
+        # know this op: check first, so it gets this op's TypeError
+        check_fill(src, dst, offsets, keep_strides, num_threads)
     loader_fill_op(src, dst, offsets, keep_strides, num_threads)
 
 
 def loader_use_count(t: torch.Tensor) -> int:
-    """References to ``t``'s storage (1 when only ``t`` holds it)."""
+    """References to ``t``'s storage (1 when only ``t`` holds it). ``t`` must be a strided tensor (TypeError)."""
+    if type(t) is not torch.Tensor:  # a subclass (a jagged nested tensor): this op's TypeError, not its handler's
+        check_use_count(t)
     return loader_use_count_op(t)
 
 
