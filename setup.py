@@ -11,6 +11,7 @@ import os
 import sys
 
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -71,7 +72,21 @@ def _extensions():
     return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}
 
 
+class BuildPy(build_py):
+    """Writes fastdl/kernels/__init__.py into the build. The source folder kernels/ has none on purpose: a regular
+    top-level package named ``kernels`` in the repository root would shadow Hugging Face's ``kernels`` for any Python
+    started there (fastdl/__init__.py maps the folder in a source checkout)."""
+
+    def run(self):
+        super().run()
+        target = os.path.join(self.build_lib, "fastdl", "kernels", "__init__.py")
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        with open(target, "w") as f:
+            f.write('"""fastdl\'s Triton kernels, one module per capability (kernels/ in the source tree)."""\n')
+
+
 ext_modules, cmdclass = _extensions()
+cmdclass["build_py"] = BuildPy
 
 setup(
     packages=find_packages(include=["fastdl", "fastdl.*"]) + ["fastdl.kernels"],

@@ -8,13 +8,26 @@ import os as _os
 
 __version__ = "0.1.0"
 
-# In a source checkout (not installed), make ``fastdl.kernels`` resolve to the top-level ``kernels/`` directory,
-# which pip installs as the sub-package fastdl.kernels (setup.py: package_dir).
-_root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+# In a source checkout (and an editable install), ``fastdl.kernels`` is the top-level ``kernels/`` folder, which pip
+# installs as the sub-package fastdl.kernels (setup.py: package_dir, and an __init__.py written into the wheel).
+# kernels/ has no __init__.py of its own: a regular top-level package named ``kernels`` would shadow Hugging Face's
+# ``kernels`` (which transformers imports) for any Python started in the repository root. So the sub-package is
+# registered here, with only that folder on its path (not the repository root: no fastdl.tests, fastdl.setup, ...).
+_kernels_dir = _os.path.join(_os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))), "kernels")
 if not _os.path.isdir(_os.path.join(_os.path.dirname(__file__), "kernels")) and _os.path.isfile(
-    _os.path.join(_root, "kernels", "__init__.py")
+    _os.path.join(_kernels_dir, "constants.py")
 ):
-    __path__.append(_root)  # noqa: F821  (package __path__)
+    import importlib.machinery as _machinery
+    import importlib.util as _util
+    import sys as _sys
+
+    if "fastdl.kernels" not in _sys.modules:
+        _spec = _machinery.ModuleSpec("fastdl.kernels", None, is_package=True)
+        _spec.submodule_search_locations = [_kernels_dir]
+        _sys.modules["fastdl.kernels"] = _util.module_from_spec(_spec)
+        del _spec
+    kernels = _sys.modules["fastdl.kernels"]
+    del _machinery, _util, _sys
 
 from . import (  # noqa: E402
     _extension,  # noqa: E402

@@ -51,7 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastdl.ops.fused_linear import ACTIVATIONS as _ACTIVATION_NAMES
+from .constants import ACTIVATIONS as _ACTIVATION_NAMES
 
 __all__ = ["fused_linear_fwd", "fused_linear_bwd", "ACTIVATIONS"]
 

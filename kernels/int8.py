@@ -49,7 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastdl.ops.int8 import WEIGHT_GROUP as _WEIGHT_GROUP
+from .constants import WEIGHT_GROUP as _WEIGHT_GROUP
 
 try:  # triton >= 3.0
     from triton.language.extra import libdevice

@@ -6,9 +6,7 @@ interpreter handles bf16 as raw integers (and rounds fp32 -> bf16 toward zero). 
 larger shapes) run when CUDA is available and the interpreter is off.
 """
 
-import importlib.util
 import os
-import pathlib
 
 import pytest
 import torch
@@ -23,18 +21,12 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _load_kernels():
-    """fastdl.kernels.fused_linear when the package is importable (and was built in the same interpreter mode),
-    else the source file next to this test tree."""
-    mod = None
-    try:
-        from fastdl.kernels import fused_linear as mod
-    except ImportError:
-        mod = None
-    if mod is None or getattr(mod, "_INTERPRET", None) != _INTERPRET:
-        path = pathlib.Path(__file__).resolve().parents[1] / "kernels" / "fused_linear.py"
-        spec = importlib.util.spec_from_file_location("_fastdl_test_kernels_fused_linear", path)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
+    """fastdl.kernels.fused_linear: the module fastdl's op router calls (fastdl/ops/_library.py), not a copy."""
+    from fastdl.kernels import fused_linear as mod
+
+    assert getattr(mod, "_INTERPRET", None) == _INTERPRET, (
+        "fastdl.kernels.fused_linear was imported before TRITON_INTERPRET was set (tests/conftest.py sets it first)"
+    )
     return mod
 
 

@@ -79,7 +79,9 @@ class _Recorder:
 
 def _load_module(name):
     path = KERNEL_DIR / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"_fastdl_aot_{name}", path)
+    # a fresh copy of the module (compiled for the GPU, not the interpreter), inside fastdl.kernels so that its
+    # relative imports (kernels/constants.py) resolve
+    spec = importlib.util.spec_from_file_location(f"fastdl.kernels._aot_{name}", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.constants import ACTIVATIONS as KERNEL_ACTIVATIONS
 from ._library import define, register_autocast_rule, register_autograd, require, require_device, require_dtype
 
 # The activations of fused_linear, defined once for Python (C++ and CUDA: csrc/activation.h, in the same order: the
@@ -31,6 +32,7 @@ _ACTIVATION_TABLE = {
     "silu": (F.silu, nn.SiLU),
 }
 ACTIVATIONS = tuple(_ACTIVATION_TABLE)
+assert ACTIVATIONS == KERNEL_ACTIVATIONS, "the activation table and the kernels' codes (kernels/constants.py) differ"
 _FLOAT = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 SCHEMA = (

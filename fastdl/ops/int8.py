@@ -54,6 +54,7 @@ import math
 
 import torch
 
+from ..kernels.constants import WEIGHT_GROUP  # k per group scale (fixed: the kernels step through K in 16s)
 from ._library import define, register_autocast_rule, register_autograd, require, require_device, require_dtype
 from .fused_linear import fused_linear_backward_op
 
@@ -83,7 +84,6 @@ LINEAR_SCHEMA = (
     "(Tensor x, Tensor w_q, Tensor w_scale, Tensor? bias, Tensor? w_packed, Tensor? w_comp) -> Tensor"
 )
 WEIGHT_ONLY_SCHEMA = "(Tensor x, Tensor w_q, Tensor w_scale, Tensor? bias, Tensor? w_group_scale=None) -> Tensor"
-WEIGHT_GROUP = 16  # k per group scale of int8_weight_only_linear (fixed: the kernels step through K in 16s)
 QAT_SCHEMA = "(Tensor x, Tensor weight, Tensor? bias, bool weight_only=False) -> Tensor"
 
 
