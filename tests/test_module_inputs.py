@@ -281,6 +281,14 @@ def _nested(depth: int) -> torch.Tensor:
     return torch.frombuffer(bytearray(b"[" * depth + b"]" * depth), dtype=torch.uint8).clone()
 
 
+def _nested_list(depth: int) -> list:
+    out = inner = []
+    for _ in range(depth):
+        inner.append([])
+        inner = inner[0]
+    return out
+
+
 def _int8_sd(**kw):
     return Int8Linear(K, N, **kw).state_dict()
 
@@ -353,6 +361,14 @@ TAMPERED = {
                      "bias must be a floating tensor"),
     "s24 deep extra state": (lambda: Sparse24Linear(K, N), lambda: _with(_s24_sd(), _extra_state=_nested(100_000)),
                              "_extra_state is not a fastdl.sparse24 record"),
+    "s24 nested dict record": (lambda: Sparse24Linear(K, N),
+                               lambda: _with(_s24_sd(), _extra_state={"format": "other", "x": _nested_list(5000)}),
+                               r"_extra_state is not a fastdl.sparse24 record: \{'format': 'other', "
+                               r"'x': \[\[\[\[...\]\]\]\]\}"),
+    "int8 nested version": (lambda: Int8Linear(K, N),
+                            lambda: _with(_int8_sd(), _extra_state={"format": "fastdl.Int8Linear",
+                                                                    "version": _nested_list(5000)}),
+                            "_extra_state has no valid format version"),
     "s24 permutation out of range": (
         lambda: Sparse24Linear(K, N),
         lambda: _with(_s24_sd(), input_permutation=torch.cat([torch.arange(K - 1), torch.tensor([K + 5])])),

@@ -22,6 +22,7 @@ path) and in an ``except`` clause when a kernel raised (``input_error`` / ``rais
 from __future__ import annotations
 
 import json
+import reprlib
 import sys
 from typing import Any, ClassVar
 
@@ -37,6 +38,8 @@ FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.fl
 # recurse once per level: a deeply nested text raises RecursionError instead of a checkpoint error).
 _MAX_RECORD_DEPTH = 32
 _NOT_BRACKETS = bytes(sorted(set(range(256)) - set(b"[]{}")))
+_REPR = reprlib.Repr()  # records in error messages: bounded in depth and length (a nested one made repr recurse)
+_REPR.maxlevel, _REPR.maxdict, _REPR.maxlist, _REPR.maxstring, _REPR.maxother = 4, 12, 12, 120, 200
 
 
 def is_dtensor(t) -> bool:
@@ -246,10 +249,10 @@ class VersionedModule(nn.Module):
         record = decode_extra_state(state)
         if record is None or record.get("format") != cls.FORMAT:
             shown = record if record is not None else state
-            raise cls._error(where, f"_extra_state is not a {cls.FORMAT} record: {shown!r}"[:400])
+            raise cls._error(where, f"_extra_state is not a {cls.FORMAT} record: {_REPR.repr(shown)}"[:400])
         version = record.get("version", 0)
         if not isinstance(version, int) or version < 1:
-            raise cls._error(where, f"_extra_state has no valid format version: {record!r}")
+            raise cls._error(where, f"_extra_state has no valid format version: {_REPR.repr(record)}")
         if version > cls.FORMAT_VERSION:
             raise cls._error(
                 where,
