@@ -473,3 +473,23 @@ def test_sparse24_residual_as_fused_linear(mode):
     fused = FusedLinear(K, N, activation="gelu")
     with pytest.raises(ValueError, match="residual must have shape"):
         fused(x, torch.randn(N))
+
+
+# ------------------------------------------------------------------------------------------------ torch.compile
+def test_bad_input_under_torch_compile():
+    """Compiled, the layers raise the same errors (with fullgraph=True torch wraps them, message kept); an integer x
+    ran Sparse24Linear's dense path in integers under torch.compile too."""
+    torch._dynamo.reset()
+    m = Sparse24Linear(K, N, mode="dense")
+    compiled = torch.compile(m, backend="eager")
+    with torch.no_grad():
+        x = torch.randn(3, K)
+        torch.testing.assert_close(compiled(x), m(x))
+        with pytest.raises(TypeError, match=rf"^{layer('Sparse24Linear')}: x must be a floating tensor"):
+            compiled(torch.arange(3 * K).view(3, K))
+        with pytest.raises(ValueError, match=rf"^{layer('Sparse24Linear')}: x.shape\[-1\] must equal"):
+            compiled(torch.randn(3, K + 4))
+        full = torch.compile(FusedLinear(K, N), backend="eager", fullgraph=True)
+        with pytest.raises(RuntimeError, match=rf"{layer('FusedLinear')}: x must be a floating tensor"):
+            full(torch.arange(3 * K).view(3, K))
+    torch._dynamo.reset()
