@@ -212,8 +212,12 @@ def search_permutation(weight: torch.Tensor, iters: int = 2, max_pairs: int = 20
 
 
 def _permute_pre_hook(module, args):
-    x = args[0]
-    return (x.index_select(-1, getattr(module, PERM_BUFFER)), *args[1:])
+    x, perm = args[0], getattr(module, PERM_BUFFER)
+    if isinstance(x, torch.Tensor) and (x.dim() == 0 or x.shape[-1] != perm.shape[0]):
+        # index_select would gather a wider x without error (and the layer compute on the wrong features)
+        raise ValueError(f"{type(module).__name__}(in_features={perm.shape[0]}) with an input permutation: x.shape[-1] "
+                         f"must equal in_features = {perm.shape[0]}, got x of shape {tuple(x.shape)}")
+    return (x.index_select(-1, perm), *args[1:])
 
 
 # ----------------------------------------------------------------------------------------------- prune
@@ -413,11 +417,15 @@ def sparsify(model: nn.Module, *, dtype: torch.dtype | None = None, mode: str = 
     """Replace the pruned Linear layers of ``model`` with ``fastdl.nn.Sparse24Linear`` (in place; returns model).
 
     ``include_2_4=True`` also converts unpruned layers whose weight already has at most 2 non-zeros in every group
-    of 4. ``dtype`` casts the kept values (e.g. torch.bfloat16 for inference); ``mode`` and ``kwargs`` go to
+    of 4. ``dtype`` casts the kept values (e.g. torch.bfloat16 for inference): a floating dtype (float32, bfloat16,
+    float16, float64; anything else raises TypeError); ``mode`` and ``kwargs`` go to
     ``Sparse24Linear``. A layer with an input permutation keeps it (``Sparse24Linear.input_permutation``).
     """
+    from .nn._base import check_dtype_arg
     from .nn.sparse24 import Sparse24Linear
 
+    # the kept values are cast to dtype: an integer dtype would silently round them (most to 0)
+    check_dtype_arg("fastdl.sparsity.sparsify", dtype)
     if type(model) in _linear_types():
         raise ValueError("sparsify: the model itself is a single Linear; use Sparse24Linear.from_linear(model)")
 

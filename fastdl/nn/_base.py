@@ -7,20 +7,39 @@ loads with ``torch.load(weights_only=True)``. Records saved as a Python dict (ol
 ``decode_extra_state`` reads either form.
 
 Every problem with a checkpoint a fastdl module finds raises ``CheckpointError`` with the same wording:
-``"<format> checkpoint '<key prefix>': <what is wrong>"``.
+``"<format> checkpoint '<key prefix>': <what is wrong>"``; every tensor is checked (a meta tensor without data, the
+dtype, the shape, values the kernels rely on) before any is copied, so a checkpoint that does not load leaves the
+module as it was.
+
+Inputs: a forward input a module cannot take raises, in every mode and on every path, the same error naming the
+layer (``"Sparse24Linear(in_features=8, out_features=4): x ..."``), the argument, what it accepts and what it got:
+TypeError for a dtype (integer, bool, complex; Int8Linear also float64), ValueError for the shape (``x.shape[-1] !=
+in_features``, a 0-d x), RuntimeError for a device other than the weights'. The hot path pays nothing for it: the
+check runs where the run-time choice first sees an input (its key holds the dtype, so a rejected dtype never gets a
+path) and in an ``except`` clause when a kernel raised (``input_error`` / ``raise_input_error``).
 """
 
 from __future__ import annotations
 
 import json
+import reprlib
 import sys
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-__all__ = ["CheckpointError", "VersionedModule", "WeightCache", "decode_extra_state", "encode_extra_state",
-           "is_dtensor", "not_a_view"]
+__all__ = ["CheckpointError", "FLOAT_DTYPES", "VersionedModule", "WeightCache", "check_dtype_arg", "decode_extra_state",
+           "encode_extra_state", "input_error", "is_dtensor", "layer_name", "not_a_view",
+           "raise_input_error"]
+
+FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+# A JSON record of plain values is a few hundred bytes; a record nested deeper than this is not one (and json would
+# recurse once per level: a deeply nested text raises RecursionError instead of a checkpoint error).
+_MAX_RECORD_DEPTH = 32
+_NOT_BRACKETS = bytes(sorted(set(range(256)) - set(b"[]{}")))
+_REPR = reprlib.Repr()  # records in error messages: bounded in depth and length (a nested one made repr recurse)
+_REPR.maxlevel, _REPR.maxdict, _REPR.maxlist, _REPR.maxstring, _REPR.maxother = 4, 12, 12, 120, 200
 
 
 def is_dtensor(t) -> bool:
@@ -47,13 +66,84 @@ def decode_extra_state(state: Any) -> dict | None:
     neither."""
     if isinstance(state, dict):
         return state
-    if isinstance(state, torch.Tensor) and state.dtype == torch.uint8 and state.dim() == 1:
+    if isinstance(state, torch.Tensor) and state.dtype == torch.uint8 and state.dim() == 1 and not state.is_meta:
+        data = bytes(state.detach().cpu().tolist())
+        if _nesting_depth(data) > _MAX_RECORD_DEPTH:
+            return None
         try:
-            record = json.loads(bytes(state.detach().cpu().tolist()).decode())
-        except (UnicodeDecodeError, json.JSONDecodeError):
+            record = json.loads(data.decode())
+        except (UnicodeDecodeError, ValueError, RecursionError):  # JSONDecodeError is a ValueError
             return None
         return record if isinstance(record, dict) else None
     return None
+
+
+def _nesting_depth(data: bytes) -> int:
+    """The deepest bracket nesting of a JSON text (brackets inside strings counted too: an upper bound)."""
+    depth = deepest = 0
+    for c in data.translate(None, delete=_NOT_BRACKETS):
+        if c in b"[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        else:
+            depth -= 1
+    return deepest
+
+
+def dtype_names(dtypes) -> str:
+    return ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+
+
+def check_dtype_arg(where: str, dtype, accepted: tuple = FLOAT_DTYPES, name: str = "dtype") -> None:
+    """A ``dtype=`` argument (of a constructor or a conversion): None or one of ``accepted``, else TypeError."""
+    if dtype is not None and dtype not in accepted:
+        raise TypeError(f"{where}: {name} must be one of {dtype_names(accepted)} (or None), got {dtype!r}")
+
+
+def layer_name(module: nn.Module) -> str:
+    """``"Cls(in_features=K, out_features=N)"``: how the modules' input errors name the layer."""
+    return f"{type(module).__name__}(in_features={module.in_features}, out_features={module.out_features})"
+
+
+def _weight_device(module: nn.Module) -> torch.device | None:
+    for t in module._parameters.values():
+        if t is not None:
+            return t.device
+    for t in module._buffers.values():
+        if t is not None:
+            return t.device
+    return None
+
+
+def input_error(module: nn.Module, x: Any, dtypes: tuple = FLOAT_DTYPES) -> Exception | None:
+    """The error a linear module (``in_features``, ``out_features``) raises for a forward input ``x`` it cannot
+    take, or None when ``x`` is fine. Called where an input is first seen (the run-time choice) and when a kernel
+    raised (the hot path checks nothing itself): TypeError for the dtype, ValueError for the shape, RuntimeError for
+    the device (the house rule), each naming the layer, the argument, what it accepts and what it got."""
+    where = layer_name(module)
+    if not isinstance(x, torch.Tensor):
+        return TypeError(f"{where}: x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in dtypes:
+        return TypeError(f"{where}: x must be a floating tensor of dtype {dtype_names(dtypes)}, got dtype {x.dtype}")
+    k = module.in_features
+    if x.dim() == 0:
+        return ValueError(f"{where}: x must have at least 1 dimension [..., in_features = {k}], got a 0-d tensor")
+    if x.shape[-1] != k:
+        return ValueError(f"{where}: x.shape[-1] must equal in_features = {k}, got x of shape {tuple(x.shape)}")
+    device = _weight_device(module)
+    if device is not None and x.device != device:
+        return RuntimeError(f"{where}: x is on device {x.device}, the layer's weights on {device}; move one of "
+                            "them (.to(device)) so that both are on the same device")
+    return None
+
+
+def raise_input_error(module: nn.Module, x: Any, exc: BaseException, dtypes: tuple = FLOAT_DTYPES) -> None:
+    """In a forward's ``except`` clause: raise the module's input error (from ``exc``) when ``x`` is what this module
+    cannot take; return (the caller re-raises ``exc``) when ``x`` is fine or ``exc`` already is that error."""
+    err = input_error(module, x, dtypes)
+    if err is None or (type(err) is type(exc) and str(err) == str(exc)):
+        return
+    raise err from exc
 
 
 def not_a_view(out: torch.Tensor) -> torch.Tensor:
@@ -159,10 +249,10 @@ class VersionedModule(nn.Module):
         record = decode_extra_state(state)
         if record is None or record.get("format") != cls.FORMAT:
             shown = record if record is not None else state
-            raise cls._error(where, f"_extra_state is not a {cls.FORMAT} record: {shown!r}"[:400])
+            raise cls._error(where, f"_extra_state is not a {cls.FORMAT} record: {_REPR.repr(shown)}"[:400])
         version = record.get("version", 0)
         if not isinstance(version, int) or version < 1:
-            raise cls._error(where, f"_extra_state has no valid format version: {record!r}")
+            raise cls._error(where, f"_extra_state has no valid format version: {_REPR.repr(record)}")
         if version > cls.FORMAT_VERSION:
             raise cls._error(
                 where,
@@ -173,6 +263,23 @@ class VersionedModule(nn.Module):
 
     def set_extra_state(self, state: Any) -> None:
         self._check_record(self.read_record(state), "")
+
+    @classmethod
+    def _check_loaded(cls, where: str, key: str, t: Any, dtypes: tuple | None = None, shape: tuple | None = None,
+                      *, target_meta: bool = False, what: str = "") -> torch.Tensor:
+        """A checkpoint tensor ``key``, checked before anything is copied: a tensor with data (a meta tensor loads
+        only into a layer that is on the meta device itself), of one of ``dtypes`` and of ``shape``."""
+        if not isinstance(t, torch.Tensor):
+            raise cls._error(where, f"{key} must be a tensor, got {type(t).__name__}")
+        if t.is_meta and not target_meta:
+            raise cls._error(where, f"{key} is a meta tensor (shape only, no data): the checkpoint was saved from a "
+                                    "model on the meta device before its weights were loaded")
+        if dtypes is not None and t.dtype not in dtypes:
+            raise cls._error(where, f"{key} must be {what or 'of dtype ' + dtype_names(dtypes)}, got dtype {t.dtype}")
+        if shape is not None and tuple(t.shape) != tuple(shape):
+            raise cls._error(where, f"size mismatch for {key}: the checkpoint has shape {tuple(t.shape)}, this layer "
+                                    f"{tuple(shape)}")
+        return t
 
     # ------------------------------------------------------------------------------------------ caches
     def release_caches(self) -> None:

@@ -11,6 +11,7 @@ from torch import nn
 from .. import ops
 from ..dispatch import RuntimeChoice
 from ..ops.fused_linear import activation_fn, activation_module, check_activation
+from ._base import check_dtype_arg, input_error, raise_input_error
 
 
 class FusedActivation(nn.Identity):
@@ -57,6 +58,7 @@ class FusedLinear(RuntimeChoice, nn.Module):
     ) -> None:
         super().__init__()
         check_activation(activation)
+        check_dtype_arg("FusedLinear", dtype)
         factory = {"device": device, "dtype": dtype}
         self.in_features = in_features
         self.out_features = out_features
@@ -78,15 +80,19 @@ class FusedLinear(RuntimeChoice, nn.Module):
             nn.init.uniform_(self.bias, -bound, bound)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        k = self.in_features
-        key = ((x.numel() // k if k else 0).bit_length(), x.dtype, residual is not None)
-        path = self._choice_local.get(key) or self._choose(x, key, residual)
-        if path == "fused":
-            # weight and bias from _parameters: through nn.Module.__getattr__ they cost ~1.2 us each, which shows at
-            # M = 1 (AMD EPYC Zen 2)
-            p = self._parameters
-            return ops.fused_linear(x, p["weight"], p.get("bias"), self.activation, residual)
-        return self._run_path(path, x, residual)
+        try:
+            k = self.in_features
+            key = ((x.numel() // k if k else 0).bit_length(), x.dtype, residual is not None)
+            path = self._choice_local.get(key) or self._choose(x, key, residual)
+            if path == "fused":
+                # weight and bias from _parameters: through nn.Module.__getattr__ they cost ~1.2 us each, which
+                # shows at M = 1 (AMD EPYC Zen 2)
+                p = self._parameters
+                return ops.fused_linear(x, p["weight"], p.get("bias"), self.activation, residual)
+            return self._run_path(path, x, residual)
+        except Exception as exc:  # an x this layer cannot take: the layer's own error (no cost on calls that work)
+            raise_input_error(self, x, exc)
+            raise
 
     # ------------------------------------------------------------------------------ run-time choice (dispatch)
     def _choice_layer(self) -> tuple:
@@ -100,8 +106,11 @@ class FusedLinear(RuntimeChoice, nn.Module):
         return "fused"
 
     def _choice_paths(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[str, ...]:
+        err = input_error(self, x)  # the first call at a bucket: no decision is kept for an input the layer rejects
+        if err is not None:
+            raise err
         w, b, dt = self.weight, self.bias, x.dtype
-        if (w.dtype != dt or (b is not None and b.dtype != dt) or x.dim() < 1 or x.shape[-1] != self.in_features
+        if (w.dtype != dt or (b is not None and b.dtype != dt) or x.is_meta
                 or (residual is not None and (residual.dtype != dt
                                               or residual.shape != (*x.shape[:-1], self.out_features)))):
             return ("fused",)  # the fused op casts (or names the problem); F.linear would not do the same

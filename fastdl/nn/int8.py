@@ -60,12 +60,21 @@ from .. import backends
 from ..dispatch import RuntimeChoice
 from ..ops import int8 as int8_ops
 from ..ops.fused_linear import fused_linear as _fused_linear
-from ._base import VersionedModule, is_dtensor, not_a_view
+from ._base import (
+    FLOAT_DTYPES,
+    VersionedModule,
+    check_dtype_arg,
+    input_error,
+    is_dtensor,
+    not_a_view,
+    raise_input_error,
+)
 
 MODES = ("dynamic", "weight_only")
 FORMAT = "fastdl.Int8Linear"
 FORMAT_VERSION = 3  # 3: the extra state is a JSON uint8 tensor (2: a dict; 1: no group scales)
 GROUP_SIZES = (int8_ops.WEIGHT_GROUP, None)
+X_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the int8 ops take (and the layer's forward)
 _QUANT_DOC = {
     None: "symmetric per-channel int8, scale = amax / 127",
     int8_ops.WEIGHT_GROUP: "symmetric int8, per-channel fp32 scale amax / (127 * 255) times a uint8 code per group "
@@ -147,6 +156,8 @@ class Int8Linear(RuntimeChoice, VersionedModule):
         self.in_features, self.out_features = int(in_features), int(out_features)
         self.mode, self.trainable = mode, bool(trainable)
         self.group_size = _resolve_group_size(mode, group_size, self.trainable)
+        # dtype is that of the float weight the layer is initialised (quantized) from and of the bias: a float dtype
+        check_dtype_arg("Int8Linear", dtype)
         master_dtype = dtype or torch.float32
         w = torch.empty((out_features, in_features), device=device, dtype=master_dtype)
         nn.init.kaiming_uniform_(w, a=math.sqrt(5))
@@ -249,7 +260,11 @@ class Int8Linear(RuntimeChoice, VersionedModule):
 
     # ----------------------------------------------------------------------------------------------- forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return not_a_view(self._forward(x))
+        try:
+            return not_a_view(self._forward(x))
+        except Exception as exc:  # the ops name the problem; the layer's own error names the layer (no cost here)
+            raise_input_error(self, x, exc, X_DTYPES)
+            raise
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.trainable:
@@ -316,9 +331,11 @@ class Int8Linear(RuntimeChoice, VersionedModule):
         return "kernel"
 
     def _choice_paths(self, x: torch.Tensor) -> tuple[str, ...]:
-        if (self.trainable or x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or x.dim() < 1
-                or x.shape[-1] != self.in_features or x.device != self.weight_scale.device):
-            return ("kernel",)  # the op names the problem
+        err = input_error(self, x, X_DTYPES)  # the first call at a bucket: no decision is kept for a bad input
+        if err is not None:
+            raise err
+        if self.trainable or x.is_meta:
+            return ("kernel",)
         if x.device.type == "cpu" and x.dtype != torch.float16 and backends.available("cpp", "fused_linear", "cpu")[0]:
             return ("kernel", "dequant", "dequant_fused")
         return ("kernel", "dequant")
@@ -429,22 +446,30 @@ class Int8Linear(RuntimeChoice, VersionedModule):
                 unexpected_keys.append(key)
         if prefix + "_extra_state" in state_dict:
             self.read_record(state_dict[prefix + "_extra_state"], prefix)
+        # A layer built on the meta device: meta tensors load into it (a no-op, as for torch's modules), and with
+        # load_state_dict(assign=True) it takes the checkpoint's tensors and device (how large models are loaded).
+        on_meta = (self.weight if self.trainable else self.weight_scale).is_meta
+        take = on_meta and bool(local_metadata.get("assign_to_params_buffers", False))
         w = state_dict.get(prefix + "weight")
+        b = self._checked_bias(state_dict, prefix, missing_keys, unexpected_keys, on_meta)  # all checked first
         if w is None:
             missing_keys.append(prefix + "weight")
         else:
-            s, g = self._checked_scales(state_dict, prefix, w, missing_keys)
+            s, g = self._checked_scales(state_dict, prefix, w, missing_keys, on_meta)
             if s is not None or w.is_floating_point():
-                self._load_weight(w, s, g)
-        b = self._checked_bias(state_dict, prefix, missing_keys, unexpected_keys)
+                self._load_weight(w, s, g, w.device if take else None)
         if b is not None:
-            with torch.no_grad():
-                self.bias.copy_(b)
+            if take:
+                self.bias = nn.Parameter(b.detach().to(self.bias.dtype), requires_grad=self.bias.requires_grad)
+            else:
+                with torch.no_grad():
+                    self.bias.copy_(b)
 
-    def _checked_scales(self, state_dict, prefix, w, missing_keys):
+    def _checked_scales(self, state_dict, prefix, w, missing_keys, on_meta=False):
         """(weight_scale, weight_group_scale) that go with a checkpoint's weight, checked; (None, None) for a float
         weight (quantized on load) or when weight_scale is missing (reported as a missing key)."""
         shape = (self.out_features, self.in_features)
+        self._check_loaded(prefix, "weight", w, target_meta=on_meta)
         if tuple(w.shape) != shape:
             raise self._error(prefix, f"size mismatch for weight: the checkpoint has shape {tuple(w.shape)}, this "
                                       f"layer {shape}")  # fmt: skip
@@ -457,9 +482,16 @@ class Int8Linear(RuntimeChoice, VersionedModule):
         if s is None:
             missing_keys.append(prefix + "weight_scale")
             return None, None
+        self._check_loaded(prefix, "weight_scale", s, target_meta=on_meta)
         if s.dtype != torch.float32 or tuple(s.shape) != (self.out_features,):
             raise self._error(prefix, f"weight_scale must be float32 of shape [{self.out_features}], got {s.dtype} "
                                       f"{tuple(s.shape)}")  # fmt: skip
+        if not s.is_meta and s.numel() and not bool(torch.isfinite(s).all()):  # NaN / inf: every output of the row
+            bad = (~torch.isfinite(s)).nonzero().flatten()
+            raise self._error(prefix, f"weight_scale must be finite; {bad.numel()} of {s.numel()} output channels "
+                                      f"are not (first: channel {int(bad[0])} = {float(s[bad[0]])})")  # fmt: skip
+        if g is not None:
+            self._check_loaded(prefix, "weight_group_scale", g, target_meta=on_meta)
         gshape = (self.out_features, int8_ops.group_count(self.in_features))
         if g is not None and (g.dtype != torch.uint8 or tuple(g.shape) != gshape):
             raise self._error(prefix, f"weight_group_scale must be uint8 of shape {list(gshape)}, got {g.dtype} "
@@ -469,7 +501,7 @@ class Int8Linear(RuntimeChoice, VersionedModule):
                                       "mode='weight_only') serves; this layer's mode is 'dynamic'")  # fmt: skip
         return s, g
 
-    def _checked_bias(self, state_dict, prefix, missing_keys, unexpected_keys):
+    def _checked_bias(self, state_dict, prefix, missing_keys, unexpected_keys, on_meta=False):
         b = state_dict.get(prefix + "bias")
         if self.bias is None:
             if b is not None:
@@ -477,30 +509,37 @@ class Int8Linear(RuntimeChoice, VersionedModule):
             return None
         if b is None:
             missing_keys.append(prefix + "bias")
-        elif tuple(b.shape) != (self.out_features,):
+            return None
+        self._check_loaded(prefix, "bias", b, FLOAT_DTYPES, target_meta=on_meta,
+                           what="a floating tensor (float32, bfloat16, float16, float64)")
+        if tuple(b.shape) != (self.out_features,):
             raise self._error(prefix, f"size mismatch for bias: the checkpoint has shape {tuple(b.shape)}, this "
                                       f"layer ({self.out_features},)")  # fmt: skip
         return b
 
-    def _load_weight(self, w: torch.Tensor, s: torch.Tensor | None, g: torch.Tensor | None) -> None:
-        """A checked checkpoint weight (float, or int8 with its scales) into this layer."""
+    def _load_weight(self, w: torch.Tensor, s: torch.Tensor | None, g: torch.Tensor | None, device=None) -> None:
+        """A checked checkpoint weight (float, or int8 with its scales) into this layer (onto ``device``: a layer on
+        the meta device loaded with ``assign=True``; else where the layer is)."""
         if self.trainable:
-            self._load_master_weight(w, s, g)
+            self._load_master_weight(w, s, g, device)
         else:
-            self._load_frozen_weight(w, s, g)
+            self._load_frozen_weight(w, s, g, device)
 
     @torch.no_grad()
-    def _load_master_weight(self, w, s, g) -> None:
+    def _load_master_weight(self, w, s, g, device=None) -> None:
         if w.dtype == torch.int8:
             w = _dequantize(w, s, g)  # the dequantized weight becomes the master weight
-        self.weight.copy_(w)
+        if device is not None:
+            self.weight = nn.Parameter(w.to(device, self.weight.dtype), requires_grad=self.weight.requires_grad)
+        else:
+            self.weight.copy_(w)
         self._weight_cache.clear()
         if not self.training:
             self.sync_quantized()
 
     @torch.no_grad()
-    def _load_frozen_weight(self, w, s, g) -> None:
-        dev = self.weight_scale.device
+    def _load_frozen_weight(self, w, s, g, device=None) -> None:
+        dev = device or self.weight_scale.device
         if w.dtype == torch.int8:  # the checkpoint's quantization is kept as it is
             q, s = w.to(dev), s.to(dev)
             g = g.to(dev).contiguous() if g is not None else None

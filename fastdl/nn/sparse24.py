@@ -51,7 +51,15 @@ from .. import backends
 from ..dispatch import RuntimeChoice
 from ..ops import sparse24 as sp_ops
 from ..ops.fused_linear import activation_fn, check_activation, fused_linear
-from ._base import VersionedModule, not_a_view
+from ._base import (
+    FLOAT_DTYPES,
+    VersionedModule,
+    check_dtype_arg,
+    input_error,
+    layer_name,
+    not_a_view,
+    raise_input_error,
+)
 
 FORMAT = "fastdl.sparse24"
 FORMAT_VERSION = 2  # 2: the extra state is a JSON uint8 tensor (1: a dict)
@@ -63,6 +71,38 @@ MODES = ("auto", "sparse", "dense")
 DEFAULT_DENSE_THRESHOLD = 256
 # CUDA: cuSPARSELt / CUTLASS 2:4 GEMMs beat cuBLAS only on large batches (small M is padded to the tile).
 DEFAULT_SEMI_MIN_ROWS = 1024
+
+
+def _compress(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``compress_2_4(w)`` of a checked floating ``[out, in]`` weight; a weight without data (meta device: how large
+    models are built before their checkpoint is loaded) or without elements gets tensors of the right shapes only."""
+    if w.is_meta or w.numel() == 0:
+        N, K = w.shape
+        return w.new_empty((N, K // 2)), w.new_empty((N, (K + 7) // 8), dtype=torch.uint8)
+    return sp_ops.compress_2_4(w)
+
+
+def _decompress(values: torch.Tensor, meta: torch.Tensor, K: int) -> torch.Tensor:
+    """``decompress_2_4(values, meta)``: the dense ``[out, in]`` weight (shapes only on the meta device)."""
+    if values.numel() == 0:
+        return values.reshape(values.shape[0], K)  # differentiable, any device
+    if values.is_meta:
+        return values.new_empty((values.shape[0], K))
+    return sp_ops.decompress_2_4(values, meta)
+
+
+def _meta_is_valid(meta: torch.Tensor, K: int) -> bool:
+    """Every 4-bit group of ``meta`` (uint8 ``[N, ceil(K/8)]``) keeps exactly 2 positions, and the unused high
+    nibble of the last byte (K % 8 == 4) is 0: what ``compress_2_4`` writes and the kernels assume."""
+    if meta.numel() == 0 or meta.is_meta:
+        return True
+    two_bits = torch.zeros(16, dtype=torch.bool, device=meta.device)
+    two_bits[[3, 5, 6, 9, 10, 12]] = True
+    m = meta.long()
+    lo, hi = two_bits[m & 15], two_bits[m >> 4]
+    if K % 8:
+        hi[:, -1] = (meta[:, -1] >> 4) == 0
+    return bool(lo.all()) and bool(hi.all())
 
 
 def semi_structured_support(weight_shape, dtype: torch.dtype, device: torch.device) -> tuple[type | None, str]:
@@ -141,13 +181,14 @@ class Sparse24Linear(RuntimeChoice, VersionedModule):
         check_activation(activation)
         if mode not in MODES:
             raise ValueError(f"Sparse24Linear: mode must be one of {', '.join(MODES)}, got {mode!r}")
+        check_dtype_arg("Sparse24Linear", dtype)
         factory = {"device": device, "dtype": dtype}
         self.in_features, self.out_features, self.activation = in_features, out_features, activation
         self.mode, self.dense_threshold, self.semi_min_rows = mode, int(dense_threshold), int(semi_min_rows)
         # Default initialisation: nn.Linear's, pruned to 2:4 (so a fresh module is usable as is).
         w = torch.empty((out_features, in_features), **factory)
         nn.init.kaiming_uniform_(w, a=math.sqrt(5))
-        values, meta = sp_ops.compress_2_4(w)
+        values, meta = _compress(w)
         self.values = nn.Parameter(values, requires_grad=trainable)
         self.register_buffer("meta", meta)
         if bias:
@@ -173,6 +214,10 @@ class Sparse24Linear(RuntimeChoice, VersionedModule):
         weight = getattr(linear, "weight", None)
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
             raise TypeError(f"Sparse24Linear.from_linear expects an nn.Linear-like module, got {type(linear).__name__}")
+        check_dtype_arg("Sparse24Linear.from_linear", dtype)
+        if weight.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"Sparse24Linear.from_linear: the weight must be a floating tensor of dtype "
+                            f"float32, bfloat16, float16, float64, got dtype {weight.dtype}")
         out_features, in_features = weight.shape
         kwargs.setdefault("activation", getattr(linear, "activation", "none"))
         mod = cls.__new__(cls)
@@ -191,7 +236,7 @@ class Sparse24Linear(RuntimeChoice, VersionedModule):
                 "dense (fastdl.sparsity.prune skips such layers)"
             )
         with torch.no_grad():
-            values, meta = sp_ops.compress_2_4(weight.detach())
+            values, meta = _compress(weight.detach())
             if dtype is not None:
                 values = values.to(dtype)
         mod.values = nn.Parameter(values, requires_grad=trainable)
@@ -208,7 +253,7 @@ class Sparse24Linear(RuntimeChoice, VersionedModule):
 
     def dense_weight(self) -> torch.Tensor:
         """The dense ``[out, in]`` weight (zeros at pruned positions), in the values' dtype."""
-        return sp_ops.decompress_2_4(self.values.detach(), self.meta)
+        return _decompress(self.values.detach(), self.meta, self.in_features)
 
     def to_linear(self) -> nn.Module:
         """The dense ``nn.Linear`` (``nn.Sequential(Linear, activation)`` when an activation is fused)."""
@@ -268,17 +313,17 @@ class Sparse24Linear(RuntimeChoice, VersionedModule):
 
     def _dense_for(self, dtype: torch.dtype) -> torch.Tensor:
         if self._training_values():  # the cache is detached: decompress per call so that values get gradients
-            return sp_ops.decompress_2_4(self.values, self.meta).to(dtype)
+            return _decompress(self.values, self.meta, self.in_features).to(dtype)
         dense = self._weight_cache.get("dense")
         if torch.compiler.is_compiling():  # no state changes inside a graph: decompress per call
             return dense if dense is not None and dense.dtype == dtype else (
-                sp_ops.decompress_2_4(self.values, self.meta).to(dtype)
+                _decompress(self.values, self.meta, self.in_features).to(dtype)
             )
         self._check_cache()
         dense = self._weight_cache.get("dense")
         if dense is None or dense.dtype != dtype:
             with torch.no_grad():
-                dense = sp_ops.decompress_2_4(self.values.detach(), self.meta).to(dtype)
+                dense = _decompress(self.values.detach(), self.meta, self.in_features).to(dtype)
             self._weight_cache.set("dense", dense)
         return dense
 
@@ -308,6 +353,9 @@ class Sparse24Linear(RuntimeChoice, VersionedModule):
         call) and return the path. Without ``x``, builds what ``mode`` implies for ``dtype`` (default: values')."""
         dtype = dtype or (x.dtype if x is not None else self.values.dtype)
         if x is not None:
+            err = input_error(self, x)
+            if err is not None:
+                raise err
             if self.input_permutation is not None:
                 x = x.index_select(-1, self.input_permutation)
             with torch.no_grad():  # decide (measure) the path of x's bucket now, outside any graph
@@ -332,8 +380,15 @@ class Sparse24Linear(RuntimeChoice, VersionedModule):
         return path or self._fixed_path(x)
 
     def _fixed_path(self, x: torch.Tensor) -> str:
-        """The path of the fixed rule (thresholds) for x."""
+        """The path of the fixed rule (thresholds) for x. Every input reaches it before its bucket has a path (the
+        run-time choice calls it first) and on every call that trains the values: x is checked here, so that an
+        input no path computes correctly (an integer x would make the dense path cast the weight to integers)
+        raises and no decision is cached for it."""
+        if x.dtype not in FLOAT_DTYPES or x.dim() == 0 or x.shape[-1] != self.in_features:
+            raise input_error(self, x)
         rows = x.numel() // max(self.in_features, 1)
+        if self.values.numel() == 0 or self.values.is_meta:
+            return "dense"  # nothing to multiply (out_features or in_features 0) / shapes only: F.linear does both
         if x.is_cuda:
             # the semi-structured cache is an inference copy: with gradients for the values, stay on dense/sparse
             semi_ok = self._semi_ok(x.dtype)
@@ -362,11 +417,17 @@ class Sparse24Linear(RuntimeChoice, VersionedModule):
                 str(self.values.dtype).removeprefix("torch."))
 
     def _choice_default(self, x) -> str:
+        err = input_error(self, x)  # the first call at a bucket: no decision is kept for an input the layer rejects
+        if err is not None:
+            raise err
         return self._fixed_path(x)
 
     def _choice_paths(self, x: torch.Tensor) -> tuple[str, ...]:
+        err = input_error(self, x)  # (the run-time choice's key has no device: a meta x must not decide for CPU)
+        if err is not None:
+            raise err
         default = self._fixed_path(x)
-        if self.mode != "auto" or x.dim() < 1 or x.shape[-1] != self.in_features:
+        if self.mode != "auto" or self.values.numel() == 0 or x.is_meta:
             return (default,)
         if x.device.type == "cuda":
             paths = ("semi", "dense", "sparse") if self._semi_ok(x.dtype) else ("dense", "sparse")
@@ -409,30 +470,42 @@ class Sparse24Linear(RuntimeChoice, VersionedModule):
                 out = activation_fn(out, self.activation)
             else:
                 out = activation_fn(out.float(), self.activation).to(out.dtype)
-        if residual is not None:
-            out = out + residual
+        if residual is not None:  # as fused_linear (the dense_fused path): [..., N], result in x's dtype
+            if residual.shape != out.shape or not residual.is_floating_point():
+                raise ValueError(f"{layer_name(self)}: residual must be a floating tensor of shape "
+                                 f"{list(out.shape)} (the output's), got {residual.dtype} {list(residual.shape)}")
+            out = out + residual if residual.dtype == out.dtype else (out + residual).to(out.dtype)
         return out
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         # Parameters and buffers are read from _parameters / _buffers on this path: through nn.Module.__getattr__
         # each read costs ~1.2 us, and a call at M = 1 made eight of them (AMD EPYC Zen 2).
-        perm = self._buffers.get("input_permutation")
-        if perm is not None:  # from fastdl.sparsity.prune(..., permute=True)
-            x = x.index_select(-1, perm)
-        k = self.in_features
-        if self._training_values():
-            # The run-time choice measures inference calls (with the weight cached); a call that trains the values
-            # takes the fixed rule: the sparse op and its one-call backward at small M. A decision measured without
-            # gradients ("dense_fused") made a trainable step at M = 1, K = N = 64 + gelu 1.81x the time of
-            # nn.Linear + gelu instead of 1.47x (AMD EPYC Zen 2, after another layer of that shape was timed).
-            return not_a_view(self._run_path(self._fixed_path(x), x, residual))
-        key = ((x.numel() // k if k else 0).bit_length(), x.dtype)
-        path = self._choice_local.get(key) or self._choose(x, key)
-        if path == "dense" and x.dtype == torch.float32 and residual is None:
-            out = self._dense_fast(x)  # the path of tiny shapes, where ~1 us per call shows
-            if out is not None:
-                return out
-        return not_a_view(self._run_path(path, x, residual))
+        # Inputs are checked where they are first seen (_fixed_path, on the way to a bucket's path) and, for
+        # shape and device, when a kernel raises (the except clause: no cost on calls that succeed).
+        try:
+            perm = self._buffers.get("input_permutation")
+            if perm is not None:  # from fastdl.sparsity.prune(..., permute=True)
+                if x.dim() == 0 or x.shape[-1] != self.in_features:  # a wider x would be gathered without error
+                    raise input_error(self, x)
+                x = x.index_select(-1, perm)
+            k = self.in_features
+            if self._training_values():
+                # The run-time choice measures inference calls (with the weight cached); a call that trains the
+                # values takes the fixed rule: the sparse op and its one-call backward at small M. A decision
+                # measured without gradients ("dense_fused") made a trainable step at M = 1, K = N = 64 + gelu 1.81x
+                # the time of nn.Linear + gelu instead of 1.47x (AMD EPYC Zen 2, after another layer of that shape
+                # was timed).
+                return not_a_view(self._run_path(self._fixed_path(x), x, residual))
+            key = ((x.numel() // k if k else 0).bit_length(), x.dtype)
+            path = self._choice_local.get(key) or self._choose(x, key)
+            if path == "dense" and x.dtype == torch.float32 and residual is None:
+                out = self._dense_fast(x)  # the path of tiny shapes, where ~1 us per call shows
+                if out is not None:
+                    return out
+            return not_a_view(self._run_path(path, x, residual))
+        except Exception as exc:
+            raise_input_error(self, x, exc)
+            raise
 
     def _dense_fast(self, x: torch.Tensor) -> torch.Tensor | None:
         """The "dense" path of ``_run_path`` for fp32 inference calls with the decompressed weight cached and fresh,
@@ -476,23 +549,47 @@ class Sparse24Linear(RuntimeChoice, VersionedModule):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
+        # Every tensor is checked before any is copied (a CheckpointError names the key): a tampered checkpoint
+        # must not load and then compute garbage or fail at forward.
+        N, K = self.out_features, self.in_features
+        on_meta = self.values.is_meta  # a layer built on the meta device: meta tensors load (as no-ops) too
+        floating = "a floating tensor (float32, bfloat16, float16, float64)"
         wkey = prefix + "weight"
         if wkey in state_dict and prefix + "values" not in state_dict:  # a dense nn.Linear checkpoint
-            w = state_dict.pop(wkey)
-            if tuple(w.shape) != (self.out_features, self.in_features):
-                raise self._error(prefix, f"size mismatch for weight: the checkpoint has shape {tuple(w.shape)}, "
-                                          f"this module ({self.out_features}, {self.in_features})")
-            else:
-                values, meta = sp_ops.compress_2_4(w.to(self.values.device))
-                state_dict[prefix + "values"] = values.to(self.values.dtype)
-                state_dict[prefix + "meta"] = meta
-                state_dict.setdefault(prefix + "_extra_state", self.get_extra_state())
-        pkey = prefix + "input_permutation"
-        if pkey in state_dict and self.input_permutation is None:
-            self.register_buffer("input_permutation", torch.empty_like(state_dict[pkey], device=self.meta.device))
+            w = self._check_loaded(prefix, "weight", state_dict.pop(wkey), FLOAT_DTYPES, (N, K),
+                                   target_meta=on_meta, what=floating)
+            # compressed where the layer is; a layer on the meta device (filled by load_state_dict(assign=True))
+            # where the checkpoint is, so that the values it takes have data
+            values, meta = _compress(w.to(w.device if on_meta else self.values.device))
+            state_dict[prefix + "values"] = values.to(self.values.dtype)
+            state_dict[prefix + "meta"] = meta
+            state_dict.setdefault(prefix + "_extra_state", self.get_extra_state())
         ekey = prefix + "_extra_state"
-        if ekey in state_dict:  # checked before any tensor is copied
+        if ekey in state_dict:
             self._check_record(self.read_record(state_dict[ekey], prefix), prefix)
+        if prefix + "values" in state_dict:
+            self._check_loaded(prefix, "values", state_dict[prefix + "values"], FLOAT_DTYPES, (N, K // 2),
+                               target_meta=on_meta, what=floating)
+        if prefix + "meta" in state_dict:
+            meta = self._check_loaded(prefix, "meta", state_dict[prefix + "meta"], (torch.uint8,), (N, (K + 7) // 8),
+                                      target_meta=on_meta, what="torch.uint8")
+            if not _meta_is_valid(meta, K):
+                raise self._error(prefix, "meta is not a 2:4 mask: every 4-bit group must have exactly 2 bits set "
+                                          "(and an unused high nibble must be 0), as compress_2_4 writes it")
+        if prefix + "bias" in state_dict and self.bias is not None:
+            self._check_loaded(prefix, "bias", state_dict[prefix + "bias"], FLOAT_DTYPES, (N,), target_meta=on_meta,
+                               what=floating)
+        pkey = prefix + "input_permutation"
+        if pkey in state_dict:
+            perm = self._check_loaded(prefix, "input_permutation", state_dict[pkey], (torch.int64, torch.int32), (K,),
+                                      target_meta=on_meta, what="an int64 tensor")
+            if not perm.is_meta and K and not torch.equal(perm.sort().values, torch.arange(K, device=perm.device)):
+                outside = int(((perm < 0) | (perm >= K)).sum())
+                raise self._error(prefix, f"input_permutation must be a permutation of 0..{K - 1} (each input "
+                                          f"feature once), got values in {int(perm.min())}..{int(perm.max())}: "
+                                          f"{outside} out of range, {K - perm.unique().numel()} repeated")
+            if self.input_permutation is None:
+                self.register_buffer("input_permutation", torch.empty_like(perm, device=self.meta.device))
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
         self.release_caches()
