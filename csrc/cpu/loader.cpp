@@ -6,6 +6,8 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include "checked_math.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -63,10 +65,9 @@ bool dense(const at::Tensor &t) {
         if (size == 1) {
             continue;
         }
-        if (t.stride(d) != expected) {
-            return false;
+        if (t.stride(d) != expected || __builtin_mul_overflow(expected, size, &expected)) {
+            return false; // an overflowing span is no dense tensor that exists
         }
-        expected *= size;
     }
     return true;
 }
@@ -95,12 +96,16 @@ void loader_fill(at::TensorList src, const at::Tensor &dst, at::IntArrayRef offs
         TORCH_CHECK_TYPE(s.layout() == at::kStrided && !s.is_quantized(), "loader_fill: src[", i,
                          "] must be a strided, non-quantized tensor, got layout ", s.layout(), ", dtype ",
                          s.scalar_type());
-        const int64_t nbytes = s.numel() * static_cast<int64_t>(s.element_size());
+        // An expanded src (stride 0) has numel elements but far fewer bytes of storage: numel * itemsize can exceed
+        // int64, and off + nbytes can wrap around for any off near 2^63 (issue 34: a SIGSEGV): both checked.
+        const int64_t itemsize = static_cast<int64_t>(s.element_size());
+        const int64_t nbytes =
+            checked_mul(s.numel(), itemsize, "loader_fill", "the bytes of a src tensor (numel * itemsize)");
         const int64_t off = offsets[i];
-        TORCH_CHECK_VALUE(off >= 0 && off % static_cast<int64_t>(s.element_size()) == 0 && off + nbytes <= capacity,
+        TORCH_CHECK_VALUE(off >= 0 && off % itemsize == 0 && range_inside(off, nbytes, capacity),
                           "loader_fill: offsets[", i, "] = ", off, " with ", nbytes,
-                          " bytes must be a multiple of the item size (", s.element_size(), ") and lie inside dst (",
-                          capacity, " bytes)");
+                          " bytes must be a multiple of the item size (", itemsize, ") and lie inside dst (", capacity,
+                          " bytes)");
         if (nbytes == 0) {
             continue;
         }
@@ -127,9 +132,9 @@ void loader_fill(at::TensorList src, const at::Tensor &dst, at::IntArrayRef offs
 
     std::vector<int64_t> starts(spans.size());
     int64_t total = 0;
-    for (size_t i = 0; i < spans.size(); ++i) {
+    for (size_t i = 0; i < spans.size(); ++i) { // each span fits in dst, but sources may overlap there: checked sum
         starts[i] = total;
-        total += spans[i].nbytes;
+        total = checked_add(total, spans[i].nbytes, "loader_fill", "the total bytes of src");
     }
     const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(num_threads, total / kMinBytesPerThread));
     if (nt == 1) {
@@ -139,7 +144,7 @@ void loader_fill(at::TensorList src, const at::Tensor &dst, at::IntArrayRef offs
     // Split the byte stream into nt page-aligned ranges; range 0 runs on this thread.
     std::vector<int64_t> bounds(static_cast<size_t>(nt) + 1);
     for (int64_t t = 0; t <= nt; ++t) {
-        int64_t b = total * t / nt;
+        const int64_t b = (total / nt) * t + (total % nt) * t / nt; // total * t / nt without overflow
         bounds[static_cast<size_t>(t)] = (t == nt) ? total : (b / kChunkAlign) * kChunkAlign;
     }
     std::vector<std::thread> workers;
