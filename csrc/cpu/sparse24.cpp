@@ -7,6 +7,7 @@
 #include "sparse24_kernels.h"
 
 #include "aten_dtype.h"
+#include "checked_math.h"
 #include "cpu_isa.h"
 
 #include <ATen/ATen.h>
@@ -17,8 +18,10 @@
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <exception>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -133,16 +136,23 @@ void check_weight(const at::Tensor &w, const char *op) {
                       " is not a multiple of 4 (2:4 sparsity groups 4 consecutive elements along K)");
 }
 
-void check_compressed(const at::Tensor &values, const at::Tensor &meta, const char *op) {
+// ceil(K / 8) without overflow (K of an expanded values tensor can be near 2^63).
+int64_t meta_cols(int64_t K) {
+    return K / 8 + (K % 8 != 0);
+}
+
+// Returns K. values may be an expanded view whose values.shape[1] is near 2^62: K = 2 * values.shape[1] is checked.
+int64_t check_compressed(const at::Tensor &values, const at::Tensor &meta, const char *op) {
     TORCH_CHECK(values.device().is_cpu() && meta.device().is_cpu(), op, ": values and meta must be CPU tensors");
     TORCH_CHECK_VALUE(values.dim() == 2, op, ": values must be 2-D [N, K/2], got shape ", values.sizes());
     TORCH_CHECK_VALUE(values.size(1) % 2 == 0, op, ": values.shape[1] = ", values.size(1),
                       " must be K/2 with K a multiple of 4 (so it must be even)");
-    TORCH_CHECK_VALUE(meta.scalar_type() == at::kByte, op, ": meta must be torch.uint8, got ", meta.scalar_type());
-    const int64_t N = values.size(0), K = 2 * values.size(1);
-    TORCH_CHECK_VALUE(meta.dim() == 2 && meta.size(0) == N && meta.size(1) == (K + 7) / 8, op,
-                      ": meta must have shape [N, ceil(K/8)] = [", N, ", ", (K + 7) / 8, "] for K = ", K, ", got ",
+    TORCH_CHECK_TYPE(meta.scalar_type() == at::kByte, op, ": meta must be torch.uint8, got ", meta.scalar_type());
+    const int64_t N = values.size(0), K = checked_mul(2, values.size(1), op, "K = 2 * values.shape[1]");
+    TORCH_CHECK_VALUE(meta.dim() == 2 && meta.size(0) == N && meta.size(1) == meta_cols(K), op,
+                      ": meta must have shape [N, ceil(K/8)] = [", N, ", ", meta_cols(K), "] for K = ", K, ", got ",
                       meta.sizes());
+    return K;
 }
 
 // Threads over [0, n). With ATen's OpenMP backend at::parallel_for is inline code around `#pragma omp parallel`, so
@@ -192,6 +202,87 @@ int64_t row_grain(int64_t K) {
     return std::max<int64_t>(1, 65536 / std::max<int64_t>(K, 1));
 }
 
+// -------------------------------------------------------------------------------------------- meta validation
+// Every kernel trusts meta: the AVX-512 ones expand 8 (16) consecutive values under a 16 (32)-position mask, so a
+// group with more than 2 bits set would read past the row's values (past the buffer on the last row) and one with
+// fewer leaves them misaligned; issue 34 found decompress_2_4 / sparse24_linear returning garbage for meta 0xFF,
+// different at each level. So each op that reads meta checks all of it first: every 4-bit group has exactly 2 bits
+// set, and the unused high nibble of a row's last byte (K % 8 == 4) is 0 (the layout compress_2_4 writes; the
+// reference, fastdl/ops/sparse24.py, applies the same rule). One pass over meta (1/8 of the dense weight's elements),
+// 16 groups per 64-bit word; cost at M = 1, K = N = 4096: see the measurement at sparse24_linear.
+
+// Nonzero where a nibble of the 16 in w does not have exactly 2 bits set (SWAR popcount per nibble, compared to 2).
+inline uint64_t bad_nibbles(uint64_t w) {
+    const uint64_t a = w - ((w >> 1) & 0x5555555555555555ull);
+    const uint64_t c = (a & 0x3333333333333333ull) + ((a >> 2) & 0x3333333333333333ull);
+    return c ^ 0x2222222222222222ull;
+}
+
+// Whether every nibble of bytes p[0, n) has exactly 2 bits set. The plain word loop vectorises (SSE2: 2 MB of meta,
+// the meta of a 4096 x 4096 layer, in ~90 us on one loaded Zen 4 core; a 4-word unrolled form did not vectorise: 280).
+bool meta_bytes_valid(const uint8_t *p, int64_t n) {
+    uint64_t bad = 0;
+    const int64_t nw = n / 8;
+    for (int64_t i = 0; i < nw; ++i) {
+        uint64_t w;
+        std::memcpy(&w, p + 8 * i, 8);
+        bad |= bad_nibbles(w);
+    }
+    if (n % 8) {
+        uint64_t w = 0x3333333333333333ull; // valid nibbles where fewer than 8 bytes remain
+        std::memcpy(&w, p + 8 * nw, static_cast<size_t>(n % 8));
+        bad |= bad_nibbles(w);
+    }
+    return bad == 0;
+}
+
+// Whether meta rows [r0, r1) (contiguous, mb = ceil(K/8) bytes a row) are valid 2:4 meta.
+bool meta_rows_valid(const uint8_t *meta, int64_t K, int64_t r0, int64_t r1) {
+    const int64_t mb = meta_cols(K);
+    if (K % 8 == 0)
+        return meta_bytes_valid(meta + r0 * mb, (r1 - r0) * mb);
+    for (int64_t r = r0; r < r1; ++r) { // the last byte of a row holds one group (low nibble) and 4 zero bits
+        const uint8_t *m = meta + r * mb;
+        const uint8_t last = m[mb - 1];
+        if (!meta_bytes_valid(m, mb - 1) || (last >> 4) != 0 || __builtin_popcount(last) != 2)
+            return false;
+    }
+    return true;
+}
+
+// ValueError naming the first invalid group of meta (contiguous [N, ceil(K/8)]), or nothing when it is valid.
+void check_meta(const at::Tensor &meta, int64_t N, int64_t K, const char *op) {
+    if (N == 0 || K == 0)
+        return;
+    const uint8_t *mp = meta.data_ptr<uint8_t>();
+    std::atomic<bool> ok{true};
+    // threads from 256 KiB of meta each (a 4096 x 4096 layer's 2 MB: 8 tasks)
+    parallel_range(N, std::max<int64_t>(1, (int64_t{256} << 10) / meta_cols(K)), [&](int64_t r0, int64_t r1) {
+        if (!meta_rows_valid(mp, K, r0, r1))
+            ok = false;
+    });
+    if (ok.load())
+        return;
+    const int64_t mb = meta_cols(K), G = K / 4;
+    for (int64_t r = 0; r < N; ++r)
+        for (int64_t j = 0; j < mb; ++j) {
+            const int byte = mp[r * mb + j];
+            for (int h = 0; h < 2; ++h) {
+                const int64_t g = 2 * j + h;
+                const int nib = (byte >> (4 * h)) & 15;
+                const bool valid = g < G ? __builtin_popcount(nib) == 2 : nib == 0;
+                TORCH_CHECK_VALUE(valid, op,
+                                  ": meta must have exactly 2 bits set in every 4-bit group (the kept positions of "
+                                  "4 weights; nibble 0x3, 0x5, 0x6, 0x9, 0xA or 0xC) and 0 in the unused high "
+                                  "nibble of a row's last byte when K % 8 == 4 (use meta from compress_2_4); got "
+                                  "meta[",
+                                  r, ", ", j, "] = ", byte, " (",
+                                  g < G ? "group " + std::to_string(g) : std::string("unused nibble"), " of row ", r,
+                                  ": ", nib, ")");
+            }
+        }
+}
+
 at::Tensor mask_2_4(const at::Tensor &w_in) {
     check_weight(w_in, "mask_2_4");
     const DType dt = weight_dtype(w_in, "mask_2_4", "w");
@@ -227,13 +318,13 @@ std::tuple<at::Tensor, at::Tensor> compress_2_4(const at::Tensor &w_in) {
 }
 
 at::Tensor decompress_2_4(const at::Tensor &values_in, const at::Tensor &meta_in) {
-    check_compressed(values_in, meta_in, "decompress_2_4");
+    const int64_t K = check_compressed(values_in, meta_in, "decompress_2_4"), N = values_in.size(0);
     const DType dt = weight_dtype(values_in, "decompress_2_4", "values");
-    const at::Tensor values = values_in.contiguous(), meta = meta_in.contiguous();
-    const int64_t N = values.size(0), K = 2 * values.size(1);
-    at::Tensor out = at::empty({N, K}, values.options());
+    at::Tensor out = at::empty({N, K}, values_in.options());
     if (N == 0 || K == 0)
         return out;
+    const at::Tensor values = values_in.contiguous(), meta = meta_in.contiguous();
+    check_meta(meta, N, K, "decompress_2_4");
     const int level = active_level();
     const void *vp = values.data_ptr();
     const uint8_t *mp = meta.data_ptr<uint8_t>();
@@ -307,15 +398,14 @@ at::Tensor dense_route(int level, const at::Tensor &x, const at::Tensor &values_
 
 at::Tensor sparse24_linear(const at::Tensor &x_in, const at::Tensor &values_in, const at::Tensor &meta_in,
                            const std::optional<at::Tensor> &bias_in) {
-    check_compressed(values_in, meta_in, "sparse24_linear");
+    const int64_t K = check_compressed(values_in, meta_in, "sparse24_linear"), N = values_in.size(0);
     TORCH_CHECK(x_in.device().is_cpu(), "sparse24_linear: x must be a CPU tensor, got ", x_in.device());
     TORCH_CHECK(x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16,
                 "sparse24_linear: the CPU kernel takes x of dtype float32 or bfloat16, got ", x_in.scalar_type());
     TORCH_CHECK(values_in.scalar_type() == at::kFloat || values_in.scalar_type() == at::kBFloat16,
                 "sparse24_linear: the CPU kernel takes values of dtype float32 or bfloat16, got ",
                 values_in.scalar_type());
-    TORCH_CHECK(x_in.dim() >= 1, "sparse24_linear: x must have at least 1 dimension [..., K]");
-    const int64_t N = values_in.size(0), K = 2 * values_in.size(1);
+    TORCH_CHECK_VALUE(x_in.dim() >= 1, "sparse24_linear: x must have at least 1 dimension [..., K], got a 0-D tensor");
     TORCH_CHECK_VALUE(x_in.size(-1) == K, "sparse24_linear: x.shape[-1] = ", x_in.size(-1),
                       " must equal K = 2 * values.shape[1] = ", K, " (mismatched K)");
     std::vector<int64_t> out_shape(x_in.sizes().begin(), x_in.sizes().end());
@@ -330,6 +420,8 @@ at::Tensor sparse24_linear(const at::Tensor &x_in, const at::Tensor &values_in, 
                     bias_in->scalar_type());
         bias = bias_in->to(at::kFloat).contiguous();
     }
+    const at::Tensor meta = meta_in.contiguous();
+    check_meta(meta, N, K, "sparse24_linear"); // also for an empty x, as the reference (one answer on every backend)
     at::Tensor out = at::empty(out_shape, x_in.options());
     const int64_t M = x_in.numel() / std::max<int64_t>(K, 1);
     if (out.numel() == 0)
@@ -344,7 +436,7 @@ at::Tensor sparse24_linear(const at::Tensor &x_in, const at::Tensor &values_in, 
     const at::Tensor x = x_in.reshape({M, K}).contiguous();
     const int level = active_level();
     if (M >= dense_route_min_rows(level, x.scalar_type(), N, K))
-        return dense_route(level, x, values_in, meta_in, bias, out);
+        return dense_route(level, x, values_in, meta, bias, out);
     LinearArgs a;
     a.dt = x.scalar_type() == at::kFloat ? DType::F32 : DType::BF16;
     a.vdt = values_in.scalar_type() == at::kFloat ? DType::F32 : DType::BF16;
@@ -354,7 +446,6 @@ at::Tensor sparse24_linear(const at::Tensor &x_in, const at::Tensor &values_in, 
     if (!linear_accepts(level, a))
         a.vdt = a.dt;
     const at::Tensor values = (a.vdt == a.dt ? values_in.to(x.scalar_type()) : values_in).contiguous();
-    const at::Tensor meta = meta_in.contiguous();
     a.x = x.data_ptr();
     a.ldx = K;
     a.M = M;
@@ -410,7 +501,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor>
 sparse24_linear_backward(const at::Tensor &grad_out, const at::Tensor &x_in, const at::Tensor &values_in,
                          const at::Tensor &meta_in, std::array<bool, 3> output_mask) {
     constexpr const char *op = "sparse24_linear_backward";
-    check_compressed(values_in, meta_in, op);
+    const int64_t K = check_compressed(values_in, meta_in, op), N = values_in.size(0);
     TORCH_CHECK(x_in.device().is_cpu() && grad_out.device().is_cpu(), op, ": x and grad_out must be CPU tensors");
     TORCH_CHECK(x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16, op,
                 ": the CPU kernel takes x of dtype float32 or bfloat16, got ", x_in.scalar_type());
@@ -418,16 +509,16 @@ sparse24_linear_backward(const at::Tensor &grad_out, const at::Tensor &x_in, con
                 ": the CPU kernel takes values of dtype float32 or bfloat16, got ", values_in.scalar_type());
     TORCH_CHECK(at::isFloatingType(grad_out.scalar_type()), op, ": grad_out must be a floating tensor, got ",
                 grad_out.scalar_type());
-    const int64_t N = values_in.size(0), K = 2 * values_in.size(1);
     TORCH_CHECK_VALUE(x_in.dim() >= 1 && x_in.size(-1) == K, op, ": x.shape[-1] must equal K = ", K, ", got shape ",
                       x_in.sizes());
     std::vector<int64_t> out_shape(x_in.sizes().begin(), x_in.sizes().end());
     out_shape.back() = N;
     TORCH_CHECK_VALUE(grad_out.sizes() == at::IntArrayRef(out_shape), op, ": grad_out must have shape ",
                       at::IntArrayRef(out_shape), ", got ", grad_out.sizes());
-    int64_t M = 1;
+    int64_t M = 1; // the rows of x: a product of sizes of x, which exists (an expanded x's too: numel fits int64)
     for (int64_t d = 0; d + 1 < x_in.dim(); ++d)
         M *= x_in.size(d);
+    check_meta(meta_in.contiguous(), N, K, op);
     const at::Tensor g = grad_out.reshape({M, N});
     at::Tensor gx = at::empty({0}, x_in.options()), gv = at::empty({0}, values_in.options());
     at::Tensor gb = at::empty({0}, x_in.options().dtype(at::kFloat));

@@ -31,6 +31,8 @@ mask and the meta layout (any mask, not only 2-of-4: fastdl.sparsity stores its 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ._library import define, register_autocast_rule, register_autograd, require, require_device, require_dtype
@@ -125,6 +127,10 @@ def check_linear(x, values, meta, bias) -> tuple[int, int]:
 # ----------------------------------------------------------------------------------------------- meta helpers
 def pack_mask(mask: torch.Tensor) -> torch.Tensor:
     """bool [N, K] (K % 4 == 0) -> uint8 [N, ceil(K/8)] in the meta layout (nibble per group, low nibble first)."""
+    require_dtype(
+        mask.dtype == torch.bool,
+        lambda: f"pack_mask: mask must be a torch.bool tensor (e.g. w != 0), got dtype {mask.dtype}",
+    )
     require(mask.dim() == 2, lambda: f"pack_mask: mask must be 2-D [N, K], got {tuple(mask.shape)}")
     N, K = mask.shape
     require(K % 4 == 0, lambda: f"pack_mask: K = mask.shape[1] = {K} is not a multiple of 4")
@@ -138,10 +144,23 @@ def pack_mask(mask: torch.Tensor) -> torch.Tensor:
 
 def unpack_meta(meta: torch.Tensor, K: int) -> torch.Tensor:
     """uint8 [N, ceil(K/8)] -> bool [N, K] (the inverse of ``pack_mask``)."""
-    require(K % 4 == 0, lambda: f"unpack_meta: K = {K} is not a multiple of 4")
+    require_dtype(
+        isinstance(meta, torch.Tensor) and meta.dtype == torch.uint8,
+        lambda: f"unpack_meta: meta must be a torch.uint8 tensor, got {getattr(meta, 'dtype', type(meta).__name__)}",
+    )
+    require(meta.dim() == 2, lambda: f"unpack_meta: meta must be 2-D [N, ceil(K/8)], got shape {tuple(meta.shape)}")
+    require(
+        isinstance(K, int) and K >= 0 and K % 4 == 0,
+        lambda: f"unpack_meta: K must be a non-negative multiple of 4, got {K!r}",
+    )
     N = meta.shape[0]
+    require(
+        meta.shape[1] == (K + 7) // 8,
+        lambda: f"unpack_meta: meta must have shape [N, ceil(K/8)] = [{N}, {(K + 7) // 8}] for K = {K}, "
+        f"got {tuple(meta.shape)}",
+    )
     G = K // 4
-    nib = torch.stack([meta & 15, meta >> 4], dim=-1).reshape(N, -1)[:, :G]
+    nib = torch.stack([meta & 15, meta >> 4], dim=-1).reshape(N, 2 * meta.shape[1])[:, :G]
     shifts = torch.arange(4, device=meta.device, dtype=torch.uint8)
     return ((nib.unsqueeze(-1) >> shifts) & 1).reshape(N, K).bool()
 
@@ -237,14 +256,35 @@ def _decompress_fake(values, meta):
     return values.new_empty((N, K))
 
 
-def _decompress_reference(values, meta):
-    N, K = check_compressed(values, meta, "decompress_2_4")
+_NIBBLE_BITS = (0, 1, 1, 2, 1, 2, 2, 3, 1, 2, 2, 3, 2, 3, 3, 4)
+
+
+def check_meta(meta: torch.Tensor, K: int, op: str) -> None:
+    """ValueError naming the first invalid group of meta (uint8 [N, ceil(K/8)]): every 4-bit group must have exactly
+    2 bits set and the unused high nibble of a row's last byte (K % 8 == 4) must be 0. The same rule and message as
+    the C++ kernels' check (csrc/cpu/sparse24.cpp, check_meta). Reads meta's data (not for fake tensors)."""
+    N, G = meta.shape[0], K // 4
+    if N == 0 or K == 0:
+        return
+    nib = torch.stack([meta & 15, meta >> 4], dim=-1).reshape(N, 2 * meta.shape[1])
+    bits = torch.tensor(_NIBBLE_BITS, dtype=torch.uint8, device=meta.device)[nib.long()]
+    bad = torch.cat([bits[:, :G] != 2, nib[:, G:] != 0], dim=1)
+    if not bool(bad.any()):
+        return
+    r, g = (int(i) for i in bad.nonzero()[0])
+    j, byte, value = g // 2, int(meta[r, g // 2]), int(nib[r, g])
+    where = f"group {g}" if g < G else "unused nibble"
+    raise ValueError(
+        f"{op}: meta must have exactly 2 bits set in every 4-bit group (the kept positions of 4 weights; nibble 0x3, "
+        "0x5, 0x6, 0x9, 0xA or 0xC) and 0 in the unused high nibble of a row's last byte when K % 8 == 4 (use meta "
+        f"from compress_2_4); got meta[{r}, {j}] = {byte} ({where} of row {r}: {value})"
+    )
+
+
+def _decompress_reference(values, meta, op="decompress_2_4"):
+    N, K = check_compressed(values, meta, op)
+    check_meta(meta, K, op)
     mask = unpack_meta(meta, K)
-    counts = mask.reshape(N, K // 4, 4).sum(-1)
-    if not bool((counts == 2).all()):
-        raise ValueError(
-            "decompress_2_4: meta must have exactly 2 bits set in every 4-bit group (use meta from compress_2_4)"
-        )
     out = values.new_zeros((N, K))
     out[mask] = values.reshape(-1)
     return out
@@ -295,10 +335,10 @@ def _linear_reference(x, values, meta, bias):
     N, K = check_linear(x, values, meta, bias)
     if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16):
         # cuBLAS accumulates 16-bit GEMMs in fp32 already; an fp32 copy of x and W would only cost time
-        w = _decompress_reference(values, meta).to(x.dtype)
+        w = _decompress_reference(values, meta, "sparse24_linear").to(x.dtype)
         return torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype)).contiguous()
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    w = _decompress_reference(values, meta).to(x.dtype).to(acc)
+    w = _decompress_reference(values, meta, "sparse24_linear").to(x.dtype).to(acc)
     out = torch.matmul(x.to(acc), w.t())
     if bias is not None:
         out = out + bias.to(acc)
@@ -360,13 +400,15 @@ def _backward_fake(grad_out, x, values, meta, output_mask):
 def _backward_reference(grad_out, x, values, meta, output_mask):
     _check_backward(grad_out, x, values, meta)
     N, K = values.shape[0], 2 * values.shape[1]
-    g = grad_out.reshape(-1, N)
+    check_meta(meta, K, "sparse24_linear_backward")
+    M = math.prod(x.shape[:-1])  # reshape(-1, ...) cannot infer it when N or K is 0
+    g = grad_out.reshape(M, N)
     gx, gv, gb = x.new_empty(0), values.new_empty(0), x.new_empty(0, dtype=torch.float32)
     if output_mask[0]:
         w = decompress_2_4_op(values, meta).to(x.dtype)
         gx = torch.matmul(g.to(x.dtype), w).reshape(x.shape)
     if output_mask[1]:
-        dense = torch.matmul(g.t().float(), x.reshape(-1, K).float())
+        dense = torch.matmul(g.t().float(), x.reshape(M, K).float())
         keep = decompress_2_4_op(torch.ones_like(values), meta) != 0
         gv = dense[keep].reshape(N, K // 2).to(values.dtype)
     if output_mask[2]:
