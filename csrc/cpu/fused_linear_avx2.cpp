@@ -144,8 +144,11 @@ FA FA_INLINE void v_store(void *p, DType dt, int64_t i, __m256 v, int64_t n) {
 // and exp, 9.0 as a rational function.
 // ------------------------------------------------------------------------------------------------------------
 // exp(x) for x <= 0: Cody-Waite reduction to r in [-ln2/2, ln2/2], degree-5 minimax polynomial. NaN is kept (vmaxps
-// returns the second operand when one is NaN).
+// returns the second operand when one is NaN). Below -87.3 (where 2^n would leave the normal range) the result is 0,
+// not the clamp's e^-87.3 = 1.2e-38: otherwise silu(-1e38) = -1e38 * 1.2e-38 = -1.22 and silu(-inf) = -inf instead of
+// PyTorch's -0 and NaN (issue 34); the true e^x there is below 1.2e-38, so silu is off by at most 1.3e-36 absolute.
 FA FA_INLINE __m256 v_exp_neg(__m256 x) {
+    const __m256 under = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_LT_OQ); // false for NaN
     x = _mm256_max_ps(_mm256_set1_ps(-87.3f), x);
     const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -158,7 +161,7 @@ FA FA_INLINE __m256 v_exp_neg(__m256 x) {
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.9999997019767761f));
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0000001192092896f));
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e)); // n in [-126, 0]: 2^n is a normal float
+    return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e))); // n in [-126, 0]: 2^n is normal
 }
 
 // 1 / d for d >= 1 (vrcpps + one Newton step).
@@ -207,14 +210,16 @@ FA FA_INLINE __m256 v_gelu(__m256 x) {
 // gelu'(x) = Phi(x) + x phi(x) = 0.5 + x P(x^2) / Q(x^2) (Phi - 0.5 and x phi are odd), P, Q of degree 5
 // minimax-fitted for this file on [0, 5.8]: 3.3e-7 absolute against float64 (PyTorch's gelu_backward: 2.6e-7), no
 // exp. x is clamped to +-5.70104885, a point where the quotient evaluates to exactly 0.5: the derivative is then
-// exactly 1 above it and exactly 0 below its negative (the true values are within 2e-7 of those).
+// exactly 1 above it and exactly 0 below its negative (the true values are within 2e-7 of those). At +-inf the result
+// is NaN, as PyTorch's gelu_backward (x phi(x) = inf * 0) and the other levels give: + x * 0, one FMA.
 constexpr float kGeluGradP[] = {1.92888123e-07f, 3.5955698e-05f, 1.90868432e-05f,
                                 0.0142302709f,   -0.0310028512f, 0.797885239f};
 constexpr float kGeluGradQ[] = {8.95178437e-06f, 0.000192013817f, 0.00352232414f, 0.0409778282f, 0.294484675f, 1.f};
 FA FA_INLINE __m256 v_gelu_grad(__m256 x) {
     constexpr float kClamp = 5.70104885f;
-    x = _mm256_min_ps(_mm256_set1_ps(kClamp), _mm256_max_ps(_mm256_set1_ps(-kClamp), x));
-    return _mm256_add_ps(_mm256_set1_ps(0.5f), v_odd_rational(x, kGeluGradP, kGeluGradQ));
+    const __m256 c = _mm256_min_ps(_mm256_set1_ps(kClamp), _mm256_max_ps(_mm256_set1_ps(-kClamp), x));
+    const __m256 d = _mm256_add_ps(_mm256_set1_ps(0.5f), v_odd_rational(c, kGeluGradP, kGeluGradQ));
+    return _mm256_fmadd_ps(x, _mm256_setzero_ps(), d); // d + x * 0: NaN at x = +-inf, d (exactly) elsewhere
 }
 
 // sigmoid(z) and, in oms, 1 - sigmoid(z), without cancellation or overflow: with e = exp(-|z|) in (0, 1], the pair is
