@@ -6,8 +6,12 @@
 #include <torch/autograd.h>
 
 #include <array>
+#include <cstdint>
 #include <optional>
+#include <string>
 #include <tuple>
+#include <utility>
+#include <vector>
 
 namespace fastdl {
 
@@ -57,6 +61,61 @@ inline void linear_grads(torch::autograd::variable_list &result, const at::Tenso
         result[1] = gw;
     if (need_b)
         result[2] = gb.to(bias_dtype);
+}
+
+// ------------------------------------------------------------------------------------ gradients with a graph
+// The C++ nodes' backward formulas call the fastdl_cpp backward kernels, whose results carry no graph. Under
+// create_graph=True (grad mode is on inside backward) a double backward through them would silently miss every
+// second-order term (issue 34: FusedLinear's weight.grad None or off by 0.93). So there the nodes instead re-run the
+// forward through the PUBLIC op fastdl::<op> (same schema; its Python autograd registration, differentiable to any
+// order) on the saved inputs, and differentiate that with torch::autograd::grad(create_graph=True): the gradients then
+// have a graph. No loop: the public op's autograd runs its forward with grad mode off, so the fastdl_cpp Autograd
+// kernels below it call the device kernel directly (records_graph is false) and record no C++ node. The forward is
+// computed once more, only in this (rare) case.
+
+// An input the nodes keep for a create_graph backward only: bias, residual (x and the weight are saved for the
+// first-order formulas anyway). Kept by reference in saved_data with its version, not with save_for_backward: a
+// first-order backward, which never reads it, must not fail because the caller changed it in place afterwards.
+inline void keep_input(torch::autograd::AutogradContext *ctx, const char *key, const std::optional<at::Tensor> &t) {
+    if (!is_given(t))
+        return;
+    ctx->saved_data[key] = *t;
+    ctx->saved_data[std::string(key) + "_version"] = static_cast<int64_t>(t->_version());
+}
+
+// The input kept by keep_input (nullopt when it was not given); RuntimeError, as a saved tensor's, when it was changed
+// in place since the forward.
+inline std::optional<at::Tensor> kept_input(torch::autograd::AutogradContext *ctx, const char *key, const char *op) {
+    const auto it = ctx->saved_data.find(key);
+    if (it == ctx->saved_data.end())
+        return std::nullopt;
+    at::Tensor t = it->second.toTensor();
+    const int64_t saved = ctx->saved_data[std::string(key) + "_version"].toInt();
+    TORCH_CHECK(static_cast<int64_t>(t._version()) == saved, op, ": the ", key,
+                " needed for a create_graph=True backward has been modified by an inplace operation since the "
+                "forward (its version is ",
+                t._version(), ", expected ", saved, ")");
+    return t;
+}
+
+// result[slot] = the gradient, with a graph, of output 0 of fastdl::<public_op>(args) with respect to each input in
+// `wrt` (slot, tensor), contracted with grad_out. Unused inputs get an undefined gradient.
+inline void grads_with_graph(const char *public_op, torch::jit::Stack args, const at::Tensor &grad_out,
+                             const std::vector<std::pair<size_t, at::Tensor>> &wrt,
+                             torch::autograd::variable_list &result) {
+    if (wrt.empty())
+        return;
+    const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow(public_op, "");
+    op.callBoxed(args); // the stack now holds the outputs
+    const at::Tensor out = args[0].toTensor();
+    std::vector<at::Tensor> inputs;
+    inputs.reserve(wrt.size());
+    for (const auto &w : wrt)
+        inputs.push_back(w.second);
+    const torch::autograd::variable_list g = torch::autograd::grad({out}, inputs, {grad_out}, /*retain_graph=*/true,
+                                                                   /*create_graph=*/true, /*allow_unused=*/true);
+    for (size_t i = 0; i < wrt.size(); ++i)
+        result[wrt[i].first] = g[i];
 }
 
 } // namespace fastdl

@@ -11,6 +11,8 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <utility>
+#include <vector>
 
 #include "autograd_ops.h"
 
@@ -44,6 +46,8 @@ struct FusedLinearFunction : public torch::autograd::Function<FusedLinearFunctio
         ctx->saved_data["residual_edge"] = is_given(residual) ? int64_t{is_given(bias) ? 3 : 2} : int64_t{-1};
         ctx->saved_data["residual_dtype"] = is_given(residual) ? residual->scalar_type() : at::kFloat;
         ctx->save_for_backward({x, weight, preact});
+        keep_input(ctx, "bias", bias); // for a create_graph backward (grads_with_graph)
+        keep_input(ctx, "residual", residual);
         // preact is an internal output nobody differentiates: no zero gradient is filled for it on every backward
         ctx->mark_non_differentiable({preact});
         ctx->set_materialize_grads(false);
@@ -63,6 +67,21 @@ struct FusedLinearFunction : public torch::autograd::Function<FusedLinearFunctio
         const bool need_x = ctx->needs_input_grad(0), need_w = ctx->needs_input_grad(1);
         const bool need_b = bias_edge >= 0 && ctx->needs_input_grad(static_cast<size_t>(bias_edge));
         const bool need_r = res_edge >= 0 && ctx->needs_input_grad(static_cast<size_t>(res_edge));
+        if (at::GradMode::is_enabled()) { // create_graph=True: gradients with a graph (autograd_ops.h)
+            const auto bias = kept_input(ctx, "bias", "fused_linear");
+            const auto residual = kept_input(ctx, "residual", "fused_linear");
+            std::vector<std::pair<size_t, at::Tensor>> wrt;
+            if (need_x)
+                wrt.emplace_back(0, x);
+            if (need_w)
+                wrt.emplace_back(1, weight);
+            if (need_b)
+                wrt.emplace_back(2, *bias);
+            if (need_r)
+                wrt.emplace_back(4, *residual);
+            grads_with_graph("fastdl::fused_linear", {x, weight, bias, act, residual, true}, grad_out, wrt, result);
+            return result;
+        }
         if (need_x || need_w || need_b) {
             TORCH_CHECK(act == "none" || ctx->saved_data["has_preact"].toBool(),
                         "fused_linear: gradients were requested but the op ran with save_preact=False; "

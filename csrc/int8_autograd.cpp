@@ -8,6 +8,8 @@
 
 #include <array>
 #include <optional>
+#include <utility>
+#include <vector>
 
 #include "autograd_ops.h"
 
@@ -32,6 +34,8 @@ struct Int8LinearQatFunction : public torch::autograd::Function<Int8LinearQatFun
         ctx->saved_data["bias_dtype"] = has_bias ? bias->scalar_type() : at::kFloat;
         ctx->saved_data["has_bias"] = has_bias;
         ctx->save_for_backward({x, weight});
+        keep_input(ctx, "bias", bias); // for a create_graph backward (grads_with_graph)
+        ctx->saved_data["weight_only"] = weight_only;
         return forward_op().call(x, weight, bias, weight_only);
     }
 
@@ -44,6 +48,19 @@ struct Int8LinearQatFunction : public torch::autograd::Function<Int8LinearQatFun
         const bool need_b = ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2);
         if (!(need_x || need_w || need_b))
             return result;
+        if (at::GradMode::is_enabled()) { // create_graph=True: gradients with a graph (autograd_ops.h)
+            const auto bias = kept_input(ctx, "bias", "int8_linear_qat");
+            std::vector<std::pair<size_t, at::Tensor>> wrt;
+            if (need_x)
+                wrt.emplace_back(0, x);
+            if (need_w)
+                wrt.emplace_back(1, weight);
+            if (need_b)
+                wrt.emplace_back(2, *bias);
+            grads_with_graph("fastdl::int8_linear_qat", {x, weight, bias, ctx->saved_data["weight_only"].toBool()},
+                             grads[0], wrt, result);
+            return result;
+        }
         const at::Tensor no_preact = at::empty({0}, x.options()); // activation "none" reads no pre-activation
         linear_grads(result, grads[0], x, weight, no_preact, "none", need_x, need_w, need_b,
                      ctx->saved_data["bias_dtype"].toScalarType());

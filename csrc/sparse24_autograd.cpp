@@ -7,6 +7,8 @@
 
 #include <array>
 #include <optional>
+#include <utility>
+#include <vector>
 
 #include "autograd_ops.h"
 
@@ -39,6 +41,7 @@ struct Sparse24LinearFunction : public torch::autograd::Function<Sparse24LinearF
         ctx->saved_data["bias_dtype"] = has_bias ? bias->scalar_type() : at::kFloat;
         ctx->saved_data["has_bias"] = has_bias;
         ctx->save_for_backward({x, values, meta});
+        keep_input(ctx, "bias", bias); // for a create_graph backward (grads_with_graph)
         return forward_op().call(x, values, meta, bias);
     }
 
@@ -51,6 +54,18 @@ struct Sparse24LinearFunction : public torch::autograd::Function<Sparse24LinearF
         const bool need_b = ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(3);
         if (!(need_x || need_v || need_b))
             return result;
+        if (at::GradMode::is_enabled()) { // create_graph=True: gradients with a graph (autograd_ops.h)
+            const auto bias = kept_input(ctx, "bias", "sparse24_linear");
+            std::vector<std::pair<size_t, at::Tensor>> wrt;
+            if (need_x)
+                wrt.emplace_back(0, x);
+            if (need_v)
+                wrt.emplace_back(1, values);
+            if (need_b)
+                wrt.emplace_back(3, *bias);
+            grads_with_graph("fastdl::sparse24_linear", {x, values, meta, bias}, grads[0], wrt, result);
+            return result;
+        }
         auto [gx, gv, gb] = backward_op().call(grads[0], x, values, meta, {need_x, need_v, need_b});
         if (need_x)
             result[0] = gx;
