@@ -311,7 +311,11 @@ def grad_of(fn: Callable, args: tuple, needs, grads: tuple) -> tuple:
     if not wanted:
         return tuple(result)
     with torch.enable_grad():
-        outputs = fn(*args)
+        if torch._C._is_any_autocast_enabled():  # a backward run inside an autocast region: the op's dtypes, as saved
+            with torch.autocast(_device_type(args), enabled=False):
+                outputs = fn(*args)
+        else:
+            outputs = fn(*args)
     if isinstance(outputs, torch.Tensor):
         outputs = (outputs,)
     pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
