@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch.autograd import forward_ad as _forward_ad
 
 from .. import backends
 
@@ -130,6 +131,23 @@ def _in_mode() -> bool:
     )
 
 
+def _has_tangent(args) -> bool:
+    """Whether a tensor argument carries a forward-AD tangent (only asked while a dual level is open)."""
+    for a in args:
+        if isinstance(a, torch.Tensor) and _forward_ad.unpack_dual(a).tangent is not None:
+            return True
+    return False
+
+
+def _wants_differentiable(args) -> bool:
+    """A call that the op's compiled kernels cannot differentiate: under a torch.func transform (grad, jvp, vjp,
+    jacrev, jacfwd, vmap, ...) or with a forward-AD tangent on an argument (``torch.autograd.forward_ad``).
+    torch.compile traces the op itself (its fake kernel and registered autograd), so not while compiling."""
+    if torch._C._are_functorch_transforms_active():
+        return not torch.compiler.is_compiling()
+    return _forward_ad._current_level >= 0 and _has_tangent(args)
+
+
 _AUTOCAST_KEYS = {
     "cpu": torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU),
     "cuda": torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCUDA),
@@ -151,6 +169,14 @@ class Op:
         absolute numbers are high): forward 60 -> 30 us, forward + backward 278 -> 208 us. Ops defined with
         ``cpp_autograd=True`` skip the Python Function too when the C++ backend runs: the extension's Autograd
         kernel records the graph and its backward calls the backward op, all in C++.
+
+    Under torch.func transforms (grad, jvp, vjp, jacrev, jacfwd, vmap, ...) and forward-mode AD (a tangent on an
+    argument, ``torch.autograd.forward_ad``) a fastdl op runs its PyTorch reference instead (the ``differentiable``
+    form given to ``register_autograd``: the op's value, with the op's documented derivative - straight-through
+    estimators included - written in differentiable torch ops): correct for every transform, no fastdl kernel.
+    Costs the plain path one comparison (no dual level open). ``torch.ops.fastdl.<name>`` called directly does the
+    same (its Autograd kernel routes such calls to the same function). Double backward (``create_graph=True``) runs
+    the op's ``double_backward`` formulas (``register_autograd``); first-order backward keeps the fast kernels.
     Attributes (``.default``, ...) are the op packet's.
     """
 
@@ -160,16 +186,36 @@ class Op:
         self._function = None
         self._grad_route = None  # define(cpp_autograd=True): a call that needs a gradient (C++ autograd or Function)
         self._autocast_cast = None  # the op's autocast rule (register_autocast_rule)
+        self._reference = None  # define(): the op's pure-PyTorch reference
+        self._differentiable = None  # register_autograd: the forward in differentiable torch ops (transforms, fwd AD)
 
     def __getattr__(self, attr):
         return getattr(self._packet, attr)
 
     def __call__(self, *args):
         if _in_mode():
-            return self._packet(*args)
+            return self._call_mode(args)
+        if _forward_ad._current_level >= 0 and self._differentiable is not None and _has_tangent(args):
+            return self._call_differentiable(args)
         if torch._C._is_any_autocast_enabled():
             return self._call_autocast(args)
         return self._call_plain(args)
+
+    def _call_mode(self, args):
+        if self._differentiable is not None and _wants_differentiable(args):
+            return self._call_differentiable(args)
+        return self._packet(*args)
+
+    def _call_differentiable(self, args):
+        """The op's differentiable PyTorch form (torch.func transforms, forward AD), under autocast with the op's cast
+        rule applied and autocast off (as the dispatcher's Autocast kernel does), so its value is the op's."""
+        if torch._C._is_any_autocast_enabled():
+            device = _device_type(args)
+            if self._autocast_cast is not None and device in _AUTOCAST_KEYS and torch.is_autocast_enabled(device):
+                args = self._autocast_cast(args, torch.get_autocast_dtype(device))
+                with torch.autocast(device, enabled=False):
+                    return self._differentiable(*args)
+        return self._differentiable(*args)
 
     def _call_plain(self, args):
         state = _tensor_state(args, torch.is_grad_enabled())
@@ -194,10 +240,53 @@ class Op:
             return self._call_plain(args)
 
 
-def register_autograd(op: Op, backward: Callable, setup_context: Callable) -> None:
-    """``torch.library.register_autograd`` for ``op`` (the dispatcher's path: torch.compile, modes, subclasses), and
-    the same formulas as a ``torch.autograd.Function`` for the eager calls of ``Op`` that need a gradient."""
-    torch.library.register_autograd(op._packet._qualified_op_name, backward, setup_context=setup_context)
+def register_autograd(
+    op: Op,
+    backward: Callable,
+    setup_context: Callable,
+    *,
+    double_backward: Callable,
+    differentiable: Callable | None = None,
+) -> None:
+    """The op's autograd, for every way it is called.
+
+    ``backward(ctx, *grads)`` is the first-order backward (the fast kernels); ``double_backward(ctx, *grads)`` gives
+    the same gradients written in differentiable torch ops, and runs instead when the backward is itself recorded
+    (``create_graph=True``: grad mode is on inside backward - gradient penalties, Hessian-vector products, double
+    backward). ``grad_of`` below writes it from the differentiable forward; a ``backward`` that is already made of
+    differentiable torch ops can be its own ``double_backward``. ``setup_context`` saves what both need.
+    ``differentiable(*args)`` is the op's forward in differentiable torch ops (default: the op's reference): its value
+    is the op's, its derivative the one the op documents (straight-through estimators included); it serves calls
+    under torch.func transforms and forward-mode AD (``Op``), which no autograd.Function with kernels inside can.
+
+    Registered as the Autograd kernel of ``fastdl::<op>`` (the dispatcher's path: torch.compile, modes, subclasses,
+    direct ``torch.ops.fastdl`` calls; it is ``torch.library.register_autograd``'s kernel, with the calls above sent
+    to ``differentiable``) and as a ``torch.autograd.Function`` for the eager calls of ``Op`` that need a gradient.
+    """
+    op._differentiable = differentiable = differentiable or op._reference
+
+    def backward_any_order(ctx, *grads):
+        if torch.is_grad_enabled():  # create_graph=True: the gradients must be differentiable themselves
+            return double_backward(ctx, *grads)
+        return backward(ctx, *grads)
+
+    packet = op._packet
+    torch_kernel = None
+    try:  # torch.library.register_autograd's own kernel (torch >= 2.4), to put the transforms in front of it
+        from torch._library.autograd import Info, make_autograd_impl
+
+        torch_kernel = make_autograd_impl(packet.default, Info(backward_any_order, setup_context))
+    except (ImportError, AttributeError, TypeError):  # pragma: no cover - a torch without them
+        torch.library.register_autograd(packet._qualified_op_name, backward_any_order, setup_context=setup_context)
+    if torch_kernel is not None:
+
+        def autograd_kernel(keyset, *args):
+            if _wants_differentiable(args):  # torch.ops.fastdl.<name> under a transform / forward AD
+                return differentiable(*args)  # (an Autocast kernel before this one has cast the arguments)
+            return torch_kernel(keyset, *args)
+
+        LIB.impl(packet._qualified_op_name.split("::")[1], autograd_kernel, "Autograd", with_keyset=True)
+
     route = op._route
 
     def forward(ctx, *args):
@@ -206,10 +295,42 @@ def register_autograd(op: Op, backward: Callable, setup_context: Callable) -> No
         return out
 
     op._function = type(
-        f"{op._packet.__name__}_eager",
+        f"{packet.__name__}_eager",
         (torch.autograd.Function,),
-        {"forward": staticmethod(forward), "backward": staticmethod(backward)},
+        {"forward": staticmethod(forward), "backward": staticmethod(backward_any_order)},
     )
+
+
+def grad_of(fn: Callable, args: tuple, needs, grads: tuple) -> tuple:
+    """The gradients of ``fn(*args)`` for the output gradients ``grads`` (one per output; None: that output got
+    none) with respect to the tensor arguments flagged in ``needs`` (None for the others), as a differentiable graph
+    (``create_graph=True``): an op's ``double_backward`` from its differentiable forward, recomputed on the inputs
+    ``setup_context`` saved. Costs a forward of the reference: only backward passes that are recorded run it."""
+    result: list = [None] * len(args)
+    wanted = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and i < len(needs) and needs[i]]
+    if not wanted:
+        return tuple(result)
+    with torch.enable_grad():
+        if torch._C._is_any_autocast_enabled():  # a backward run inside an autocast region: the op's dtypes, as saved
+            with torch.autocast(_device_type(args), enabled=False):
+                outputs = fn(*args)
+        else:
+            outputs = fn(*args)
+    if isinstance(outputs, torch.Tensor):
+        outputs = (outputs,)
+    pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
+    if not pairs:
+        return tuple(result)
+    got = torch.autograd.grad(
+        [o for o, _ in pairs],
+        [args[i] for i in wanted],
+        [g for _, g in pairs],
+        create_graph=True,
+        allow_unused=True,
+    )
+    for i, g in zip(wanted, got):
+        result[i] = g
+    return tuple(result)
 
 
 def define(
@@ -267,6 +388,7 @@ def define(
     LIB.impl(name, route, "CompositeExplicitAutograd")
     torch.library.register_fake(f"fastdl::{name}", fake, lib=LIB)
     op = _OPS[name] = Op(getattr(torch.ops.fastdl, name), route)
+    op._reference = reference
     if cpp_autograd:
 
         def grad_route(*args):

@@ -55,7 +55,15 @@ import math
 import torch
 
 from ..kernels.constants import WEIGHT_GROUP  # k per group scale (fixed: the kernels step through K in 16s)
-from ._library import define, register_autocast_rule, register_autograd, require, require_device, require_dtype
+from ._library import (
+    define,
+    grad_of,
+    register_autocast_rule,
+    register_autograd,
+    require,
+    require_device,
+    require_dtype,
+)
 from .fused_linear import fused_linear_backward_op
 
 __all__ = [
@@ -523,11 +531,53 @@ def _frozen_backward(ctx, grad_out):
     return (gx, None, None, gb) + (None,) * (len(ctx.needs_input_grad) - 4)
 
 
-register_autograd(int8_linear_op, _frozen_backward, _frozen_setup_context)
+def _straight_through(value: torch.Tensor, surrogate: torch.Tensor) -> torch.Tensor:
+    """``value`` (computed without gradient) carrying the derivative of ``surrogate`` (same shape and dtype): the
+    straight-through estimator as differentiable torch ops. ``surrogate - surrogate.detach()`` is exactly 0, so the
+    value is ``value``'s (a -0 becomes +0)."""
+    return value.detach() + (surrogate - surrogate.detach())
+
+
+def _frozen_surrogate(x, w_q, w_scale, bias, extra, grouped):
+    """``(x @ d.T) * w_scale + bias`` in fp32, rounded to x's dtype (d: the int8 weight, with its group scales): the
+    function whose derivative ``_frozen_backward`` computes (in x and bias; the weight side is detached)."""
+    N = w_q.shape[0]
+    w = grouped_weight(w_q, extra) if grouped else plain_weight(w_q, extra).float()
+    out = torch.matmul(_rows(x).float(), w.t()) * w_scale.detach().float()[None, :]
+    if bias is not None:
+        out = out + bias.float()[None, :]
+    return out.to(x.dtype).reshape(*x.shape[:-1], N)
+
+
+def _linear_differentiable(x, w_q, w_scale, bias, w_packed, w_comp):
+    """int8_linear under torch.func transforms and forward AD: the reference's value (the activations quantized)
+    with the documented straight-through derivative in x and bias."""
+    detached_bias = None if bias is None else bias.detach()
+    value = _linear_reference(x.detach(), w_q, w_scale, detached_bias, w_packed, w_comp)
+    return _straight_through(value, _frozen_surrogate(x, w_q, w_scale, bias, w_packed, grouped=False))
+
+
+def _weight_only_differentiable(x, w_q, w_scale, bias, w_group_scale=None):
+    """int8_weight_only_linear under transforms: the reference is differentiable (x is not quantized); w_scale is
+    detached, as the op gives it no gradient."""
+    return _weight_only_reference(x, w_q, w_scale.detach(), bias, w_group_scale)
+
+
+# The backward is made of differentiable torch ops, linear in grad_out and independent of x: it is its own double
+# backward (the second derivative in x is 0 under the straight-through estimator).
+register_autograd(
+    int8_linear_op,
+    _frozen_backward,
+    _frozen_setup_context,
+    double_backward=_frozen_backward,
+    differentiable=_linear_differentiable,
+)
 register_autograd(
     int8_weight_only_linear_op,
     _frozen_backward,
     lambda ctx, inputs, output: _frozen_setup_context(ctx, inputs, output, grouped=True),
+    double_backward=_frozen_backward,
+    differentiable=_weight_only_differentiable,
 )
 
 
@@ -569,12 +619,12 @@ int8_linear_qat_op = define(
 def _qat_setup_context(ctx, inputs, output):
     x, weight, bias = inputs[:3]
     ctx.bias_dtype = bias.dtype if bias is not None else None
-    ctx.save_for_backward(x, weight)
+    ctx.save_for_backward(x, weight, bias)  # bias ([N]): only the double backward reads it
 
 
 def _qat_backward(ctx, grad_out):
     """Straight-through estimator in the float dtype: the quantizers are treated as the identity."""
-    x, weight = ctx.saved_tensors
+    x, weight, _ = ctx.saved_tensors
     need_x, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
     gx = gw = gb = None
     if need_x or need_w or need_b:
@@ -586,7 +636,37 @@ def _qat_backward(ctx, grad_out):
     return gx, gw, gb, None
 
 
-register_autograd(int8_linear_qat_op, _qat_backward, _qat_setup_context)
+def _qat_surrogate(x, weight, bias, weight_only=False):
+    """The float linear whose derivative is the straight-through estimator of ``_qat_backward``: ``x @ W.T + bias``
+    with W rounded to x's dtype, fp32 accumulation, rounded to x's dtype (fused_linear_backward's formulas)."""
+    c = x.dtype
+    out = torch.matmul(_rows(x).float(), weight.to(c).float().t())
+    if bias is not None:
+        out = out + bias.float()[None, :]
+    return out.to(c).reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _qat_differentiable(x, weight, bias, weight_only=False):
+    """int8_linear_qat under torch.func transforms and forward AD: the quantized forward's value with the
+    straight-through derivative in x, weight and bias."""
+    value = _qat_reference(x.detach(), weight.detach(), None if bias is None else bias.detach(), weight_only)
+    return _straight_through(value, _qat_surrogate(x, weight, bias))
+
+
+def _qat_double_backward(ctx, grad_out):
+    """The straight-through gradients as a differentiable graph (create_graph=True), from the saved inputs."""
+    x, weight, bias = ctx.saved_tensors
+    gx, gw, gb, _ = grad_of(_qat_surrogate, (x, weight, bias, False), ctx.needs_input_grad[:3], (grad_out,))
+    return gx, gw, gb, None
+
+
+register_autograd(
+    int8_linear_qat_op,
+    _qat_backward,
+    _qat_setup_context,
+    double_backward=_qat_double_backward,
+    differentiable=_qat_differentiable,
+)
 
 
 # --------------------------------------------------------------------------------------------------- autocast

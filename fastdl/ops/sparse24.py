@@ -35,7 +35,15 @@ import math
 
 import torch
 
-from ._library import define, register_autocast_rule, register_autograd, require, require_device, require_dtype
+from ._library import (
+    define,
+    grad_of,
+    register_autocast_rule,
+    register_autograd,
+    require,
+    require_device,
+    require_dtype,
+)
 
 _FLOAT = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -322,7 +330,10 @@ decompress_2_4_op = define(
 )
 
 
-register_autograd(decompress_2_4_op, _decompress_backward, _decompress_setup_context)
+# the backward (a gather, linear in grad) is made of differentiable torch ops: it is its own double backward
+register_autograd(
+    decompress_2_4_op, _decompress_backward, _decompress_setup_context, double_backward=_decompress_backward
+)
 
 
 # ------------------------------------------------------------------------------------------------ sparse24_linear
@@ -438,7 +449,18 @@ def _linear_backward(ctx, grad_out):
     return (gx if need_x else None), (gv if need_v else None), None, (gb if need_b else None)
 
 
-register_autograd(sparse24_linear_op, _linear_backward, _linear_setup_context)
+def _linear_double_backward(ctx, grad_out):
+    """The backward as a differentiable graph (create_graph=True): the gradients of the reference recomputed from the
+    saved x, values and meta; the bias only adds (its gradient, the row sum of grad_out, is linear)."""
+    x, values, meta = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    gx, gv, _, _ = grad_of(_linear_reference, (x, values, meta, None), (need[0], need[1]), (grad_out,))
+    acc = torch.float64 if grad_out.dtype == torch.float64 else torch.float32
+    gb = grad_out.reshape(-1, values.shape[0]).sum(0, dtype=acc).to(ctx.bias_dtype) if need[3] else None
+    return gx, gv, None, gb
+
+
+register_autograd(sparse24_linear_op, _linear_backward, _linear_setup_context, double_backward=_linear_double_backward)
 
 
 register_autocast_rule("sparse24_linear")
