@@ -226,15 +226,16 @@ def _reference_backward(grad_out, x, weight, preact, activation, output_mask):
     _check_backward(grad_out, x, weight, preact, activation)
     c, acc = x.dtype, _acc_dtype(x.dtype)
     K, N = x.shape[-1], weight.shape[0]
-    g = grad_out.reshape(-1, N).to(acc)
-    dpre = g if activation == "none" else g * activation_grad(preact.reshape(-1, N).to(acc), activation)
+    M = x.numel() // K if K else math.prod(x.shape[:-1])  # not reshape(-1, ...): N = 0 or K = 0 has no -1
+    g = grad_out.reshape(M, N).to(acc)
+    dpre = g if activation == "none" else g * activation_grad(preact.reshape(M, N).to(acc), activation)
     gb = dpre.sum(0) if output_mask[2] else _empty(x, acc)
     dpre_c = dpre.to(c).to(acc)
     gx = gw = None
     if output_mask[0]:
         gx = (dpre_c @ weight.to(c).to(acc)).to(c).reshape(x.shape)
     if output_mask[1]:
-        gw = (dpre_c.t() @ x.reshape(-1, K).to(acc)).to(weight.dtype)
+        gw = (dpre_c.t() @ x.reshape(M, K).to(acc)).to(weight.dtype)
     return (gx if gx is not None else _empty(x)), (gw if gw is not None else _empty(x, weight.dtype)), gb
 
 
