@@ -529,6 +529,9 @@ class Report(list):
                             "time_ms": d["times_ms"].get(d["path"]), "times": times or "(loaded/default)"})
         return out
 
+    def __repr__(self) -> str:  # a REPL or notebook shows the table (fastdl.report returns it; print() prints it)
+        return self.__str__()
+
     def __str__(self) -> str:
         lines = self._table(self.COLUMNS, self)
         buckets = self.bucket_rows()

@@ -249,3 +249,12 @@ def test_tied_weights_stay_tied_or_the_layers_are_left_with_a_note(policy, timer
     with torch.no_grad():  # tied means tied: an update to one is seen by the other
         model.emb.weight.add_(1.0)
     assert torch.equal(head.weight, model.emb.weight)
+
+
+def test_report_returns_a_table_that_shows_itself():
+    """fastdl.report returns the report (a list of dicts); print() and a REPL's repr show the same table."""
+    model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.ReLU())
+    fastdl.convert(model, "fused")
+    rep = fastdl.report(model)
+    assert isinstance(rep, list) and rep and rep[0]["layer"] == "0"
+    assert repr(rep) == str(rep) and "layer" in str(rep) and "fused[relu]" in str(rep)
