@@ -296,7 +296,9 @@ def test_cpp_autograd_node_create_graph_gives_gradients_with_a_graph(op):
     grads = torch.autograd.grad(fn(leaves).square().sum(), leaves, create_graph=True)
     for g, g0 in zip(grads, first):
         assert g.requires_grad and g.grad_fn is not None, op
-        torch.testing.assert_close(g.detach(), g0, rtol=0, atol=0)  # the same first-order values
+        # the same first-order values: a backward that records a graph computes them from the op's PyTorch formulas
+        # (differentiable), not the kernels, so they agree to rounding, not bit for bit
+        torch.testing.assert_close(g.detach(), g0, rtol=1e-5, atol=1e-6)
     # second order: the C++ node (eager call) gives what the op's registered autograd gives through the dispatcher
     penalty = sum(g.square().sum() for g in grads)
     second = torch.autograd.grad(penalty, leaves, allow_unused=True)
