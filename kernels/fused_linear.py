@@ -245,7 +245,7 @@ def _tanh(u):
 @triton.jit
 def _act(x, ACT: tl.constexpr):
     if ACT == 1:
-        y = tl.where(x > 0.0, x, 0.0)
+        y = tl.where(x < 0.0, 0.0, x)  # NaN stays NaN, as torch.relu
     elif ACT == 2:
         y = 0.5 * x * (1.0 + tl.erf(x * 0.7071067811865476))
     elif ACT == 3:

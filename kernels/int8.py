@@ -591,6 +591,12 @@ def _check_vec(t, name, fn, ref, n, what, fp32=True):
         _fail(ValueError, f"{fn}: {name} must have shape [{what}] = [{n}], got {tuple(t.shape)}")
 
 
+def _unit_stride(*vecs):
+    """The kernels load 1-D scales and bias at ``ptr + offs`` (unit stride): a sliced or expanded one is copied
+    (N values; a no-op for the contiguous tensors the modules pass)."""
+    return tuple(v if v is None else v.contiguous() for v in vecs)
+
+
 def _check_group_scale(t, fn, ref, n, k):
     _check_device(t, "w_group_scale", fn, ref)
     if t.dtype != torch.uint8:
@@ -727,6 +733,7 @@ def int8_mm(a_q, b_q, a_scale, b_scale, bias, out_dtype, b_packed, b_comp):
     if bias is not None:
         _check_vec(bias, "bias", fn, a_q, N, "N", fp32=False)
     _check_packed(b_packed, b_comp, N, K, fn, a_q, ("b_packed", "b_comp"))
+    a_scale, b_scale, bias = _unit_stride(a_scale, b_scale, bias)
     b = _plain_weight(b_q, b_packed)
     out = torch.empty((M, N), dtype=out_dtype, device=a_q.device)
     if M == 0 or N == 0:
@@ -758,6 +765,7 @@ def int8_linear(x, w_q, w_scale, bias, w_packed, w_comp):
     fn = "int8_linear"
     K, N = _check_linear(x, w_q, w_scale, bias, fn)
     _check_packed(w_packed, w_comp, N, K, fn, x, ("w_packed", "w_comp"))
+    w_scale, bias = _unit_stride(w_scale, bias)
     w = _plain_weight(w_q, w_packed)
     lead = tuple(x.shape[:-1])
     M = math.prod(lead)
@@ -799,6 +807,7 @@ def int8_weight_only_linear(x, w_q, w_scale, bias, w_group_scale=None):
     has_groups = w_group_scale is not None
     if has_groups:
         _check_group_scale(w_group_scale, fn, x, N, K)
+    w_scale, bias = _unit_stride(w_scale, bias)
     lead = tuple(x.shape[:-1])
     M = math.prod(lead)
     out = torch.empty((*lead, N), dtype=x.dtype, device=x.device)

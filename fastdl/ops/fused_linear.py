@@ -168,6 +168,8 @@ def _reference(x, weight, bias, activation, residual, save_preact):
     if bias is not None:
         pre = pre + bias.to(acc)
     out = activation_fn(pre, activation)
+    if activation == "gelu" and acc != torch.float64:  # PyTorch's vectorized fp32 erf GELU gives NaN at +inf
+        out = torch.where(pre == math.inf, pre, out)
     if residual is not None:
         out = out + residual.to(acc)
     preact = pre.to(c) if save_preact and activation != "none" else _empty(x)

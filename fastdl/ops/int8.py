@@ -288,7 +288,7 @@ def quantize_rows_reference(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     inv = torch.div(c127, safe)
     v = xf * inv[:, None]  # one fp32 multiply, no fma
     v = torch.where(torch.isnan(v), 0.0, v).clamp_(-127.0, 127.0).round_()  # round half to even
-    q = torch.where(ok[:, None], v, 0.0).to(torch.int8)
+    q = torch.where(ok[:, None], v, 0.0).to(torch.int8).contiguous()  # x's strides would carry over
     scale = torch.where(ok, torch.div(safe, c127), torch.where(finite, 0.0, math.nan))
     return q, scale
 
