@@ -133,6 +133,57 @@ def test_invalid_meta_raises_value_error_at_every_level(isa):
     assert int(out.split()[-1]) > 100, out
 
 
+def check_invalid_meta_in_kernels() -> int:
+    """The C++ kernels check meta as they read each block of weight rows (no separate pass): an invalid byte deep in a
+    larger weight (first / middle / last row and byte, K % 8 == 0 and 4, rows split between threads) is found by every
+    kernel path of the level (direct M <= 4, panel / pairs / broadcast above, the dense route, decompress), and the
+    error names the first bad byte in row-major order even where another thread meets a later one first. Valid meta
+    through the same paths matches the float64 reference. Returns the number of checked calls."""
+    checked = 0
+    for N, K in ((53, 1024), (29, 1036)):
+        torch.manual_seed(N)
+        values, meta = sp.compress_2_4(torch.randn(N, K))
+        mb = meta.shape[1]
+        cases = [((N - 1, mb - 1), 0x0F if K % 8 == 0 else 0x35), ((N // 2, mb // 2), 0x01), ((0, 0), 0xFF)]
+        for vdt in (torch.float32, torch.bfloat16):
+            v = values.to(vdt)
+            w = sp._decompress_reference(v.double(), meta)
+            for xdt in (torch.float32, torch.bfloat16):
+                for M in (1, 2, 3, 4, 5, 8, 16, 24, 40):
+                    x = torch.randn(M, K, dtype=xdt)
+                    out = sp.sparse24_linear(x, v, meta, None)
+                    ref = x.double() @ w.to(xdt).double().T
+                    torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2 * K**0.5)
+                    for (r, j), byte in cases:
+                        bad = meta.clone()
+                        bad[r, j] = byte
+                        with pytest.raises(ValueError, match=rf"sparse24_linear: meta must .*meta\[{r}, {j}\]"):
+                            sp.sparse24_linear(x, v, bad, None)
+                        checked += 1
+                    bad = meta.clone()
+                    bad[N - 1, 0], bad[3, 5] = 0x07, 0x00  # the last row usually goes to another thread
+                    with pytest.raises(ValueError, match=r"sparse24_linear: meta must .*meta\[3, 5\] = 0 "):
+                        sp.sparse24_linear(x, v, bad, None)
+                    checked += 1
+            for (r, j), byte in cases:
+                bad = meta.clone()
+                bad[r, j] = byte
+                with pytest.raises(ValueError, match=rf"decompress_2_4: meta must .*meta\[{r}, {j}\]"):
+                    sp.decompress_2_4(v, bad)
+                checked += 1
+    return checked
+
+
+@needs_cpp
+@pytest.mark.parametrize("route", ["kernels", "dense"])
+@pytest.mark.parametrize("isa", LEVELS)
+def test_invalid_meta_found_by_every_kernel(isa, route):
+    script = "import torch, test_input_safety as t; torch.set_num_threads(2); print(t.check_invalid_meta_in_kernels())"
+    if route == "dense":  # every call through the dense route (read once per process)
+        script = "import os; os.environ['FASTDL_SPARSE24_DENSE_ROWS'] = '1'; " + script
+    assert int(run_at_isa(isa, script).split()[-1]) == 300
+
+
 @pytest.mark.parametrize("backend", cpu_backends("sparse24_linear"))
 def test_invalid_meta_in_process(backend):
     values, bad, _ = _bad_metas(16)[0]

@@ -70,20 +70,23 @@ void compress_rows(int level, DType dt, const void *w, int64_t ld, int64_t K, in
     }
 }
 
-void decompress_rows(int level, DType dt, const void *values, const uint8_t *meta, int64_t K, int64_t r0, int64_t r1,
+bool decompress_rows(int level, DType dt, const void *values, const uint8_t *meta, int64_t K, int64_t r0, int64_t r1,
                      void *out) {
     const size_t es = dt == DType::F32 ? 4 : 2;
     const auto row = row_kernels(level).decompress[es == 4 ? 1 : 0];
     const int64_t half = K / 2, mb = (K + 7) / 8;
     for (int64_t r = r0; r < r1; ++r)
-        row(static_cast<const char *>(values) + r * half * es, meta + r * mb, K, static_cast<char *>(out) + r * K * es);
+        if (!row(static_cast<const char *>(values) + r * half * es, meta + r * mb, K,
+                 static_cast<char *>(out) + r * K * es))
+            return false;
+    return true;
 }
 
-void decompress_rows_f32(int level, DType vdt, const void *values, const uint8_t *meta, int64_t K, int64_t r0,
+bool decompress_rows_f32(int level, DType vdt, const void *values, const uint8_t *meta, int64_t K, int64_t r0,
                          int64_t r1, float *out) {
     if (level >= Avx2)
         return avx2::decompress_rows_f32(vdt, values, meta, K, r0, r1, out);
-    scalar::decompress_rows_f32(vdt, values, meta, K, r0, r1, out);
+    return scalar::decompress_rows_f32(vdt, values, meta, K, r0, r1, out);
 }
 
 // fp32 x with bf16 values runs the AVX2 kernels on AVX-512 CPUs too: they widen the bf16 values in registers, where
@@ -112,12 +115,12 @@ int64_t linear_split(int level, const LinearArgs &a) {
     return 24; // a multiple of every NR of the AVX-512 kernels (4, 6, 8)
 }
 
-void linear_rows(int level, const LinearArgs &a, int64_t n0, int64_t n1) {
+bool linear_rows(int level, const LinearArgs &a, int64_t n0, int64_t n1) {
     if (avx2_kernels(level, a))
         return avx2::linear_rows(a, n0, n1);
     if (level >= Avx512)
         return avx512::linear_rows(level >= Avx512Bf16, a, n0, n1);
-    scalar::linear_rows(a, n0, n1);
+    return scalar::linear_rows(a, n0, n1);
 }
 
 namespace {
@@ -203,66 +206,21 @@ int64_t row_grain(int64_t K) {
 }
 
 // -------------------------------------------------------------------------------------------- meta validation
-// Every kernel trusts meta: the AVX-512 ones expand 8 (16) consecutive values under a 16 (32)-position mask, so a
-// group with more than 2 bits set would read past the row's values (past the buffer on the last row) and one with
-// fewer leaves them misaligned; issue 34 found decompress_2_4 / sparse24_linear returning garbage for meta 0xFF,
-// different at each level. So each op that reads meta checks all of it first: every 4-bit group has exactly 2 bits
-// set, and the unused high nibble of a row's last byte (K % 8 == 4) is 0 (the layout compress_2_4 writes; the
-// reference, fastdl/ops/sparse24.py, applies the same rule). One pass over meta (1/8 of the dense weight's elements),
-// 16 groups per 64-bit word; cost at M = 1, K = N = 4096: see the measurement at sparse24_linear.
+// Every op that reads meta rejects invalid 2:4 meta (detail::meta_rows_ok: exactly 2 bits in every 4-bit group, 0 in
+// the unused high nibble of a row's last byte when K % 8 == 4; the reference, fastdl/ops/sparse24.py, applies the
+// same rule). The kernels check it as they first read each block of weight rows (sparse24_kernels.h) and return
+// false; the ops then raise with raise_bad_meta, which finds the first bad byte by a slow scan (error path only).
+// Where no kernel reads meta (sparse24_linear on an empty x, the backward asked only for grad_bias), check_meta
+// passes over all of it.
 
-// Nonzero where a nibble of the 16 in w does not have exactly 2 bits set (SWAR popcount per nibble, compared to 2).
-inline uint64_t bad_nibbles(uint64_t w) {
-    const uint64_t a = w - ((w >> 1) & 0x5555555555555555ull);
-    const uint64_t c = (a & 0x3333333333333333ull) + ((a >> 2) & 0x3333333333333333ull);
-    return c ^ 0x2222222222222222ull;
-}
-
-// Whether every nibble of bytes p[0, n) has exactly 2 bits set. The plain word loop vectorises (SSE2: 2 MB of meta,
-// the meta of a 4096 x 4096 layer, in ~90 us on one loaded Zen 4 core; a 4-word unrolled form did not vectorise: 280).
-bool meta_bytes_valid(const uint8_t *p, int64_t n) {
-    uint64_t bad = 0;
-    const int64_t nw = n / 8;
-    for (int64_t i = 0; i < nw; ++i) {
-        uint64_t w;
-        std::memcpy(&w, p + 8 * i, 8);
-        bad |= bad_nibbles(w);
-    }
-    if (n % 8) {
-        uint64_t w = 0x3333333333333333ull; // valid nibbles where fewer than 8 bytes remain
-        std::memcpy(&w, p + 8 * nw, static_cast<size_t>(n % 8));
-        bad |= bad_nibbles(w);
-    }
-    return bad == 0;
-}
-
-// Whether meta rows [r0, r1) (contiguous, mb = ceil(K/8) bytes a row) are valid 2:4 meta.
+// Whether meta rows [r0, r1) (contiguous, ceil(K/8) bytes a row) are valid 2:4 meta (portable SWAR).
 bool meta_rows_valid(const uint8_t *meta, int64_t K, int64_t r0, int64_t r1) {
-    const int64_t mb = meta_cols(K);
-    if (K % 8 == 0)
-        return meta_bytes_valid(meta + r0 * mb, (r1 - r0) * mb);
-    for (int64_t r = r0; r < r1; ++r) { // the last byte of a row holds one group (low nibble) and 4 zero bits
-        const uint8_t *m = meta + r * mb;
-        const uint8_t last = m[mb - 1];
-        if (!meta_bytes_valid(m, mb - 1) || (last >> 4) != 0 || __builtin_popcount(last) != 2)
-            return false;
-    }
-    return true;
+    return detail::meta_rows_ok(meta + r0 * meta_cols(K), K, r1 - r0, detail::meta_bytes_ok);
 }
 
-// ValueError naming the first invalid group of meta (contiguous [N, ceil(K/8)]), or nothing when it is valid.
-void check_meta(const at::Tensor &meta, int64_t N, int64_t K, const char *op) {
-    if (N == 0 || K == 0)
-        return;
+// ValueError naming the first invalid group of meta (contiguous [N, ceil(K/8)]); a kernel reported one.
+[[noreturn]] void raise_bad_meta(const at::Tensor &meta, int64_t N, int64_t K, const char *op) {
     const uint8_t *mp = meta.data_ptr<uint8_t>();
-    std::atomic<bool> ok{true};
-    // threads from 256 KiB of meta each (a 4096 x 4096 layer's 2 MB: 8 tasks)
-    parallel_range(N, std::max<int64_t>(1, (int64_t{256} << 10) / meta_cols(K)), [&](int64_t r0, int64_t r1) {
-        if (!meta_rows_valid(mp, K, r0, r1))
-            ok = false;
-    });
-    if (ok.load())
-        return;
     const int64_t mb = meta_cols(K), G = K / 4;
     for (int64_t r = 0; r < N; ++r)
         for (int64_t j = 0; j < mb; ++j) {
@@ -281,6 +239,23 @@ void check_meta(const at::Tensor &meta, int64_t N, int64_t K, const char *op) {
                                   ": ", nib, ")");
             }
         }
+    TORCH_CHECK(false, op, ": internal error: a kernel reported invalid meta, but every byte is valid");
+}
+
+// ValueError naming the first invalid group of meta (contiguous [N, ceil(K/8)]), or nothing when it is valid: one
+// pass over all of meta, for the calls where no kernel reads it.
+void check_meta(const at::Tensor &meta, int64_t N, int64_t K, const char *op) {
+    if (N == 0 || K == 0)
+        return;
+    const uint8_t *mp = meta.data_ptr<uint8_t>();
+    std::atomic<bool> ok{true};
+    // threads from 256 KiB of meta each (a 4096 x 4096 layer's 2 MB: 8 tasks)
+    parallel_range(N, std::max<int64_t>(1, (int64_t{256} << 10) / meta_cols(K)), [&](int64_t r0, int64_t r1) {
+        if (!meta_rows_valid(mp, K, r0, r1))
+            ok = false;
+    });
+    if (!ok.load())
+        raise_bad_meta(meta, N, K, op);
 }
 
 at::Tensor mask_2_4(const at::Tensor &w_in) {
@@ -317,20 +292,30 @@ std::tuple<at::Tensor, at::Tensor> compress_2_4(const at::Tensor &w_in) {
     return {values, meta};
 }
 
-at::Tensor decompress_2_4(const at::Tensor &values_in, const at::Tensor &meta_in) {
-    const int64_t K = check_compressed(values_in, meta_in, "decompress_2_4"), N = values_in.size(0);
-    const DType dt = weight_dtype(values_in, "decompress_2_4", "values");
+// decompress_2_4, its errors naming op (the backward's grad_x calls it too). The row kernels check meta.
+at::Tensor decompress_impl(const at::Tensor &values_in, const at::Tensor &meta_in, const char *op) {
+    const int64_t K = check_compressed(values_in, meta_in, op), N = values_in.size(0);
+    const DType dt = weight_dtype(values_in, op, "values");
     at::Tensor out = at::empty({N, K}, values_in.options());
     if (N == 0 || K == 0)
         return out;
     const at::Tensor values = values_in.contiguous(), meta = meta_in.contiguous();
-    check_meta(meta, N, K, "decompress_2_4");
     const int level = active_level();
     const void *vp = values.data_ptr();
     const uint8_t *mp = meta.data_ptr<uint8_t>();
-    void *op = out.data_ptr();
-    parallel_range(N, row_grain(K), [&](int64_t r0, int64_t r1) { decompress_rows(level, dt, vp, mp, K, r0, r1, op); });
+    void *outp = out.data_ptr();
+    std::atomic<bool> bad{false};
+    parallel_range(N, row_grain(K), [&](int64_t r0, int64_t r1) {
+        if (!decompress_rows(level, dt, vp, mp, K, r0, r1, outp))
+            bad.store(true, std::memory_order_relaxed);
+    });
+    if (bad.load())
+        raise_bad_meta(meta, N, K, op);
     return out;
+}
+
+at::Tensor decompress_2_4(const at::Tensor &values_in, const at::Tensor &meta_in) {
+    return decompress_impl(values_in, meta_in, "decompress_2_4");
 }
 
 // ------------------------------------------------------------------------------------------- dense route
@@ -384,8 +369,13 @@ at::Tensor dense_route(int level, const at::Tensor &x, const at::Tensor &values_
         const void *vb = static_cast<const char *>(vp) + n0 * vstride;
         const uint8_t *mb = mp + n0 * ((K + 7) / 8);
         float *wp = wblock.data_ptr<float>();
-        parallel_range(rows, row_grain(K),
-                       [&](int64_t r0, int64_t r1) { decompress_rows_f32(level, vdt, vb, mb, K, r0, r1, wp); });
+        std::atomic<bool> bad{false};
+        parallel_range(rows, row_grain(K), [&](int64_t r0, int64_t r1) {
+            if (!decompress_rows_f32(level, vdt, vb, mb, K, r0, r1, wp))
+                bad.store(true, std::memory_order_relaxed);
+        });
+        if (bad.load())
+            raise_bad_meta(meta, N, K, "sparse24_linear");
         at::Tensor dst = res.narrow(1, n0, rows);
         at::mm_out(dst, xf, wblock.narrow(0, 0, rows).t());
     }
@@ -421,11 +411,12 @@ at::Tensor sparse24_linear(const at::Tensor &x_in, const at::Tensor &values_in, 
         bias = bias_in->to(at::kFloat).contiguous();
     }
     const at::Tensor meta = meta_in.contiguous();
-    check_meta(meta, N, K, "sparse24_linear"); // also for an empty x, as the reference (one answer on every backend)
     at::Tensor out = at::empty(out_shape, x_in.options());
     const int64_t M = x_in.numel() / std::max<int64_t>(K, 1);
-    if (out.numel() == 0)
+    if (out.numel() == 0) { // no kernel reads meta: checked anyway, as the reference (one answer on every backend)
+        check_meta(meta, N, K, "sparse24_linear");
         return out;
+    }
     if (K == 0) { // nothing to accumulate: only the bias remains
         if (bias.defined())
             out.copy_(bias.expand(out_shape));
@@ -464,25 +455,30 @@ at::Tensor sparse24_linear(const at::Tensor &x_in, const at::Tensor &values_in, 
     }
     const int64_t split = linear_split(level, a);
     const int64_t blocks = (N + split - 1) / split;
-    parallel_range(blocks, 1,
-                   [&](int64_t b0, int64_t b1) { linear_rows(level, a, b0 * split, std::min(N, b1 * split)); });
+    std::atomic<bool> bad{false}; // a kernel met invalid meta (it checks each block of weight rows as it reads them)
+    parallel_range(blocks, 1, [&](int64_t b0, int64_t b1) {
+        if (!linear_rows(level, a, b0 * split, std::min(N, b1 * split)))
+            bad.store(true, std::memory_order_relaxed);
+    });
+    if (bad.load())
+        raise_bad_meta(meta, N, K, "sparse24_linear");
     return out;
 }
 
 // ------------------------------------------------------------------------------------------- backward
 // The gradient of the values is the dense weight gradient (g^T x, fp32) at the kept positions: rows [r0, r1) of
 // dense [N, K] gathered into out [N, K/2] in the order of the values (detail::kept_positions, as decompress_rows
-// reads them). Returns false when a group of these rows has fewer than 2 bits set.
+// reads them). Returns false at a row whose meta is invalid.
 bool gather_kept_rows(const float *dense, const uint8_t *meta, int64_t K, int64_t r0, int64_t r1, float *out) {
     const int64_t mb = (K + 7) / 8, half = K / 2;
     for (int64_t r = r0; r < r1; ++r) {
         const float *d = dense + r * K;
         const uint8_t *m = meta + r * mb;
         float *o = out + r * half;
+        if (!meta_rows_valid(meta, K, r, r + 1))
+            return false;
         for (int64_t g = 0; g < K / 4; ++g) {
             const int nib = detail::meta_nibble(m, g);
-            if (__builtin_popcount(nib) < 2)
-                return false;
             int p0, p1;
             detail::kept_positions(nib, p0, p1);
             o[2 * g] = d[4 * g + p0];
@@ -518,12 +514,13 @@ sparse24_linear_backward(const at::Tensor &grad_out, const at::Tensor &x_in, con
     int64_t M = 1; // the rows of x: a product of sizes of x, which exists (an expanded x's too: numel fits int64)
     for (int64_t d = 0; d + 1 < x_in.dim(); ++d)
         M *= x_in.size(d);
-    check_meta(meta_in.contiguous(), N, K, op);
+    if (!output_mask[0] && !output_mask[1]) // no kernel reads meta: checked anyway, as the reference
+        check_meta(meta_in.contiguous(), N, K, op);
     const at::Tensor g = grad_out.reshape({M, N});
     at::Tensor gx = at::empty({0}, x_in.options()), gv = at::empty({0}, values_in.options());
     at::Tensor gb = at::empty({0}, x_in.options().dtype(at::kFloat));
     if (output_mask[0]) {
-        const at::Tensor w = decompress_2_4(values_in, meta_in).to(x_in.scalar_type());
+        const at::Tensor w = decompress_impl(values_in, meta_in, op).to(x_in.scalar_type());
         gx = at::mm(g.to(x_in.scalar_type()), w).reshape(x_in.sizes());
     }
     if (output_mask[1]) {
@@ -538,9 +535,8 @@ sparse24_linear_backward(const at::Tensor &grad_out, const at::Tensor &x_in, con
             if (!gather_kept_rows(dp, mp, K, r0, r1, op_))
                 ok = false;
         });
-        TORCH_CHECK_VALUE(ok.load(), op,
-                          ": meta must have exactly 2 bits set in every 4-bit group (use meta from "
-                          "compress_2_4)");
+        if (!ok.load())
+            raise_bad_meta(meta, N, K, op);
         gv = gvf.to(values_in.scalar_type());
     }
     if (output_mask[2])

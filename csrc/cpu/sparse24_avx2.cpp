@@ -123,6 +123,29 @@ SP24_AVX2 inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+// ----------------------------------------------------------------------------------------------- meta check
+// detail::meta_bytes_ok, 32 bytes a step: vpshufb looks up both nibbles of each byte in a 16-entry table (0 where the
+// nibble has exactly 2 bits set, else 0xFF); the rest (< 32 bytes) in scalar.
+SP24_AVX2 bool meta_bytes_ok_avx2(const uint8_t *p, int64_t n) {
+    const __m256i tab = _mm256_setr_epi8(-1, -1, -1, 0, -1, 0, 0, -1, -1, 0, 0, -1, 0, -1, -1, -1, //
+                                         -1, -1, -1, 0, -1, 0, 0, -1, -1, 0, 0, -1, 0, -1, -1, -1);
+    const __m256i lo4 = _mm256_set1_epi8(0x0F);
+    __m256i bad = _mm256_setzero_si256();
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(p + i));
+        const __m256i lo = _mm256_and_si256(v, lo4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
+        bad = _mm256_or_si256(bad, _mm256_or_si256(_mm256_shuffle_epi8(tab, lo), _mm256_shuffle_epi8(tab, hi)));
+    }
+    return _mm256_testz_si256(bad, bad) && meta_bytes_ok(p + i, n - i);
+}
+
+// Whether the meta of weight rows [n, min(n + rows, n1)) is valid (contiguous rows: one pass).
+SP24_AVX2 inline bool block_meta_ok(const LinearArgs &a, int64_t n, int rows, int64_t n1) {
+    const int64_t mb = (a.K + 7) / 8;
+    return meta_rows_ok(a.meta + n * mb, a.K, std::min<int64_t>(rows, n1 - n), meta_bytes_ok_avx2);
+}
+
 // x . w over the trailing group (K % 8 == 4) of one row pair, scalar.
 template <typename XT, typename VT> inline float tail_dot(const XT *xr, const VT *vr, const uint8_t *mr, int64_t K) {
     const int64_t g = K / 4 - 1;
@@ -190,7 +213,9 @@ SP24_AVX2 void compress_row(const void *w, int64_t K, void *vals, uint8_t *meta,
 }
 
 // ----------------------------------------------------------------------------------------------- decompress
-template <int BYTES> SP24_AVX2 void decompress_row(const void *vals, const uint8_t *meta, int64_t K, void *out) {
+template <int BYTES> SP24_AVX2 bool decompress_row(const void *vals, const uint8_t *meta, int64_t K, void *out) {
+    if (!meta_rows_ok(meta, K, 1, meta_bytes_ok_avx2))
+        return false;
     const int64_t nc = K / 8;
     for (int64_t c = 0; c < nc; ++c) {
         const unsigned byte = meta[c];
@@ -210,6 +235,7 @@ template <int BYTES> SP24_AVX2 void decompress_row(const void *vals, const uint8
         else
             decompress_group(static_cast<const uint16_t *>(vals), meta, 2 * nc, static_cast<uint16_t *>(out));
     }
+    return true;
 }
 
 // One row of bf16 values -> dense fp32 (the dense route's weight).
@@ -305,7 +331,7 @@ SP24_AVX2 void direct_tile(const float *const *xr, const VT *const *vr, const ui
 
 // x: fp32 rows (bf16 x is widened once per call into xbuf by linear_direct).
 template <typename XT, typename VT, int MR, int NR>
-SP24_AVX2 void run_direct(const LinearArgs &a, const float *x, int64_t ldx, int64_t m0, int64_t n0, int64_t n1) {
+SP24_AVX2 bool run_direct(const LinearArgs &a, const float *x, int64_t ldx, int64_t m0, int64_t n0, int64_t n1) {
     const VT *v = static_cast<const VT *>(a.values);
     const int64_t half = a.K / 2, mb = (a.K + 7) / 8;
     const int rows = static_cast<int>(std::min<int64_t>(MR, a.M - m0));
@@ -313,6 +339,8 @@ SP24_AVX2 void run_direct(const LinearArgs &a, const float *x, int64_t ldx, int6
     for (int i = 0; i < MR; ++i)
         xr[i] = x + (m0 + std::min(i, rows - 1)) * ldx;
     for (int64_t n = n0; n < n1; n += NR) {
+        if (m0 == 0 && !block_meta_ok(a, n, NR, n1)) // the first pass over these rows checks their meta
+            return false;
         const auto [vr, mr] = block_rows<NR>(a, v, n, n1); // past n1: the last row again (result discarded)
         float acc[MR * NR];
         // The next tile's values (NR contiguous rows) are prefetched into L2 over this tile's K loop: each row is
@@ -325,9 +353,10 @@ SP24_AVX2 void run_direct(const LinearArgs &a, const float *x, int64_t ldx, int6
                                 a.meta + (n + NR) * mb, acc);
         store_tile<XT, NR>(a, acc, m0, rows, n, static_cast<int>(std::min<int64_t>(NR, n1 - n)));
     }
+    return true;
 }
 
-template <typename XT, typename VT> SP24_AVX2 void linear_direct(const LinearArgs &a, int64_t n0, int64_t n1) {
+template <typename XT, typename VT> SP24_AVX2 bool linear_direct(const LinearArgs &a, int64_t n0, int64_t n1) {
     const float *x = static_cast<const float *>(a.x);
     int64_t ldx = a.ldx;
     std::vector<float> xbuf;
@@ -346,7 +375,8 @@ template <typename XT, typename VT> SP24_AVX2 void linear_direct(const LinearArg
     }
     int64_t m = 0;
     for (; m + 4 <= a.M; m += 4)
-        run_direct<XT, VT, 4, 3>(a, x, ldx, m, n0, n1);
+        if (!run_direct<XT, VT, 4, 3>(a, x, ldx, m, n0, n1))
+            return false;
     switch (a.M - m) {
     case 1:
         // 1 thread, L2-resident bf16 weight, GB/s of weight: NR = 2 17-21, 3 26-27, 4 21-27, 6 19-24
@@ -356,7 +386,7 @@ template <typename XT, typename VT> SP24_AVX2 void linear_direct(const LinearArg
     case 3:
         return run_direct<XT, VT, 3, 4>(a, x, ldx, m, n0, n1);
     default:
-        return;
+        return true;
     }
 }
 
@@ -401,7 +431,7 @@ SP24_AVX2 void panel_tile(const float *const *xr, const float *pn, int64_t len, 
             out[i * kPNR + j] = hsum(acc[i][j]);
 }
 
-template <typename XT, typename VT> SP24_AVX2 void linear_panel(const LinearArgs &a, int64_t n0, int64_t n1) {
+template <typename XT, typename VT> SP24_AVX2 bool linear_panel(const LinearArgs &a, int64_t n0, int64_t n1) {
     const float *x = a.xf ? a.xf : static_cast<const float *>(a.x); // fp32 x (the glue widened bf16 x once)
     const int64_t ldx = a.xf ? a.ldxf : a.ldx;
     const XT *xo = static_cast<const XT *>(a.x);
@@ -415,6 +445,8 @@ template <typename XT, typename VT> SP24_AVX2 void linear_panel(const LinearArgs
         const int64_t m1 = std::min(a.M, m0 + kPMC);
         for (int64_t n = n0; n < n1; n += kPNR) {
             const int cols = static_cast<int>(std::min<int64_t>(kPNR, n1 - n));
+            if (m0 == 0 && !block_meta_ok(a, n, kPNR, n1)) // the first pass over these rows checks their meta
+                return false;
             const auto [vr, mr] = block_rows<kPNR>(a, v, n, n1); // past n1: the last row again (result discarded)
             for (int64_t kb = 0; kb < nkb; ++kb) {
                 const int64_t k0 = kb * kPKC, len = std::min(kPKC, K8 - k0);
@@ -442,6 +474,7 @@ template <typename XT, typename VT> SP24_AVX2 void linear_panel(const LinearArgs
             }
         }
     }
+    return true;
 }
 
 // ----------------------------------------------------------------------------------------------- broadcast (large M)
@@ -562,7 +595,7 @@ SP24_AVX2 void bcast_tile(const float *const *xr, const float *pk, int64_t len, 
             _mm256_storeu_ps(o.c + i * o.ldc + 8 * h, acc[i][h]);
 }
 
-template <typename XT, typename VT> SP24_AVX2 void linear_bcast(const LinearArgs &a, int64_t n0, int64_t n1) {
+template <typename XT, typename VT> SP24_AVX2 bool linear_bcast(const LinearArgs &a, int64_t n0, int64_t n1) {
     const float *x = a.xf ? a.xf : static_cast<const float *>(a.x);
     const int64_t ldx = a.xf ? a.ldxf : a.ldx;
     const VT *v = static_cast<const VT *>(a.values);
@@ -581,6 +614,8 @@ template <typename XT, typename VT> SP24_AVX2 void linear_bcast(const LinearArgs
             const int64_t m1 = std::min(a.M, m0 + kBMC);
             for (int64_t n = n0; n < n1; n += kBNR) {
                 const int cols = static_cast<int>(std::min<int64_t>(kBNR, n1 - n));
+                if (k0 == 0 && m0 == 0 && !block_meta_ok(a, n, kBNR, n1)) // the first pass over these rows
+                    return false;
                 const auto [vr, mr] = block_rows<kBNR>(a, v, n, n1); // past n1: the last row again (result discarded)
                 build_bpanel<VT>(vr, mr, k0, len, a.K, panel.data());
                 for (int64_t m = m0; m < m1; m += kBMR) {
@@ -621,6 +656,7 @@ template <typename XT, typename VT> SP24_AVX2 void linear_bcast(const LinearArgs
             }
         }
     }
+    return true;
 }
 
 // Rows of x up to which the direct kernel (weight re-read per 4 rows) runs; the panel kernel from 5 on.
@@ -636,7 +672,7 @@ inline bool use_bcast(int64_t M) {
     return M >= 18 && 10 * ((M + 5) / 6 * 6) <= 11 * ((M + 3) / 4 * 4);
 }
 
-template <typename XT, typename VT> SP24_AVX2 void linear_typed(const LinearArgs &a, int64_t n0, int64_t n1) {
+template <typename XT, typename VT> SP24_AVX2 bool linear_typed(const LinearArgs &a, int64_t n0, int64_t n1) {
     if (a.M <= kDirectMaxM || a.K < 8)
         return linear_direct<XT, VT>(a, n0, n1);
     if (use_bcast(a.M))
@@ -651,16 +687,20 @@ const RowKernels kRows = {{compress_row<0>, compress_row<1>, compress_row<2>}, {
 const RowKernels kRows = {};
 #endif // FASTDL_SP24_AVX2
 
-void decompress_rows_f32(DType vdt, const void *values, const uint8_t *meta, int64_t K, int64_t r0, int64_t r1,
+bool decompress_rows_f32(DType vdt, const void *values, const uint8_t *meta, int64_t K, int64_t r0, int64_t r1,
                          float *out) {
 #ifdef FASTDL_SP24_AVX2
     if (vdt == DType::F32)
         return sparse24::decompress_rows(Avx2, vdt, values, meta, K, r0, r1, out);
     const int64_t half = K / 2, mb = (K + 7) / 8;
-    for (int64_t r = r0; r < r1; ++r)
+    for (int64_t r = r0; r < r1; ++r) {
+        if (!meta_rows_ok(meta + r * mb, K, 1, meta_bytes_ok_avx2))
+            return false;
         expand_row_f32(static_cast<const uint16_t *>(values) + r * half, meta + r * mb, K, out + r * K);
+    }
+    return true;
 #else
-    scalar::decompress_rows_f32(vdt, values, meta, K, r0, r1, out);
+    return scalar::decompress_rows_f32(vdt, values, meta, K, r0, r1, out);
 #endif
 }
 
@@ -682,16 +722,16 @@ int64_t linear_split(const LinearArgs &a) {
     return 48; // a multiple of every NR (8, 6, 4, 3, 16)
 }
 
-void linear_rows(const LinearArgs &a, int64_t n0, int64_t n1) {
+bool linear_rows(const LinearArgs &a, int64_t n0, int64_t n1) {
     if (n0 >= n1 || a.M <= 0)
-        return;
+        return true;
 #ifdef FASTDL_SP24_AVX2
     if (a.dt == DType::F32)
         return a.vdt == DType::F32 ? linear_typed<float, float>(a, n0, n1) : linear_typed<float, uint16_t>(a, n0, n1);
     if (a.vdt == DType::BF16)
         return linear_typed<uint16_t, uint16_t>(a, n0, n1);
 #endif
-    scalar::linear_rows(a, n0, n1); // a pair linear_accepts rejects (the glue converts first): reference loop
+    return scalar::linear_rows(a, n0, n1); // a pair linear_accepts rejects (the glue converts first): reference loop
 }
 
 } // namespace avx2

@@ -70,6 +70,34 @@ alignas(64) constexpr int16_t kPosTableW[64] = {0, 0, 1, 0, 2, 0, 1, 0, 3, 0, 1,
 alignas(64) constexpr int32_t kShiftF[16] = {0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28};
 alignas(64) constexpr int32_t kBaseF[16] = {0, 0, 4, 4, 8, 8, 12, 12, 0, 0, 4, 4, 8, 8, 12, 12};
 
+// ============================================================================================== meta check
+// detail::meta_bytes_ok, 64 bytes a step: vpshufb looks up both nibbles of each byte in a 16-entry table (0 where the
+// nibble has exactly 2 bits set, else 0xFF); the last partial step loads valid nibbles (0x33) past the end.
+SP24_AVX512 bool meta_bytes_ok_avx512(const uint8_t *p, int64_t n) {
+    const __m512i tab = _mm512_broadcast_i32x4(_mm_setr_epi8(-1, -1, -1, 0, -1, 0, 0, -1, -1, 0, 0, -1, 0, -1, -1, -1));
+    const __m512i lo4 = _mm512_set1_epi8(0x0F);
+    __m512i bad = _mm512_setzero_si512();
+    int64_t i = 0;
+    for (;; i += 64) {
+        __m512i v;
+        if (i + 64 <= n)
+            v = _mm512_loadu_si512(p + i);
+        else if (i < n)
+            v = _mm512_mask_loadu_epi8(_mm512_set1_epi8(0x33), ~0ull >> (64 - (n - i)), p + i);
+        else
+            break;
+        const __m512i lo = _mm512_and_si512(v, lo4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
+        bad = _mm512_ternarylogic_epi32(bad, _mm512_shuffle_epi8(tab, lo), _mm512_shuffle_epi8(tab, hi), 0xFE);
+    }
+    return _mm512_test_epi8_mask(bad, bad) == 0;
+}
+
+// Whether the meta of weight rows [n, min(n + rows, n1)) is valid (contiguous rows: one pass).
+SP24_AVX512 inline bool block_meta_ok(const LinearArgs &a, int64_t n, int rows, int64_t n1) {
+    const int64_t mb = (a.K + 7) / 8;
+    return meta_rows_ok(a.meta + n * mb, a.K, std::min<int64_t>(rows, n1 - n), meta_bytes_ok_avx512);
+}
+
 // ============================================================================================== AVX-512 (F/BW/VL/DQ)
 // Prune+compress 16 positions (4 groups, one per 128-bit lane) per step: the keys are compared with the keys of the
 // same group rotated by 1, 2, 3 (vpshufd), element j beats i if key_j > key_i or (equal and j < i), and a position
@@ -121,7 +149,9 @@ SP24_AVX512 void compress_row_avx512(const void *w, int64_t K, void *vals, uint8
 
 // Decompress 16 positions per step from 8 values.
 template <int BITS>
-SP24_AVX512 void decompress_row_avx512(const void *vals, const uint8_t *meta, int64_t K, void *out) {
+SP24_AVX512 bool decompress_row_avx512(const void *vals, const uint8_t *meta, int64_t K, void *out) {
+    if (!meta_rows_ok(meta, K, 1, meta_bytes_ok_avx512))
+        return false;
     const int64_t nc = K / 16, rem = K % 16;
     for (int64_t c = 0; c < nc + (rem ? 1 : 0); ++c) {
         const bool full = c < nc;
@@ -142,6 +172,7 @@ SP24_AVX512 void decompress_row_avx512(const void *vals, const uint8_t *meta, in
             _mm256_mask_storeu_epi16(static_cast<uint16_t *>(out) + 16 * c, lm, _mm512_cvtepi32_epi16(e));
         }
     }
+    return true;
 }
 
 SP24_AVX512 inline float hsum512(__m512 v) {
@@ -791,24 +822,27 @@ struct Bf16Kernels {
     SP24_FAMILY_KERNELS(SP24_AVX512BF16)
 };
 
-template <class F, typename T, int MR, int NR> void run_direct(const LinearArgs &a, int64_t n0, int64_t n1) {
+template <class F, typename T, int MR, int NR> bool run_direct(const LinearArgs &a, int64_t n0, int64_t n1) {
     const T *x = static_cast<const T *>(a.x);
     const T *v = static_cast<const T *>(a.values);
     const T *xr[MR];
     for (int i = 0; i < MR; ++i)
         xr[i] = x + i * a.ldx;
     for (int64_t n = n0; n < n1; n += NR) {
+        if (!block_meta_ok(a, n, NR, n1)) // from memory into L1, where the tile reads it
+            return false;
         const auto [vr, mr] = block_rows<NR>(a, v, n, n1); // past n1: the last row again (result discarded)
         float acc[MR * NR];
         F::template direct<MR, NR>(xr, vr, mr, a.K, acc);
         store_tile<T, NR>(a, acc, 0, MR, n, static_cast<int>(std::min<int64_t>(NR, n1 - n)));
     }
+    return true;
 }
 
 // M > 4. Loop nest per thread: blocks of up to 64 rows of x (kept in L2) > panels of NR weight rows > K blocks of
 // KC positions (the expanded panel, NR x KC, stays in L1) > tiles of MR rows. Partial accumulators of a tile live in
 // `accs` between K blocks (16 floats per output: the dot-product form reduces horizontally only once, at the end).
-template <class F, typename T> void run_panel(const LinearArgs &a, int64_t n0, int64_t n1) {
+template <class F, typename T> bool run_panel(const LinearArgs &a, int64_t n0, int64_t n1) {
     constexpr int MR = 4, NR = 6;
     constexpr int64_t KC = 16 * F::CH; // the expanded panel is 6 KiB (bf16) or 12 KiB (fp32): L1
     using P = typename F::Panel;
@@ -824,6 +858,8 @@ template <class F, typename T> void run_panel(const LinearArgs &a, int64_t n0, i
         const int64_t m1 = std::min(a.M, m0 + mblk);
         for (int64_t n = n0; n < n1; n += NR) {
             const int cols = static_cast<int>(std::min<int64_t>(NR, n1 - n));
+            if (m0 == 0 && !block_meta_ok(a, n, NR, n1)) // the first pass over these rows checks their meta
+                return false;
             for (int64_t kb = 0; kb < nkb; ++kb) {
                 const int64_t k0 = kb * KC, len = std::min(KC, a.K - k0);
                 const int64_t kp = (len + F::CH - 1) / F::CH * F::CH;
@@ -846,10 +882,11 @@ template <class F, typename T> void run_panel(const LinearArgs &a, int64_t n0, i
             }
         }
     }
+    return true;
 }
 
 // M > 4 with pair panels: same loop nest as run_panel, panels of 4 pairs = 8 weight rows.
-template <class F, typename T> void run_pairs(const LinearArgs &a, int64_t n0, int64_t n1) {
+template <class F, typename T> bool run_pairs(const LinearArgs &a, int64_t n0, int64_t n1) {
     constexpr int MR = 4, NP = 4, NR = 2 * NP;
     constexpr int64_t KC = 16 * F::CH; // pair panel of a K block: 4 pairs x 16 chunks x 128 B = 8 KiB (L1)
     using P = typename F::Panel;
@@ -865,6 +902,8 @@ template <class F, typename T> void run_pairs(const LinearArgs &a, int64_t n0, i
         const int64_t m1 = std::min(a.M, m0 + mblk);
         for (int64_t n = n0; n < n1; n += NR) {
             const int cols = static_cast<int>(std::min<int64_t>(NR, n1 - n));
+            if (m0 == 0 && !block_meta_ok(a, n, NR, n1)) // the first pass over these rows checks their meta
+                return false;
             for (int64_t kb = 0; kb < nkb; ++kb) {
                 const int64_t k0 = kb * KC, len = std::min(KC, a.K - k0);
                 const int64_t nch = (len + F::CH - 1) / F::CH, rem = len % F::CH;
@@ -905,9 +944,10 @@ template <class F, typename T> void run_pairs(const LinearArgs &a, int64_t n0, i
             }
         }
     }
+    return true;
 }
 
-template <class F, typename T> void linear_family(const LinearArgs &a, int64_t n0, int64_t n1) {
+template <class F, typename T> bool linear_family(const LinearArgs &a, int64_t n0, int64_t n1) {
     switch (a.M) {
     case 1:
         return run_direct<F, T, 1, 8>(a, n0, n1);
@@ -933,9 +973,9 @@ const RowKernels kRows = {{compress_row_avx512<0>, compress_row_avx512<1>, compr
 const RowKernels kRows = {};
 #endif // FASTDL_SP24_X86
 
-void linear_rows(bool bf16_dot, const LinearArgs &a, int64_t n0, int64_t n1) {
+bool linear_rows(bool bf16_dot, const LinearArgs &a, int64_t n0, int64_t n1) {
     if (n0 >= n1 || a.M <= 0)
-        return;
+        return true;
 #ifdef FASTDL_SP24_X86
     if (a.vdt == a.dt) {
         if (a.dt == DType::F32)
@@ -947,7 +987,7 @@ void linear_rows(bool bf16_dot, const LinearArgs &a, int64_t n0, int64_t n1) {
 #else
     (void)bf16_dot;
 #endif
-    scalar::linear_rows(a, n0, n1); // mixed dtypes: the glue converts the values first
+    return scalar::linear_rows(a, n0, n1); // mixed dtypes: the glue converts the values first
 }
 
 } // namespace avx512

@@ -56,12 +56,14 @@ struct LinearArgs {
 void compress_rows(int level, DType dt, const void *w, int64_t ld, int64_t K, int64_t r0, int64_t r1, void *values,
                    uint8_t *meta, bool *mask);
 // Dense rows [r0, r1) (K columns, zeros at pruned positions) from values / meta. Element size of dt; the bits are
-// copied (no conversion), so any 16-bit type works as BF16.
-void decompress_rows(int level, DType dt, const void *values, const uint8_t *meta, int64_t K, int64_t r0, int64_t r1,
+// copied (no conversion), so any 16-bit type works as BF16. Returns false (rows left unwritten) where meta is not
+// valid 2:4 meta (detail::meta_rows_ok): the kernels check each row's meta as they start reading it.
+bool decompress_rows(int level, DType dt, const void *values, const uint8_t *meta, int64_t K, int64_t r0, int64_t r1,
                      void *out);
 // Dense fp32 rows [r0, r1) (K columns, zeros at pruned positions) from values of dtype vdt (F32, or BF16 widened
-// exactly): the weight of the dense route (decompress + at::mm), without a 16-bit copy in between.
-void decompress_rows_f32(int level, DType vdt, const void *values, const uint8_t *meta, int64_t K, int64_t r0,
+// exactly): the weight of the dense route (decompress + at::mm), without a 16-bit copy in between. Returns false as
+// decompress_rows.
+bool decompress_rows_f32(int level, DType vdt, const void *values, const uint8_t *meta, int64_t K, int64_t r0,
                          int64_t r1, float *out);
 // Whether the level's kernel reads values of dtype a.vdt with x of dtype a.dt directly (else the glue converts the
 // values to x's dtype first).
@@ -70,39 +72,43 @@ bool linear_accepts(int level, const LinearArgs &a);
 bool linear_wants_f32_x(int level, const LinearArgs &a);
 // Column count the glue should split N by between threads (a multiple of every kernel's block of rows).
 int64_t linear_split(int level, const LinearArgs &a);
-void linear_rows(int level, const LinearArgs &a, int64_t n0, int64_t n1);
+// Returns false where the meta of a weight row in [n0, n1) is not valid 2:4 meta: each kernel checks the meta of a
+// block of weight rows (detail::meta_rows_ok, from L1 right before it reads them) the first time it reads them, and
+// stops at the first invalid one (out is then partly unwritten: the glue raises).
+bool linear_rows(int level, const LinearArgs &a, int64_t n0, int64_t n1);
 
 // ------------------------------------------------------------------------------------- per-level kernels
 // Each level's row kernels, walked over rows [r0, r1) by compress_rows / decompress_rows above (sparse24.cpp):
 // compress[kind] (kind 0 = F32, 1 = BF16, 2 = F16) prunes+compresses one row of K elements, an output passed as nullptr
-// is not written; decompress[bytes == 4] expands one row of K elements from its values and meta. A level whose code is
-// not compiled in (a non-x86 build) has a table of nullptrs: the dispatch then takes the scalar one.
+// is not written; decompress[bytes == 4] expands one row of K elements from its values and meta, or returns false
+// (nothing written) where the row's meta is invalid. A level whose code is not compiled in (a non-x86 build) has a
+// table of nullptrs: the dispatch then takes the scalar one.
 struct RowKernels {
     void (*compress[3])(const void *w, int64_t K, void *vals, uint8_t *meta, bool *mask);
-    void (*decompress[2])(const void *vals, const uint8_t *meta, int64_t K, void *out);
+    bool (*decompress[2])(const void *vals, const uint8_t *meta, int64_t K, void *out);
 };
 
 namespace scalar {
 extern const RowKernels kRows;
-void decompress_rows_f32(DType vdt, const void *values, const uint8_t *meta, int64_t K, int64_t r0, int64_t r1,
+bool decompress_rows_f32(DType vdt, const void *values, const uint8_t *meta, int64_t K, int64_t r0, int64_t r1,
                          float *out);
-void linear_rows(const LinearArgs &a, int64_t n0, int64_t n1); // any (dt, vdt)
+bool linear_rows(const LinearArgs &a, int64_t n0, int64_t n1); // any (dt, vdt)
 } // namespace scalar
 
 namespace avx2 {
 extern const RowKernels kRows;
-void decompress_rows_f32(DType vdt, const void *values, const uint8_t *meta, int64_t K, int64_t r0, int64_t r1,
+bool decompress_rows_f32(DType vdt, const void *values, const uint8_t *meta, int64_t K, int64_t r0, int64_t r1,
                          float *out);
 bool linear_accepts(const LinearArgs &a);
 bool linear_wants_f32_x(const LinearArgs &a);
 int64_t linear_split(const LinearArgs &a);
-void linear_rows(const LinearArgs &a, int64_t n0, int64_t n1);
+bool linear_rows(const LinearArgs &a, int64_t n0, int64_t n1);
 } // namespace avx2
 
 namespace avx512 {
 extern const RowKernels kRows;
 // bf16_dot: the AVX512-BF16 + VBMI2 kernels for bf16 (else bf16 runs through the fp32 kernels). vdt == dt.
-void linear_rows(bool bf16_dot, const LinearArgs &a, int64_t n0, int64_t n1);
+bool linear_rows(bool bf16_dot, const LinearArgs &a, int64_t n0, int64_t n1);
 } // namespace avx512
 
 // ------------------------------------------------------------------------------------- scalar helpers (all levels)
@@ -173,6 +179,54 @@ inline int group_nibble(uint32_t k0, uint32_t k1, uint32_t k2, uint32_t k3) {
 
 inline uint8_t meta_nibble(const uint8_t *meta, int64_t g) {
     return (meta[g >> 1] >> ((g & 1) * 4)) & 15;
+}
+
+// ------------------------------------------------------------------------------------- meta validation
+// Valid 2:4 meta (the layout compress_2_4 writes): every 4-bit group has exactly 2 bits set (0x3, 0x5, 0x6, 0x9, 0xA,
+// 0xC), and the unused high nibble of a row's last byte (K % 8 == 4) is 0. The kernels expand values under meta
+// masks and tables: a group with 3 or 4 bits set takes values of the next groups, one with fewer leaves them
+// misaligned, and every level returned different garbage (issue 34). So each kernel checks the meta of a block of
+// weight rows right before it first reads it (one vector pass over bytes that then sit in L1 for the kernel: no
+// second trip to memory, as a separate pass over all of meta before the kernels took) and stops with `false` at an
+// invalid one, before using it; the glue (sparse24.cpp) then raises a ValueError naming the first bad byte.
+inline constexpr uint32_t kValidNibbles = 0x1668; // bit n set where nibble n has exactly 2 bits set
+
+// Nonzero where a nibble of the 16 in w does not have exactly 2 bits set (SWAR popcount per nibble, compared to 2).
+inline uint64_t bad_nibbles(uint64_t w) {
+    const uint64_t a = w - ((w >> 1) & 0x5555555555555555ull);
+    const uint64_t c = (a & 0x3333333333333333ull) + ((a >> 2) & 0x3333333333333333ull);
+    return c ^ 0x2222222222222222ull;
+}
+
+// Whether every nibble of bytes p[0, n) has exactly 2 bits set (portable: 8 bytes a step).
+inline bool meta_bytes_ok(const uint8_t *p, int64_t n) {
+    uint64_t bad = 0;
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        uint64_t w;
+        std::memcpy(&w, p + i, 8);
+        bad |= bad_nibbles(w);
+    }
+    if (i < n) {
+        uint64_t w = 0x3333333333333333ull; // valid nibbles where fewer than 8 bytes remain
+        std::memcpy(&w, p + i, static_cast<size_t>(n - i));
+        bad |= bad_nibbles(w);
+    }
+    return bad == 0;
+}
+
+// Whether `rows` consecutive meta rows at m (ceil(K/8) bytes a row) are valid; bytes_ok checks whole bytes (the
+// level's vector form of meta_bytes_ok).
+inline bool meta_rows_ok(const uint8_t *m, int64_t K, int64_t rows, bool (*bytes_ok)(const uint8_t *, int64_t)) {
+    const int64_t mb = (K + 7) / 8;
+    if (K % 8 == 0)
+        return bytes_ok(m, rows * mb);
+    for (int64_t r = 0; r < rows; ++r) { // the last byte of a row holds one group (low nibble) and 4 zero bits
+        const uint8_t last = m[r * mb + mb - 1];
+        if (!bytes_ok(m + r * mb, mb - 1) || last >= 16 || !((kValidNibbles >> last) & 1))
+            return false;
+    }
+    return true;
 }
 
 // The two kept positions of a group (0..3) from its nibble; a nibble with fewer than 2 bits (not from compress_2_4)

@@ -19,15 +19,18 @@ template <int KIND> void compress_row(const void *w, int64_t K, void *vals, uint
         compress_group(static_cast<const U *>(w) + 4 * g, g, KIND, static_cast<U *>(vals), meta, mask);
 }
 
-template <int BYTES> void decompress_row(const void *vals, const uint8_t *meta, int64_t K, void *out) {
+template <int BYTES> bool decompress_row(const void *vals, const uint8_t *meta, int64_t K, void *out) {
     using U = std::conditional_t<BYTES == 4, uint32_t, uint16_t>;
+    if (!meta_rows_ok(meta, K, 1, meta_bytes_ok))
+        return false;
     for (int64_t g = 0; g < K / 4; ++g)
         decompress_group(static_cast<const U *>(vals), meta, g, static_cast<U *>(out));
+    return true;
 }
 
 // XT: x / out element (float or uint16_t = bf16), VT: values element. Each group's kept positions and values are
 // decoded once per weight row and block of up to 8 rows of x.
-template <typename XT, typename VT> void linear(const LinearArgs &a, int64_t n0, int64_t n1) {
+template <typename XT, typename VT> bool linear(const LinearArgs &a, int64_t n0, int64_t n1) {
     constexpr int MB = 8;
     const XT *x = static_cast<const XT *>(a.x);
     const VT *v = static_cast<const VT *>(a.values);
@@ -37,6 +40,8 @@ template <typename XT, typename VT> void linear(const LinearArgs &a, int64_t n0,
     for (int64_t n = n0; n < n1; ++n) {
         const VT *vr = v + n * half;
         const uint8_t *mr = a.meta + n * mb;
+        if (!meta_rows_ok(mr, a.K, 1, meta_bytes_ok))
+            return false;
         const float b = a.bias ? a.bias[n] : 0.f;
         for (int64_t m0 = 0; m0 < a.M; m0 += MB) {
             const int rows = static_cast<int>(std::min<int64_t>(MB, a.M - m0));
@@ -58,17 +63,20 @@ template <typename XT, typename VT> void linear(const LinearArgs &a, int64_t n0,
                 store_out(out + (m0 + i) * a.ldo + n, acc[i] + b);
         }
     }
+    return true;
 }
 
 } // namespace
 
 const RowKernels kRows = {{compress_row<0>, compress_row<1>, compress_row<2>}, {decompress_row<2>, decompress_row<4>}};
 
-void decompress_rows_f32(DType vdt, const void *values, const uint8_t *meta, int64_t K, int64_t r0, int64_t r1,
+bool decompress_rows_f32(DType vdt, const void *values, const uint8_t *meta, int64_t K, int64_t r0, int64_t r1,
                          float *out) {
     const int64_t half = K / 2, mb = (K + 7) / 8;
     for (int64_t r = r0; r < r1; ++r) {
         const uint8_t *mr = meta + r * mb;
+        if (!meta_rows_ok(mr, K, 1, meta_bytes_ok))
+            return false;
         float *o = out + r * K;
         for (int64_t g = 0; g < K / 4; ++g) {
             int p0, p1;
@@ -87,9 +95,10 @@ void decompress_rows_f32(DType vdt, const void *values, const uint8_t *meta, int
             o[4 * g + p1] = w1;
         }
     }
+    return true;
 }
 
-void linear_rows(const LinearArgs &a, int64_t n0, int64_t n1) {
+bool linear_rows(const LinearArgs &a, int64_t n0, int64_t n1) {
     const bool xf = a.dt == DType::F32, vf = a.vdt == DType::F32;
     if (xf)
         return vf ? linear<float, float>(a, n0, n1) : linear<float, uint16_t>(a, n0, n1);
