@@ -158,6 +158,38 @@ def _nbytes(mod) -> int:
     return total
 
 
+def _release_file_pages(t) -> None:
+    """``madvise(MADV_DONTNEED)`` on the whole pages of ``t`` when they are a mapping of a ``.safetensors`` file
+    (transformers reads checkpoints through mmap): the weight has been converted and is not read again, and without
+    this every page read stays resident until the file is closed, so that a quantize-on-load would peak at the
+    checkpoint's size plus the quantized model. File-backed pages only (a later access would re-read the file); never
+    anonymous memory. Linux only; a no-op elsewhere."""
+    if sys.platform != "linux" or t.device.type != "cpu" or t.numel() == 0:
+        return
+    import ctypes
+    import mmap
+
+    start = t.data_ptr()
+    end = start + t.numel() * t.element_size()
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as f:
+            for line in f:
+                parts = line.split(maxsplit=5)
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                if lo <= start < hi:
+                    if len(parts) < 6 or not parts[5].strip().endswith(".safetensors") or end > hi:
+                        return
+                    break
+            else:
+                return
+        page = mmap.PAGESIZE
+        a, b = -(-start // page) * page, end // page * page
+        if b > a:
+            ctypes.CDLL(None, use_errno=True).madvise(ctypes.c_void_p(a), ctypes.c_size_t(b - a), 4)  # DONTNEED
+    except (OSError, ValueError, AttributeError):
+        return
+
+
 def _report_rows(model, converted: dict[str, dict], kept: dict[str, str]) -> list[dict]:
     """``fastdl.report`` rows: the converted layers, the Linear layers kept (and why), embeddings and norms."""
     from torch import nn
@@ -448,6 +480,8 @@ def _define() -> dict[str, type]:
                 self._errors.append(f"{name}: {exc}")
                 return
             new.train(False)
+            if policy != "fused":  # the float weight is not kept: drop its file pages from this process
+                _release_file_pages(w)
             for t in list(new.parameters()) + list(new.buffers()):
                 t._is_hf_initialized = True
             new._is_hf_initialized = True

@@ -262,3 +262,61 @@ def test_newer_format_version_and_tampered_checkpoints(saved, tmp_path):
     save_file(sd, d / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(fastdl.CheckpointError, match=r"layer 'model.layers.1.mlp.up_proj'"):
         AutoModelForCausalLM.from_pretrained(d)
+
+
+# ------------------------------------------------------------------------------------------ memory (opt-in)
+_PEAK = r"""
+try:  # a forked child starts with its parent's peak RSS (Linux keeps it across exec): reset it
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+except OSError:
+    pass
+import resource, sys, torch, transformers
+import fastdl
+from fastdl.hf import FastdlConfig
+kw = {"quantization_config": FastdlConfig(policy=sys.argv[2])} if sys.argv[2] != "none" else {}
+model = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32, **kw)
+loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+with torch.no_grad():  # a full-precision model's weights stay in the mmapped file until first read: use it once
+    model(torch.zeros(1, 4, dtype=torch.long))
+print(loaded, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+"""
+
+
+_WRITE_BIG = r"""
+import sys, torch
+from transformers import LlamaConfig, LlamaForCausalLM
+cfg = LlamaConfig(vocab_size=32000, hidden_size=1536, intermediate_size=4096, num_hidden_layers=24,
+                  num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=256)
+with torch.device("meta"):
+    model = LlamaForCausalLM(cfg)
+model.to_empty(device="cpu")
+with torch.no_grad():
+    for p in model.parameters():
+        p.normal_(0, 0.02)
+model.save_pretrained(sys.argv[1])
+print(sum(p.numel() for p in model.parameters()))
+"""
+
+
+@pytest.mark.skipif(os.environ.get("FASTDL_HF_RSS") != "1", reason="opt-in (FASTDL_HF_RSS=1): writes a 3 GB "
+                    "checkpoint and loads it twice")  # fmt: skip
+def test_peak_rss_quantize_on_load_vs_full_precision(tmp_path):
+    """Peak RSS (ru_maxrss) of from_pretrained with FastdlConfig('int8_weight_only') vs a full-precision load of
+    the same fp32 checkpoint, each in its own process: a Llama of 778 M parameters (hidden 1536, 24 layers). The
+    full-precision model's weights are mmapped from the file and become resident when first read, so the bar is on
+    the peak after one forward pass (the peak right after from_pretrained is printed too)."""
+    res = subprocess.run([sys.executable, "-c", _WRITE_BIG, str(tmp_path / "big")], cwd=ROOT,
+                         env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=1200)
+    assert res.returncode == 0, res.stderr[-3000:]
+    n = int(res.stdout.split()[-1])
+    peaks = {}
+    for policy in ("none", "int8_weight_only"):
+        res = subprocess.run([sys.executable, "-c", _PEAK, str(tmp_path / "big"), policy], cwd=ROOT,
+                             env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=1200)
+        assert res.returncode == 0, res.stderr[-3000:]
+        peaks[policy] = [int(v) / 2**20 for v in res.stdout.split()[-2:]]  # GiB: after loading, after a forward
+    fp, q = peaks["none"], peaks["int8_weight_only"]
+    print(f"params {n / 1e6:.0f} M, peak RSS (GiB) after from_pretrained / after one forward: full precision "
+          f"{fp[0]:.2f} / {fp[1]:.2f}, int8_weight_only {q[0]:.2f} / {q[1]:.2f}, ratio {q[1] / fp[1]:.2f}")
+    assert n >= 500e6 and q[1] <= 0.6 * fp[1]
