@@ -23,12 +23,14 @@ arguments (``recipe(model)``), so that ``load`` can convert an unconverted skele
   of a ``transformers`` model sets ``model.config.quantization_config`` to an object that computes the recipe from
   the model when the config is written, so it always describes the model as it is saved.
 
-Without fastdl, ``ModelClass.from_pretrained(dir)`` cannot rebuild int8 or 2:4-compressed layers. For such a
-model ``config.json``'s ``quantization_config`` has no ``quant_method`` (see ``hf_quantization_config``), so
-transformers stops with "The model's quantization config ... has no `quant_method` attribute" instead of loading
-those layers with random weights; ``load_with`` beside it names ``fastdl.load_pretrained``. A ``"fused"`` or pruned
-model keeps float ``nn.Linear`` weights and loads correctly either way (transformers logs "Unknown quantization type,
-got fastdl ... we will skip the quantization").
+``quant_method: "fastdl"`` is the quantization method ``import fastdl`` registers with transformers (``fastdl.hf``),
+so ``ModelClass.from_pretrained(dir)`` rebuilds the model by itself; ``load_pretrained`` is a thin alias for it (and
+still loads directories of older fastdl versions, whose int8 / 2:4 configs had no ``quant_method``). Without fastdl,
+transformers would skip the unknown method and load int8 / 2:4 tensors into plain Linear layers; a model holding such
+layers therefore also gets a ``transformers_weights`` guard in ``config.json`` that makes transformers alone stop with
+an error naming ``import fastdl`` (see ``fastdl.hf``). A ``"fused"`` or pruned model keeps float ``nn.Linear``
+weights and loads correctly either way (transformers logs "Unknown quantization type, got fastdl ... we will skip
+the quantization").
 """
 
 from __future__ import annotations
@@ -489,8 +491,9 @@ _LOAD_ARGS = ("dtype", "torch_dtype", "device_map", "attn_implementation")
 
 def load_pretrained(model_class, path: str | os.PathLike, **kwargs) -> nn.Module:
     """``model_class.from_pretrained(path, **kwargs)`` for a directory written by ``save_pretrained`` of a model
-    converted by fastdl: the model is built from its config, its layers converted as ``config.json`` records, and
-    the safetensors weights loaded into them; it comes back in eval mode, like ``from_pretrained``. ``kwargs``:
+    converted by fastdl (a thin alias: fastdl's registered quantizer rebuilds it, see ``fastdl.hf``). A directory
+    of an older fastdl (no ``quant_method``) is loaded here: the model is built from its config, its layers converted
+    as ``config.json`` records, and the safetensors weights loaded into them; it comes back in eval mode. ``kwargs``:
     ``dtype`` (or ``torch_dtype``), ``attn_implementation``, ``device_map`` (one device: ``"cpu"``, ``"cuda:0"``,
     ``{"": device}``) and config overrides. A directory without a fastdl recipe is passed to
     ``model_class.from_pretrained`` as is."""
