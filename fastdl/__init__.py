@@ -33,6 +33,7 @@ from . import (  # noqa: E402
     _extension,  # noqa: E402
     backends,
     dispatch,
+    hf,  # noqa: E402,F401  (registers "fastdl" with transformers when it imports its quantizers)
     nn,
     ops,
 )

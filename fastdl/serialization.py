@@ -23,12 +23,14 @@ arguments (``recipe(model)``), so that ``load`` can convert an unconverted skele
   of a ``transformers`` model sets ``model.config.quantization_config`` to an object that computes the recipe from
   the model when the config is written, so it always describes the model as it is saved.
 
-Without fastdl, ``ModelClass.from_pretrained(dir)`` cannot rebuild int8 or 2:4-compressed layers. For such a
-model ``config.json``'s ``quantization_config`` has no ``quant_method`` (see ``hf_quantization_config``), so
-transformers stops with "The model's quantization config ... has no `quant_method` attribute" instead of loading
-those layers with random weights; ``load_with`` beside it names ``fastdl.load_pretrained``. A ``"fused"`` or pruned
-model keeps float ``nn.Linear`` weights and loads correctly either way (transformers logs "Unknown quantization type,
-got fastdl ... we will skip the quantization").
+``quant_method: "fastdl"`` is the quantization method ``import fastdl`` registers with transformers (``fastdl.hf``),
+so ``ModelClass.from_pretrained(dir)`` rebuilds the model by itself; ``load_pretrained`` is a thin alias for it (and
+still loads directories of older fastdl versions, whose int8 / 2:4 configs had no ``quant_method``). Without fastdl,
+transformers would skip the unknown method and load int8 / 2:4 tensors into plain Linear layers; a model holding such
+layers therefore also gets a ``transformers_weights`` guard in ``config.json`` that makes transformers alone stop with
+an error naming ``import fastdl`` (see ``fastdl.hf``). A ``"fused"`` or pruned model keeps float ``nn.Linear``
+weights and loads correctly either way (transformers logs "Unknown quantization type, got fastdl ... we will skip
+the quantization").
 """
 
 from __future__ import annotations
@@ -120,6 +122,12 @@ def _plain_linear(m: nn.Module, name: str) -> nn.Linear:
     """The ``nn.Linear`` a recipe entry is built from: the skeleton's layer, or a converted one turned back."""
     if type(m) is nn.Linear:
         return m
+    if type(m).__name__ == "Conv1D" and hasattr(m, "nf") and type(m).__module__.startswith("transformers"):
+        lin = nn.Linear(m.weight.shape[0], m.nf, bias=m.bias is not None, device="meta")  # GPT-2: weight [in, out]
+        lin.weight = nn.Parameter(m.weight.detach().t(), requires_grad=m.weight.requires_grad)
+        if m.bias is not None:
+            lin.bias = m.bias
+        return lin
     to_linear = getattr(m, "to_linear", None)
     if to_linear is not None:
         lin = to_linear()
@@ -237,19 +245,18 @@ _NEEDS_FASTDL = ("Int8Linear", "Sparse24Linear")  # stored form is not a float n
 
 
 def hf_quantization_config(rec: dict) -> dict:
-    """What ``save_pretrained`` writes as ``quantization_config``. When every layer keeps a float ``nn.Linear``
-    weight (``"fused"``, pruned models) it carries ``quant_method: "fastdl"``: transformers alone logs that it skips
-    an unknown method and loads the float weights correctly. When a layer is int8 or 2:4-compressed, transformers
-    alone would load the architecture with those layers left at their random initialisation; so ``quant_method`` is
-    left out, which makes ``ModelClass.from_pretrained(dir)`` stop at once (transformers: "The model's quantization
-    config ... has no `quant_method` attribute"), and ``load_with`` beside it names the way to load it."""
+    """What ``save_pretrained`` writes as ``quantization_config``: ``quant_method: "fastdl"`` (the quantizer that
+    ``import fastdl`` registers with transformers, ``fastdl.hf``), the recipe (whose ``version`` is the format
+    version) and ``load_with``. When a layer is int8 or 2:4-compressed, transformers alone would load those tensors
+    into plain ``nn.Linear`` layers (it skips an unknown method); so ``model.save_pretrained`` of such a model also
+    writes ``config.json``'s ``transformers_weights`` guard (``fastdl.hf.GUARD``), which makes transformers alone stop
+    with an error naming ``import fastdl``. A ``"fused"`` or pruned model keeps float ``nn.Linear`` weights and loads
+    correctly either way."""
     needs = sorted({e.get("type") for e in rec.get("layers", {}).values()} & set(_NEEDS_FASTDL))
-    head = {"load_with": "fastdl.load_pretrained(ModelClass, path)"}
+    head = {"quant_method": QUANT_METHOD, "load_with": "fastdl.load_pretrained(ModelClass, path)"}
     if needs:
-        head["note"] = (f"written by fastdl: the {' and '.join(needs)} layers can only be loaded with "
-                        "fastdl.load_pretrained; transformers alone stops because quant_method is left out on purpose")
-    else:
-        head["quant_method"] = QUANT_METHOD
+        head["note"] = (f"written by fastdl: the {' and '.join(needs)} layers need fastdl: `import fastdl`, then "
+                        "ModelClass.from_pretrained(path) (or fastdl.load_pretrained(ModelClass, path))")
     return {**head, **rec}
 
 
@@ -278,6 +285,9 @@ def note_conversion(model: nn.Module) -> nn.Module:
     elif existing is not None and not is_fastdl_quantization_config(existing):
         return model  # another quantization method's config: leave it
     config.quantization_config = _HFRecipe(model)
+    from .hf import install_save_guard
+
+    install_save_guard(model)  # save_pretrained also writes the guard that stops transformers without fastdl
     return model
 
 
@@ -481,8 +491,9 @@ _LOAD_ARGS = ("dtype", "torch_dtype", "device_map", "attn_implementation")
 
 def load_pretrained(model_class, path: str | os.PathLike, **kwargs) -> nn.Module:
     """``model_class.from_pretrained(path, **kwargs)`` for a directory written by ``save_pretrained`` of a model
-    converted by fastdl: the model is built from its config, its layers converted as ``config.json`` records, and
-    the safetensors weights loaded into them; it comes back in eval mode, like ``from_pretrained``. ``kwargs``:
+    converted by fastdl (a thin alias: fastdl's registered quantizer rebuilds it, see ``fastdl.hf``). A directory
+    of an older fastdl (no ``quant_method``) is loaded here: the model is built from its config, its layers converted
+    as ``config.json`` records, and the safetensors weights loaded into them; it comes back in eval mode. ``kwargs``:
     ``dtype`` (or ``torch_dtype``), ``attn_implementation``, ``device_map`` (one device: ``"cpu"``, ``"cuda:0"``,
     ``{"": device}``) and config overrides. A directory without a fastdl recipe is passed to
     ``model_class.from_pretrained`` as is."""
@@ -496,8 +507,13 @@ def load_pretrained(model_class, path: str | os.PathLike, **kwargs) -> nn.Module
         raise TypeError(f"fastdl.load_pretrained: unsupported arguments {sorted(unused)} (supported: "
                         f"{', '.join(_LOAD_ARGS)} and config attributes)")  # fmt: skip
     qc = getattr(config, "quantization_config", None)
-    if not is_fastdl_quantization_config(qc):
+    if not is_fastdl_quantization_config(qc) or qc.get("quant_method") == QUANT_METHOD:
+        # a directory written by this fastdl: transformers loads it through fastdl's quantizer (fastdl.hf)
+        from .hf import register
+
+        register()
         return model_class.from_pretrained(path, **kwargs)
+    # a checkpoint of an older fastdl (no quant_method): built, converted and loaded here
     del config.quantization_config
     build_kwargs = {k: kwargs[k] for k in ("dtype", "torch_dtype", "attn_implementation") if k in kwargs}
     model = model_class._from_config(config, **build_kwargs)
