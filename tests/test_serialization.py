@@ -443,9 +443,13 @@ def test_hf_save_pretrained_load_pretrained_bit_identical_in_a_fresh_process(pol
     assert "model.safetensors" in files and not any(f.endswith(".bin") for f in files)
     qc = json.loads((out / policy / "config.json").read_text())["quantization_config"]
     assert qc["format"] == "fastdl.recipe" and qc["load_with"] == "fastdl.load_pretrained(ModelClass, path)"
-    # float weights only ("fused"): transformers alone may load it; int8 / 2:4: it must not (no quant_method)
+    # quant_method "fastdl" always (fastdl.hf's quantizer rebuilds the layers); int8 / 2:4 checkpoints also carry
+    # config.json's `transformers_weights` guard, so that transformers alone (fastdl not imported) stops instead of
+    # loading int8 codes into float layers; "fused" (float weights only) has no guard
     float_only = not {"Int8Linear", "Sparse24Linear"} & set(before[policy]["kinds"])
-    assert qc.get("quant_method") == ("fastdl" if float_only else None)
+    assert qc["quant_method"] == "fastdl"
+    cfg = json.loads((out / policy / "config.json").read_text())
+    assert ("transformers_weights" in cfg) is not float_only
     assert after[policy]["kinds"] == before[policy]["kinds"]
     assert torch.equal(after[policy]["hf"], before[policy]["logits"])  # bit-identical
     assert torch.equal(after[policy]["save"], before[policy]["logits"])
