@@ -245,7 +245,8 @@ template <typename F> void dispatch_c(at::ScalarType c, F &&f) {
         f(f16_t{});
         break;
     default:
-        TORCH_CHECK(false, "fused_linear: unsupported compute dtype ", c);
+        TORCH_CHECK_TYPE(false, "fused_linear: the CUDA kernel computes in float32, bfloat16 or float16, got dtype ",
+                         c);
     }
 }
 
@@ -278,7 +279,7 @@ cudaDataType_t cuda_dtype(at::ScalarType t) {
     case at::kHalf:
         return CUDA_R_16F;
     default:
-        TORCH_CHECK(false, "fused_linear: no cuBLASLt type for dtype ", t);
+        TORCH_CHECK_TYPE(false, "fused_linear: cuBLASLt takes float32, bfloat16 or float16, got dtype ", t);
     }
     return CUDA_R_32F;
 }
@@ -372,7 +373,8 @@ void launch_bwd(const at::Tensor &g, const at::Tensor &p, const at::Tensor &dpre
                          (d_ptr == nullptr || is_aligned(d_ptr, vec_align<T, VV>()));
         const int V = vec ? VV : 1;
         const int64_t gx = ceil_div(N, int64_t{kBwdTX} * V);
-        TORCH_CHECK(gx <= 2147483647LL, "fused_linear_backward: N = ", N, " is too large");
+        TORCH_CHECK_VALUE(gx <= 2147483647LL, "fused_linear_backward: N = weight.shape[0] must be at most ",
+                          2147483647LL * kBwdTX * V, " (the CUDA grid's x dimension), got ", N);
         const int64_t target_blocks = int64_t{num_sms()} * 4;
         int64_t gy = std::max<int64_t>(1, ceil_div(target_blocks, gx));
         gy = std::min<int64_t>(gy, std::max<int64_t>(1, ceil_div(M, int64_t{kBwdTY} * 4))); // >= 4 rows / thread

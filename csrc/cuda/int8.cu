@@ -217,7 +217,9 @@ template <typename T> void launch_quantize(const at::Tensor &x2, at::Tensor &q2,
     if (K <= kWarpRowMax) {
         constexpr int rows = kThreads / kWarp;
         const int64_t blocks = (M + rows - 1) / rows;
-        TORCH_CHECK(blocks <= INT32_MAX, "quantize_per_token: too many rows (", M, ")");
+        TORCH_CHECK_VALUE(blocks <= INT32_MAX, "quantize_per_token: x must have at most ", int64_t{INT32_MAX} * rows,
+                          " rows (the product of its leading dimensions) for K = ", K, " (one CUDA block per ", rows,
+                          " rows), got ", M);
         if (vec) {
             quantize_warp_rows_kernel<T, true>
                 <<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(xp, qp, sp, M, K, row_stride);
@@ -226,7 +228,9 @@ template <typename T> void launch_quantize(const at::Tensor &x2, at::Tensor &q2,
                 <<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(xp, qp, sp, M, K, row_stride);
         }
     } else {
-        TORCH_CHECK(M <= INT32_MAX, "quantize_per_token: too many rows (", M, ")");
+        TORCH_CHECK_VALUE(M <= INT32_MAX, "quantize_per_token: x must have at most ", INT32_MAX,
+                          " rows (the product of its leading dimensions) for K = ", K,
+                          " (one CUDA block per row), got ", M);
         if (vec) {
             quantize_block_rows_kernel<T, true>
                 <<<static_cast<unsigned>(M), kThreads, 0, stream>>>(xp, qp, sp, M, K, row_stride);
@@ -240,9 +244,10 @@ template <typename T> void launch_quantize(const at::Tensor &x2, at::Tensor &q2,
 
 std::tuple<at::Tensor, at::Tensor> quantize_per_token_cuda(const at::Tensor &x) {
     TORCH_CHECK(x.is_cuda(), "quantize_per_token: x must be a CUDA tensor, got ", x.device());
-    TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
-                "quantize_per_token: x must be float32, bfloat16 or float16, got dtype ", x.scalar_type());
-    TORCH_CHECK(x.dim() >= 1, "quantize_per_token: x must have at least 1 dimension [..., K], got a 0-dim tensor");
+    TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
+                     "quantize_per_token: x must be float32, bfloat16 or float16, got dtype ", x.scalar_type());
+    TORCH_CHECK_VALUE(x.dim() >= 1,
+                      "quantize_per_token: x must have at least 1 dimension [..., K], got a 0-dim tensor");
     const c10::cuda::CUDAGuard guard(x.device());
     const int64_t K = x.size(-1);
     std::vector<int64_t> lead(x.sizes().begin(), x.sizes().end() - 1);
