@@ -12,6 +12,8 @@
 #    $VENV/.fastdl-build.sha256 and checked with fastdl._C present and the editable install pointing at this checkout.
 #    When only those inputs changed and the install is in place, the rebuild is incremental
 #    (setup.py build_ext --inplace: ninja recompiles the changed translation units only).
+#  * the output of the last build (either kind) is kept in $VENV/.fastdl-build.log: scripts/check_build_warnings.py
+#    (run by scripts/test.sh) fails on a compiler warning from csrc/ in it.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${VENV:-$ROOT/.venv}"
@@ -78,10 +80,16 @@ elif [ "${FASTDL_REBUILD:-0}" != "1" ] && [ "$install_state" = "ok" ] && [ -f "$
     echo "$build_hash" >"$build_stamp"
     echo "== build took $(( $(date +%s) - t0 )) s"
 else
-    echo "== building and installing fastdl (editable, compiled extension fastdl._C)"
+    echo "== building and installing fastdl (editable, compiled extension fastdl._C; log in $VENV/.fastdl-build.log)"
     rm -f "$build_stamp"
-    ( cd "$ROOT" && MAX_JOBS="${MAX_JOBS:-$(nproc)}" "$VENV/bin/python" -m pip install -q --disable-pip-version-check \
-        --no-build-isolation --no-deps -e . )
+    # pip -v: the compiler's output (warnings included) goes to the log, which scripts/check_build_warnings.py reads
+    if ! ( cd "$ROOT" && MAX_JOBS="${MAX_JOBS:-$(nproc)}" "$VENV/bin/python" -m pip install -v \
+        --disable-pip-version-check --no-build-isolation --no-deps -e . ) >"$VENV/.fastdl-build.log" 2>&1; then
+        tail -40 "$VENV/.fastdl-build.log"
+        echo "== the build failed: see $VENV/.fastdl-build.log" >&2
+        exit 1
+    fi
+    grep '^fastdl setup:' "$VENV/.fastdl-build.log" || true
     echo "$build_hash" >"$build_stamp"
     echo "== build took $(( $(date +%s) - t0 )) s"
 fi

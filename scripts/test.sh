@@ -10,6 +10,8 @@ info = fastdl.info(print_result=True)
 if info["extension"]["source"] == "missing":
     sys.exit("fastdl._C did not build: see the pip output above")
 PY
+echo "== compiler warnings from csrc/ in the last build (-Wall -Wextra)"
+python scripts/check_build_warnings.py "$VENV/.fastdl-build.log"
 echo "== ruff"
 ruff check fastdl kernels tests scripts setup.py
 echo "== clang-format"
