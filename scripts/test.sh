@@ -8,7 +8,7 @@ python - <<'PY'
 import fastdl, sys
 info = fastdl.info(print_result=True)
 if info["extension"]["source"] == "missing":
-    sys.exit("fastdl._C did not build: see the pip output above")
+    sys.exit("fastdl._C did not build: see the build log (.venv/.fastdl-build.log, or $VENV/.fastdl-build.log)")
 PY
 echo "== compiler warnings from csrc/ in the last build (-Wall -Wextra)"
 python scripts/check_build_warnings.py "$VENV/.fastdl-build.log"

@@ -4,6 +4,7 @@ match PyTorch at extreme values at every level, and the C++ autograd nodes give 
 create_graph=True. The crash-prone cases run in subprocesses (a regression is a failed test, not a dead runner)."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -384,3 +385,37 @@ def test_cpp_autograd_node_first_order_ignores_in_place_change_of_bias():
     with pytest.raises(RuntimeError, match=r"fused_linear: the bias needed for a create_graph=True backward has been "
                                            r"modified by an inplace operation"):  # fmt: skip
         torch.autograd.grad(y.sum(), [x, w], create_graph=True)
+
+
+@needs_cpp
+def test_onednn_route_takes_any_bias_layout_and_float_dtype():
+    """bf16 x and weight with M >= 64 run PyTorch's oneDNN linear: a sliced, expanded, fp16 or fp64 bias must give the
+    contract's result (the bias added in fp32), as on every other route (found by tests/test_properties.py)."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(64, 127, generator=g).bfloat16()
+    w = (torch.randn(6, 127, generator=g) / 11).bfloat16()
+    base = torch.randn(12, generator=g)
+    for bias in (base[::2], base[:1].expand(6), base[:6].half(), base[:6].double(), base[:6].bfloat16()):
+        with fastdl.use_backend("cpp"):
+            out = fastdl.ops.fused_linear(x, w, bias, "gelu")
+        ref = torch.nn.functional.gelu(x.double() @ w.double().t() + bias.float().double())
+        err = ((out.double() - ref).norm() / ref.norm()).item()
+        assert err < 1e-2, (bias.dtype, bias.stride(), err)
+
+
+@needs_cpp
+@pytest.mark.parametrize("level", ["scalar", "avx2", "avx512", "avx512_bf16"])
+def test_weight_only_with_empty_k_gives_the_bias_at_every_level(level):
+    """K = 0: out = 0 * w_scale + bias at every M (the AVX2 route from 64 rows returned uninitialized memory)."""
+    code = (
+        "import torch, fastdl\n"
+        "for M in (1, 4, 64, 200):\n"
+        "    for dt in (torch.float32, torch.bfloat16):\n"
+        "        out = fastdl.ops.int8_weight_only_linear(torch.randn(M, 0).to(dt),"
+        " torch.zeros(3, 0, dtype=torch.int8), torch.ones(3), torch.tensor([1.0, -2.0, 3.0]))\n"
+        "        assert torch.equal(out.float(), torch.tensor([[1.0, -2.0, 3.0]]).expand(M, 3)), (M, dt, out)\n"
+        "print('ok')\n"
+    )
+    env = dict(os.environ, FASTDL_CPU_ISA=level)
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]

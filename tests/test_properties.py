@@ -84,12 +84,9 @@ skip_in_child = pytest.mark.skipif(CHILD != "", reason="runs in the parent proce
 # Issue 34 items that other branches fix. A case that hits one and fails is recorded, not raised; the test then ends
 # as xfail naming the items. Remove each entry (and its known_bug() uses) once its fix is merged: the properties
 # state the correct contract, so they then hold.
-KNOWN_BUGS = {
-    # found by these properties, not in the issue (reported to the lead; no branch fixes them yet)
-    "avx2-wo-k0": "NEW: AVX2 level, cpp int8_weight_only_linear with K = 0 and M >= 64 (float32 / bfloat16 x) returns "
-    "uninitialized memory instead of the bias (or zeros)",
-    "onednn-bias": "NEW: cpp fused_linear's oneDNN route (bf16 x and weight, M >= 64) passes the bias as given: a "
-    "strided bias gives NaN, an expanded one wrong values, a float16 / float64 one a raw oneDNN RuntimeError",
+KNOWN_BUGS: dict = {
+    # none open: every bug these properties found is fixed (issue 34). A new one goes here, with its signature in a
+    # known_bug() use, until its fix lands.
 }
 _HITS: list[str] = []
 
@@ -135,12 +132,6 @@ def xfail_known(test):
     return run
 
 
-def avx2_wo_k0(x: torch.Tensor) -> bool:
-    """The signature of "avx2-wo-k0"."""
-    return (KERNELS.get("int8") == "avx2" and x.shape[-1] == 0 and x.numel() == 0 and math.prod(x.shape[:-1]) >= 64
-            and x.dtype in (torch.float32, torch.bfloat16))
-
-
 # ------------------------------------------------------------------------------------------------ helpers
 def draw_tensor(data, label, shape, dtype, scale=1.0, specials=S.SPECIALS, layouts=S.LAYOUTS):
     return S.build(shape, dtype, data.draw(S.specs(specials, layouts), label=label), scale)
@@ -181,14 +172,11 @@ def eager_fused(x, w, b, act, r):
 def check_fused(out, x, w, b, act, r, what, backend="cpp", atol=0.0):
     pre, ref = S.fused_linear_64(x, w, b, act, r)
 
-    onednn = (backend == "cpp" and x.dtype == w.dtype == torch.bfloat16 and x.numel() // max(x.shape[-1], 1) >= 64
-              and b is not None and (b.dtype not in (torch.float32, torch.bfloat16) or b.stride(0) != 1))
     alt = activation_alt(pre, act)
     if alt is not None:
         alt = S.ACT64[act](alt) + (0 if r is None else r.double().reshape(alt.shape))
-    with known_bug("onednn-bias", onednn):
-        S.assert_close_to_reference(out, ref, x.dtype, tol_for(x.dtype), eager=lambda: eager_fused(x, w, b, act, r),
-                                    alt=alt, atol=atol, what=what)
+    S.assert_close_to_reference(out, ref, x.dtype, tol_for(x.dtype), eager=lambda: eager_fused(x, w, b, act, r),
+                                alt=alt, atol=atol, what=what)
 
 
 @pytest.mark.parametrize("backend", backends_for("fused_linear"))
@@ -430,9 +418,7 @@ def test_int8_weight_only_linear_matches_float64(backend, data):
     out = run(backend, ops.int8_weight_only_linear, x, w_q, w_scale, bias, w_group)
     ref = S.weight_only_64(x, w_q, w_scale, bias, w_group)
     tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-3}[dt]  # tests/test_int8.py
-    k0 = backend == "cpp" and avx2_wo_k0(x)
-    with known_bug("avx2-wo-k0", k0):
-        S.assert_close_to_reference(out, ref, dt, tol, what=f"int8_weight_only_linear[{backend}]")
+    S.assert_close_to_reference(out, ref, dt, tol, what=f"int8_weight_only_linear[{backend}]")
 
 
 INT8_INVALID = {
@@ -778,8 +764,7 @@ def test_int8_linear_module_matches_reference(data):
     else:
         ref = S.weight_only_64(x, w_q, w_scale, bias, w_group)
         tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-3}[dt]
-    with known_bug("avx2-wo-k0", mode == "weight_only" and avx2_wo_k0(x)):
-        S.assert_close_to_reference(out, ref, dt, tol, what=f"Int8Linear({mode}, group_size={group_size})")
+    S.assert_close_to_reference(out, ref, dt, tol, what=f"Int8Linear({mode}, group_size={group_size})")
     # the layer's weights are the documented quantization of the float weight
     q2, s2, g2 = ops.quantize_per_group(lin.weight) if m.group_size else (*ops.quantize_per_channel(lin.weight), None)
     assert torch.equal(w_q, q2) and torch.equal(w_scale.nan_to_num(), s2.nan_to_num())

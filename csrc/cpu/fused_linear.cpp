@@ -693,10 +693,17 @@ std::tuple<at::Tensor, at::Tensor> fused_linear_cpu(const at::Tensor &x, const a
     const bool routed =
         M > 0 && N > 0 && K > 0 &&
         choose_onednn(c, weight.scalar_type(), act, has_res ? residual->scalar_type() : c, has_res, store_pre, M, N, K);
-    if (routed)
-        std::tie(out, pre) = forward_onednn(x.reshape({M, K}).contiguous(), weight.contiguous(), bias, act,
+    if (routed) {
+        // oneDNN reads the bias as a dense fp32 or bf16 vector: a strided or expanded one is made dense, another dtype
+        // fp32 (the contract adds the bias in fp32)
+        std::optional<at::Tensor> b;
+        if (has_bias) {
+            const auto bt = bias->scalar_type();
+            b = (bt == at::kFloat || bt == at::kBFloat16 ? *bias : bias->to(at::kFloat)).contiguous();
+        }
+        std::tie(out, pre) = forward_onednn(x.reshape({M, K}).contiguous(), weight.contiguous(), b, act,
                                             has_res ? as_matrix(*residual, M, N) : at::Tensor(), store_pre);
-    else {
+    } else {
         out = empty_output({M, N}, x.options().dtype(io));
         pre = store_pre ? empty_output({M, N}, x.options().dtype(io)) : at::Tensor();
     }

@@ -546,6 +546,12 @@ at::Tensor int8_weight_only_linear(const at::Tensor &x, const at::Tensor &w_q, c
     if (out.numel() == 0) {
         return out;
     }
+    if (K == 0) { // an empty product: the epilogue on a zero accumulator, as the reference (no kernel reads K = 0)
+        at::Tensor y = at::zeros({out.numel() / N, N}, x.options().dtype(at::kFloat)) * w_scale.unsqueeze(0);
+        if (bias.has_value() && bias->defined())
+            y = y + bias->to(at::kFloat).unsqueeze(0);
+        return out.copy_(y.view(out_shape));
+    }
     const Kernels &kr = kernels();
     // bf16 x goes to the vdpbf16ps kernel as it is, from 4 rows up; otherwise the kernel reads fp32 (a bf16 / fp16 x
     // is converted once: M x K values, small next to the N x K weights). At 1-2 rows the fp32 kernel is faster (1 row
