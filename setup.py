@@ -28,6 +28,7 @@ def _extensions():
     build = _load_build_module()
     if build.no_extension_requested():
         print("fastdl setup: FASTDL_NO_EXTENSION=1: building no compiled extension (PyTorch reference kernels only)")
+        SUMMARY.update(build.build_summary(None, "FASTDL_NO_EXTENSION=1"))
         return [], {}
     try:
         import torch  # noqa: F401
@@ -45,6 +46,9 @@ def _extensions():
     cfg = build.build_config(jit=False)
     for note in cfg.notes:
         print(f"fastdl setup: {note}")
+    # pip shows none of these lines without -v: the build commands below write them next to the package, and
+    # `fastdl info` prints them
+    SUMMARY.update(build.build_summary(cfg))
     if not cfg.enabled:
         return [], {}
     build.use_cuda_home(cfg.cuda_home)
@@ -69,7 +73,26 @@ def _extensions():
             extra_link_args=cfg.ldflags,
         )
     print(f"fastdl setup: compiling {len(rel)} source file(s), CUDA: {'yes' if cfg.with_cuda else 'no'}")
-    return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}
+
+    class BuildExt(BuildExtension.with_options(use_ninja=True)):
+        def run(self):
+            super().run()
+            _write_notes(self.build_lib)
+
+    return [ext], {"build_ext": BuildExt}
+
+
+SUMMARY: dict = {}  # what this build compiles and skips (fastdl/_build.py: build_summary)
+
+
+def _write_notes(build_lib: str) -> None:
+    """fastdl/_build_notes.json in the build (the wheel) and in the source tree (in-place and editable builds)."""
+    if not SUMMARY:
+        return
+    build = sys.modules["fastdl_build"]
+    for package_dir in (os.path.join(build_lib, "fastdl"), os.path.join(ROOT, "fastdl")):
+        if os.path.isdir(package_dir):
+            build.write_build_notes(SUMMARY, package_dir)
 
 
 class BuildPy(build_py):
@@ -83,6 +106,7 @@ class BuildPy(build_py):
         os.makedirs(os.path.dirname(target), exist_ok=True)
         with open(target, "w") as f:
             f.write('"""fastdl\'s Triton kernels, one module per capability (kernels/ in the source tree)."""\n')
+        _write_notes(self.build_lib)
 
 
 ext_modules, cmdclass = _extensions()

@@ -233,6 +233,39 @@ def build_config(jit: bool = False) -> BuildConfig:
     return cfg
 
 
+BUILD_NOTES = "_build_notes.json"  # in the package: what the last build compiled and skipped (``fastdl info``)
+
+
+def build_summary(cfg: BuildConfig | None, reason: str | None = None) -> dict:
+    """What a build compiled and what it skipped and why: pip shows none of the build's own lines without ``-v``, so
+    the build writes this next to the package and ``fastdl info`` prints it."""
+    if cfg is None or not cfg.enabled:
+        return {"compiled": "nothing (no compiled extension)", "notes": ([reason] if reason else []) + (
+            cfg.notes if cfg is not None else [])}  # fmt: skip
+    cuda = f"CUDA sources for {cfg.archs}" if cfg.with_cuda else "no CUDA sources"
+    return {"compiled": f"{len(cfg.sources)} source files ({cuda})", "notes": list(cfg.notes)}
+
+
+def write_build_notes(summary: dict, package_dir: str) -> None:
+    import json
+
+    try:
+        with open(os.path.join(package_dir, BUILD_NOTES), "w") as f:
+            json.dump(summary, f, indent=1)
+    except OSError:  # a read-only tree: the notes are a convenience
+        pass
+
+
+def read_build_notes(package_dir: str) -> dict | None:
+    import json
+
+    try:
+        with open(os.path.join(package_dir, BUILD_NOTES)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
 def use_cuda_home(cuda_home: str | None) -> None:
     """Point torch.utils.cpp_extension at the right toolkit (it caches a guess at import time)."""
     if not cuda_home:

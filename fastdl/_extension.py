@@ -47,6 +47,7 @@ def _jit_build(verbose: bool = False):
     if not is_source_checkout():
         raise RuntimeError("fastdl: JIT build needs a source checkout (csrc/ next to the fastdl package)")
     cfg = _build.build_config(jit=True)
+    _state["build_notes"] = _build.build_summary(cfg)
     if not cfg.enabled:
         raise RuntimeError("fastdl: JIT build requested but " + "; ".join(cfg.notes))
     _build.use_cuda_home(cfg.cuda_home or _build.find_cuda_home())
@@ -199,6 +200,8 @@ def extension_info() -> dict:
         "path": _state["path"],
         "with_cuda": bool(getattr(mod, "with_cuda", False)),
         "error": _state["error"],
+        # what the build compiled and skipped, with the reasons (pip hides the build's own lines without -v)
+        "build": _state.get("build_notes") or _build.read_build_notes(os.path.dirname(os.path.abspath(__file__))),
     }
 
 

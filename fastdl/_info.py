@@ -103,6 +103,9 @@ def format_info(d: dict) -> str:
     lines.append(f"extension fastdl._C: {src}" + (f" [{ext['path']}]" if ext["path"] else ""))
     if ext["source"] != "missing":
         lines.append(f"  CUDA kernels compiled in: {'yes' if ext['with_cuda'] else 'no'}")
+    if ext.get("build"):
+        lines.append(f"  the build compiled: {ext['build']['compiled']}")
+        lines.extend(f"  the build noted: {note}" for note in ext["build"]["notes"])
     elif ext["error"]:
         lines.append(f"  why: {ext['error']}")
         lines.append(f"  fix: {_extension.FIX}")

@@ -35,7 +35,9 @@ if [ "$size_kb" -gt $(( 15 * 1024 )) ]; then
     echo "!! the installed package is over 15 MB ($size_kb KiB)" >&2
     exit 1
 fi
-"$WORK/env/bin/python" -m fastdl info | head -12
+"$WORK/env/bin/python" -m fastdl info >"$WORK/info.txt"
+head -12 "$WORK/info.txt"
+grep -q "the build compiled:" "$WORK/info.txt" || { echo "!! fastdl info does not show what the build compiled" >&2; exit 1; }
 "$WORK/env/bin/python" - <<'PY'
 import copy
 

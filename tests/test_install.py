@@ -121,3 +121,19 @@ def test_license_file_matches_pyproject():
     assert project["license"] == "BSD-3-Clause"  # the SPDX string form (PEP 639)
     text = open(os.path.join(ROOT, "LICENSE")).read()
     assert text.startswith("BSD 3-Clause License") and "Neither the name of the copyright holder" in text
+
+
+def test_info_shows_what_the_build_compiled_and_skipped(tmp_path):
+    """pip hides the build's own lines without -v: the build writes them next to the package (fastdl/_build.py:
+    build_summary) and `fastdl info` prints them."""
+    cfg = _build.build_config(jit=False)
+    summary = _build.build_summary(cfg)
+    assert summary["notes"] == cfg.notes and "source files" in summary["compiled"] or not cfg.enabled
+    _build.write_build_notes(summary, str(tmp_path))
+    assert _build.read_build_notes(str(tmp_path)) == summary
+    assert _build.build_summary(None, "FASTDL_NO_EXTENSION=1")["notes"] == ["FASTDL_NO_EXTENSION=1"]
+    if glob.glob(os.path.join(ROOT, "fastdl", "_C*.so")) and os.path.exists(
+        os.path.join(ROOT, "fastdl", _build.BUILD_NOTES)
+    ):
+        r = _run([sys.executable, "-m", "fastdl", "info"])
+        assert r.returncode == 0 and "the build compiled:" in r.stdout, r.stdout[-2000:]
