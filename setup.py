@@ -107,6 +107,12 @@ class BuildPy(build_py):
         with open(target, "w") as f:
             f.write('"""fastdl\'s Triton kernels, one module per capability (kernels/ in the source tree)."""\n')
         _write_notes(self.build_lib)
+        # from_pretrained of fastdl checkpoints without `import fastdl` (fastdl/_hf_autoload.py): a .pth file and the
+        # top-level module it imports, at the root of the build, so that the wheel puts them into site-packages
+        # itself. Editable installs do not get them (there, `import fastdl` first).
+        for src, dst in (("fastdl-kernels-hf.pth", "fastdl-kernels-hf.pth"),
+                         ("_hf_autoload.py", "_fastdl_hf_autoload.py")):  # fmt: skip
+            self.copy_file(os.path.join(ROOT, "fastdl", src), os.path.join(self.build_lib, dst))
 
 
 ext_modules, cmdclass = _extensions()
@@ -115,6 +121,7 @@ cmdclass["build_py"] = BuildPy
 setup(
     packages=find_packages(include=["fastdl", "fastdl.*"]) + ["fastdl.kernels"],
     package_dir={"fastdl.kernels": "kernels"},
+    package_data={"fastdl": ["fastdl-kernels-hf.pth"]},  # in the sdist; BuildPy puts it at the wheel's root
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )

@@ -320,3 +320,114 @@ def test_peak_rss_quantize_on_load_vs_full_precision(tmp_path):
     print(f"params {n / 1e6:.0f} M, peak RSS (GiB) after from_pretrained / after one forward: full precision "
           f"{fp[0]:.2f} / {fp[1]:.2f}, int8_weight_only {q[0]:.2f} / {q[1]:.2f}, ratio {q[1] / fp[1]:.2f}")
     assert n >= 500e6 and q[1] <= 0.6 * fp[1]
+
+
+# ------------------------------------------------------------------------------------ no `import fastdl` at all
+# An installed wheel puts fastdl-kernels-hf.pth and the top-level module _fastdl_hf_autoload (a copy of
+# fastdl/_hf_autoload.py) into site-packages (setup.py: BuildPy). These tests build the same pair in a temporary
+# directory and make it a site directory (site.addsitedir processes its .pth files exactly as at start-up).
+_PTH = "fastdl-kernels-hf.pth"
+
+
+def _site_dir(path, module=True):
+    path.mkdir(parents=True, exist_ok=True)
+    with open(os.path.join(ROOT, "fastdl", _PTH), encoding="utf-8") as f:
+        (path / _PTH).write_text(f.read())
+    if module is True:
+        with open(os.path.join(ROOT, "fastdl", "_hf_autoload.py"), encoding="utf-8") as f:
+            module = f.read()
+    if module:
+        (path / "_fastdl_hf_autoload.py").write_text(module)
+    return str(path)
+
+
+def _python(code, *args, env=None, cwd=ROOT):
+    return subprocess.run([sys.executable, "-c", code, *map(str, args)], cwd=cwd, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": ROOT, **(env or {})}, timeout=300)  # fmt: skip
+
+
+def test_pth_file_is_one_import_line_guarded():
+    from fastdl import _hf_autoload
+
+    with open(os.path.join(ROOT, "fastdl", _PTH), encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("import ") and "except Exception" in lines[0]
+    assert _hf_autoload.WATCHED == fastdl.hf._REGISTRY  # the module fastdl.hf registers after
+
+
+_AUTOLOAD = r"""
+import site, sys
+site.addsitedir(sys.argv[1])                  # what the installed .pth file does at start-up
+import torch, transformers
+assert "fastdl" not in sys.modules
+model = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[2])   # no fastdl-specific call
+with torch.no_grad():
+    logits = model(torch.load(sys.argv[3])).logits
+torch.save({"logits": logits, "kinds": sorted({f"{type(m).__module__}.{type(m).__name__}" for m in model.modules()}),
+            "fastdl.hf": "fastdl.hf" in sys.modules}, sys.argv[4])
+"""
+
+
+def test_from_pretrained_without_import_fastdl_through_the_pth_file(tmp_path):
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    torch.manual_seed(1)
+    LlamaForCausalLM(_llama_config()).save_pretrained(tmp_path / "fp")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "fp",
+                                                 quantization_config=FastdlConfig(policy="int8_weight_only"))
+    with torch.no_grad():
+        logits = model(IDS).logits
+    model.save_pretrained(tmp_path / "q")
+    torch.save(IDS, tmp_path / "ids.pt")
+    res = _python(_AUTOLOAD, _site_dir(tmp_path / "site"), tmp_path / "q", tmp_path / "ids.pt", tmp_path / "out.pt")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    after = torch.load(tmp_path / "out.pt")
+    assert after["fastdl.hf"]
+    assert "fastdl.nn.int8.Int8Linear" in after["kinds"], after["kinds"]
+    assert torch.equal(after["logits"], logits)  # bit-identical
+
+
+_STARTUP = r"""
+import site, sys
+site.addsitedir(sys.argv[1])
+print(",".join(type(f).__name__ for f in sys.meta_path))
+print(",".join(m for m in ("torch", "fastdl", "transformers", "importlib.util") if m in sys.modules))
+"""
+
+
+def test_pth_start_up_imports_nothing_heavy(tmp_path):
+    res = _python(_STARTUP, _site_dir(tmp_path / "site"))
+    assert res.returncode == 0 and res.stderr == "", res.stderr
+    finders, loaded = res.stdout.splitlines()
+    assert finders.split(",")[0] == "FastdlHfAutoload"
+    assert "torch" not in loaded and "fastdl" not in loaded.split(",") and "transformers" not in loaded
+
+
+@pytest.mark.parametrize("value,installed", [("1", False), ("yes", False), ("0", True), ("", True)])
+def test_pth_opt_out_env_var(tmp_path, value, installed):
+    res = _python(_STARTUP, _site_dir(tmp_path / "site"), env={"FASTDL_NO_HF_AUTOLOAD": value})
+    assert res.returncode == 0 and res.stderr == "", res.stderr
+    assert ("FastdlHfAutoload" in res.stdout.splitlines()[0]) is installed
+
+
+@pytest.mark.parametrize("module", [None, "raise RuntimeError('broken')\n", "def broken(:\n"],
+                         ids=["missing", "raises", "syntax-error"])
+def test_pth_line_never_breaks_start_up(tmp_path, module):
+    """A .pth line that raises prints a traceback at every start of every Python in the environment: the line
+    swallows any error of the module it imports (missing, raising, unparsable)."""
+    res = _python(_STARTUP, _site_dir(tmp_path / "site", module=module or ""))
+    assert res.returncode == 0 and res.stderr == "", res.stderr
+    assert "FastdlHfAutoload" not in res.stdout
+
+
+def test_broken_fastdl_only_warns_when_transformers_loads(tmp_path):
+    """fastdl installed but not importable: transformers' import goes on, with a warning that names fastdl."""
+    fake = tmp_path / "fake"
+    (fake / "fastdl").mkdir(parents=True)
+    (fake / "fastdl" / "__init__.py").write_text("raise ImportError('fastdl is broken here')\n")
+    code = ("import site, sys, warnings; site.addsitedir(sys.argv[1]); warnings.simplefilter('always')\n"
+            "import transformers.quantizers.auto as a; print('fastdl' in a.AUTO_QUANTIZER_MAPPING)")
+    res = _python(code, _site_dir(tmp_path / "site"), env={"PYTHONPATH": str(fake)}, cwd=tmp_path)  # not ROOT
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.strip() == "False"
+    assert "could not import fastdl.hf" in res.stderr and "fastdl is broken here" in res.stderr
