@@ -4,8 +4,13 @@
     model = AutoModelForCausalLM.from_pretrained(path, quantization_config=FastdlConfig(policy="int8_weight_only"))
     model.save_pretrained("out")             # config.json: quantization_config = {"quant_method": "fastdl", ...}
 
-    import fastdl                            # in a fresh process: registers the "fastdl" quantization method
-    model = AutoModelForCausalLM.from_pretrained("out")   # the same model, bit-identical outputs
+    model = AutoModelForCausalLM.from_pretrained("out")   # a fresh process: the same model, bit-identical outputs
+
+A pip-installed fastdl registers itself when transformers loads its quantizer registry (``fastdl-kernels-hf.pth``
+and ``_fastdl_hf_autoload``, installed with the wheel: fastdl/_hf_autoload.py), so that reload needs no fastdl
+import; in editable installs and source checkouts (no .pth) or with ``FASTDL_NO_HF_AUTOLOAD=1``, ``import fastdl``
+(or ``import fastdl.hf``) comes first, and transformers alone stops on a fastdl int8 / 2:4 checkpoint with an error
+that says so.
 
 ``FastdlConfig(policy, group_size="auto", modules_to_not_convert=None)`` is a transformers quantization config
 (``QuantizationConfigMixin``) registered under ``quant_method = "fastdl"`` together with ``FastdlHfQuantizer``
