@@ -103,12 +103,12 @@ def format_info(d: dict) -> str:
     lines.append(f"extension fastdl._C: {src}" + (f" [{ext['path']}]" if ext["path"] else ""))
     if ext["source"] != "missing":
         lines.append(f"  CUDA kernels compiled in: {'yes' if ext['with_cuda'] else 'no'}")
-    if ext.get("build"):
-        lines.append(f"  the build compiled: {ext['build']['compiled']}")
-        lines.extend(f"  the build noted: {note}" for note in ext["build"]["notes"])
     elif ext["error"]:
         lines.append(f"  why: {ext['error']}")
         lines.append(f"  fix: {_extension.FIX}")
+    if ext.get("build"):
+        lines.append(f"  the build compiled: {ext['build']['compiled']}")
+        lines.extend(f"  the build noted: {note}" for note in ext["build"]["notes"])
     lines.append(f"backend requested: {d['backend_requested']} (FASTDL_BACKEND / fastdl.use_backend)")
     lines.append(f"loader mode: {d['loader_mode']}")
     lines.append("ops:")
