@@ -35,6 +35,14 @@ if [ "$size_kb" -gt $(( 15 * 1024 )) ]; then
     echo "!! the installed package is over 15 MB ($size_kb KiB)" >&2
     exit 1
 fi
+# the Hugging Face hook (fastdl/_hf_autoload.py): the .pth and its module at site-packages' root, run at start-up
+# without importing torch or fastdl
+[ -f "$site/fastdl-kernels-hf.pth" ] && [ -f "$site/_fastdl_hf_autoload.py" ] || {
+    echo "!! the wheel did not install fastdl-kernels-hf.pth / _fastdl_hf_autoload.py into site-packages" >&2
+    exit 1
+}
+"$WORK/env/bin/python" -c "import sys; assert '_fastdl_hf_autoload' in sys.modules and 'torch' not in sys.modules"
+echo "== the Hugging Face hook is installed and runs at start-up without importing torch"
 "$WORK/env/bin/python" -m fastdl info >"$WORK/info.txt"
 head -12 "$WORK/info.txt"
 grep -q "the build compiled:" "$WORK/info.txt" || { echo "!! fastdl info does not show what the build compiled" >&2; exit 1; }
