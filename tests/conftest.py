@@ -171,3 +171,27 @@ def check_cpp_autograd_matches_dispatcher(fn, tensors, needs, grad_out) -> None:
     for ge, gd in zip(grads_e, grads_d):
         assert ge is not None
         torch.testing.assert_close(ge, gd, rtol=0, atol=0, equal_nan=True)
+
+
+# The loader's producer threads (fastdl.data.PrefetchLoader), for the tests that check none outlives its pass
+LOADER_THREAD = "fastdl-prefetch"
+
+
+def loader_threads() -> list:
+    import threading
+
+    return [t for t in threading.enumerate() if t.name == LOADER_THREAD and t.is_alive()]
+
+
+def wait_no_loader_thread(timeout: float = 5.0) -> bool:
+    """True once no producer thread is alive (collecting garbage meanwhile: a dropped iterator ends its pass)."""
+    import gc
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not loader_threads():
+            return True
+        gc.collect()
+        time.sleep(0.02)
+    return False

@@ -9,11 +9,11 @@ import gc
 import os
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
 import torch
+from conftest import LOADER_THREAD, wait_no_loader_thread
 from torch.utils.data import DataLoader, TensorDataset
 
 import fastdl
@@ -22,31 +22,17 @@ from fastdl.data import PrefetchLoader
 from fastdl.ops import loader_fill, loader_use_count
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-THREAD = "fastdl-prefetch"
+THREAD = LOADER_THREAD
 CPP, _CPP_WHY = backends.available("cpp", "loader_fill", "cpu")
 needs_cpp = pytest.mark.skipif(not CPP, reason=f"the C++ loader kernels are not available: {_CPP_WHY}")
 BACKENDS = ["torch", pytest.param("cpp", marks=needs_cpp)]
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
 
 
-def _threads():
-    return [t for t in threading.enumerate() if t.name == THREAD and t.is_alive()]
-
-
-def _wait_no_thread(timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not _threads():
-            return True
-        gc.collect()
-        time.sleep(0.02)
-    return False
-
-
 @pytest.fixture(autouse=True)
 def _no_leftover_threads():
     yield
-    assert _wait_no_thread(), "a fastdl-prefetch thread outlived its test"
+    assert wait_no_loader_thread(), "a fastdl-prefetch thread outlived its test"
 
 
 def _ints(loader) -> list[int]:
@@ -93,7 +79,7 @@ def test_nested_loops_see_every_pair_in_order():
     loader = PrefetchLoader(src, device="cpu", depth=1)
     pairs = [(int(a), int(b)) for a in loader for b in loader]
     assert pairs == [(i, j) for i in range(3) for j in range(3)]
-    assert _wait_no_thread()
+    assert wait_no_loader_thread()
 
 
 def test_concurrent_passes_have_their_own_ring_and_keep_values():
@@ -116,7 +102,7 @@ def test_break_over_a_dataloader_then_a_new_epoch_starts_anew():
         first.append(b[0].tolist())
         if len(first) == 2:
             break
-    assert _wait_no_thread()  # the pass was stopped when the loop dropped its iterator
+    assert wait_no_loader_thread()  # the pass was stopped when the loop dropped its iterator
     assert loader.state_dict()["batches_consumed"] == 2
     full = [b[0].tolist() for b in loader]
     assert full == [b[0].tolist() for b in dl]  # a whole epoch, from the start
@@ -167,7 +153,7 @@ def test_break_then_continue_over_a_generator_loses_nothing(depth, backend):
             if len(got) == stop:
                 src.wait_taken(min(stop + depth, n))  # the producer has prefetched ahead: those must not be lost
                 break
-        assert _wait_no_thread()  # each break stops the pass (no thread left behind)
+        assert wait_no_loader_thread()  # each break stops the pass (no thread left behind)
     got += list(loader)  # the rest
     assert [int(b[0]) for b in got] == list(range(n))
     for i, b in enumerate(got):  # the values too (views of ring slots that later passes reused)
@@ -182,7 +168,7 @@ def test_del_of_a_started_iterator_keeps_its_prefetched_batches():
     assert int(next(it)[0]) == 0
     src.wait_taken(5)
     del it
-    assert _wait_no_thread()
+    assert wait_no_loader_thread()
     it = iter(loader)
     assert int(next(it)[0]) == 1
     it.close()  # explicit close: the same
@@ -232,7 +218,7 @@ def test_no_thread_after_break_and_del_of_the_loader():
         next(it)
         del loader, it
         gc.collect()
-        assert _wait_no_thread(), type(src)
+        assert wait_no_loader_thread(), type(src)
 
 
 # ---------------------------------------------------------------------------------------------------------------

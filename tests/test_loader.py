@@ -26,6 +26,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from conftest import LOADER_THREAD, loader_threads, wait_no_loader_thread
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler, TensorDataset
 
 import fastdl
@@ -36,7 +37,7 @@ from fastdl.data import PrefetchLoader
 from fastdl.ops import loader_fill, loader_use_count
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-THREAD = "fastdl-prefetch"
+THREAD = LOADER_THREAD
 
 
 CPP, _CPP_WHY = backends.available("cpp", "loader_fill", "cpu")
@@ -45,24 +46,10 @@ BACKENDS = ["torch", pytest.param("cpp", marks=needs_cpp)]
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
 
 
-def _prefetch_threads():
-    return [t for t in threading.enumerate() if t.name == THREAD and t.is_alive()]
-
-
-def _wait_no_thread(timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not _prefetch_threads():
-            return True
-        gc.collect()
-        time.sleep(0.02)
-    return False
-
-
 @pytest.fixture(autouse=True)
 def _no_leftover_threads():
     yield
-    assert _wait_no_thread(), "a fastdl-prefetch thread outlived its test"
+    assert wait_no_loader_thread(), "a fastdl-prefetch thread outlived its test"
 
 
 Pair = collections.namedtuple("Pair", ["a", "b"])
@@ -408,24 +395,24 @@ def test_break_leaves_no_thread():
     for i, _ in enumerate(loader):
         if i == 5:
             break
-    assert _wait_no_thread(5.0)
+    assert wait_no_loader_thread(5.0)
     assert len(list(zip(range(3), loader))) == 3  # the loader is still usable
-    assert _wait_no_thread(5.0)
+    assert wait_no_loader_thread(5.0)
 
 
 def test_del_iterator_and_loader_leaves_no_thread():
     loader = PrefetchLoader(_endless(), device="cpu")
     it = iter(loader)
     next(it)
-    assert _prefetch_threads()
+    assert loader_threads()
     del it
-    assert _wait_no_thread(5.0)
+    assert wait_no_loader_thread(5.0)
     it = iter(loader)
     next(it)
     del loader  # the live iterator keeps working without its loader
     next(it)
     del it
-    assert _wait_no_thread(5.0)
+    assert wait_no_loader_thread(5.0)
 
 
 def test_iter_over_a_generator_shares_its_pass():
@@ -437,7 +424,7 @@ def test_iter_over_a_generator_shares_its_pass():
     it2 = iter(loader)
     assert it2 is it1
     assert next(it2)[0].item() == 1 and next(it1)[0].item() == 2
-    assert len(_prefetch_threads()) == 1
+    assert len(loader_threads()) == 1
     del it1, it2
 
 
@@ -451,7 +438,7 @@ def test_keyboard_interrupt_in_loop_body_leaves_no_thread():
 
     with pytest.raises(KeyboardInterrupt):
         train()
-    assert _wait_no_thread(5.0)
+    assert wait_no_loader_thread(5.0)
 
 
 def test_keyboard_interrupt_while_waiting_for_data():
@@ -501,7 +488,7 @@ def test_keyboard_interrupt_while_waiting_for_data():
     frames = [f.name for f in traceback.extract_tb(info.value.__traceback__)]
     assert "_get" in frames, frames  # raised in the loader's wait for the queue
     del it
-    assert _wait_no_thread(30.0)
+    assert wait_no_loader_thread(30.0)
 
 
 def test_timeout():
