@@ -497,7 +497,7 @@ class Report(list):
 
     COLUMNS = (("layer", "layer"), ("kernel", "kernel"), ("orig_ms", "orig ms"), ("time_ms", "ms"),
                ("speedup", "x orig"), ("error", "rel err"), ("bytes_before", "bytes before"),
-               ("bytes_after", "bytes after"), ("note", "note"))
+               ("bytes_after", "bytes after"), ("resident", "resident now"), ("note", "note"))
     BUCKET_COLUMNS = (("layer", "layer"), ("rows", "rows M"), ("label", "bucket"), ("dtype", "dtype"),
                       ("orig_ms", "orig ms"), ("time_ms", "chosen ms"), ("speedup", "x orig"), ("noise", "noise"),
                       ("path", "path"), ("times", "paths timed (ms)"))
@@ -543,7 +543,9 @@ class Report(list):
 
 def report(model: nn.Module) -> Report:
     """The per-layer table of the last ``fastdl.convert`` on this model (chosen kernel, time, error, bytes), with
-    per-bucket times ("auto") and the run-time path decisions each converted layer has made so far."""
+    per-bucket times ("auto") and the run-time path decisions each converted layer has made so far. ``resident``
+    is what each layer holds now (its ``memory_bytes()``: parameters, buffers and any kept cache), measured when the
+    report is made: after inference it equals ``bytes_after`` unless a layer keeps an opted-in dense copy."""
     rows = []
     for r in getattr(model, "_fastdl_report", []):
         r = dict(r)
@@ -551,6 +553,8 @@ def report(model: nn.Module) -> Report:
             mod = model.get_submodule(r["layer"]) if r["layer"] else model
         except AttributeError:
             mod = None
+        if mod is not None:
+            r["resident"] = mod.memory_bytes() if hasattr(mod, "memory_bytes") else _nbytes(mod)
         if isinstance(mod, dispatch.RuntimeChoice):
             seen = {(b["bucket"], b["dtype"]) for b in r.get("buckets", [])}  # measured by "auto": listed already
             r["runtime"] = [d for d in mod.runtime_decisions() if (d["bucket"], d["dtype"]) not in seen]

@@ -212,6 +212,54 @@ class WeightCache:
         return out
 
 
+# The memory promise of the quantized and sparse layers: a layer keeps no full-precision (dense) copy of its weight
+# unless its user opts in with ``layer.dense_copy = True`` (the run-time choice may then also time the dense paths,
+# whose copy costs out x in x itemsize bytes per dtype: in fp32 4x an int8 weight, 1.78x a 2:4 one). A copy of at most
+# DENSE_COPY_FREE_BYTES may be kept without asking: a tiny layer (e.g. 64 x 64 fp32), where the op's per-call cost
+# shows and the copy is a few KiB. fastdl.convert (also "auto") and the run-time choice never opt in by themselves.
+DENSE_COPY_FREE_BYTES = 64 * 1024
+
+
+def dense_copy_allowed(layer: nn.Module, dtype: torch.dtype) -> bool:
+    """Whether ``layer`` may keep a dense copy of its weight in ``dtype`` (see DENSE_COPY_FREE_BYTES)."""
+    if layer.__dict__.get("_dense_copy", False):
+        return True
+    itemsize = torch.empty((), dtype=dtype).element_size() if dtype.is_floating_point else 4
+    return layer.in_features * layer.out_features * itemsize <= DENSE_COPY_FREE_BYTES
+
+
+class DenseCopyOption:
+    """The ``dense_copy`` opt-in of a quantized or sparse layer (see DENSE_COPY_FREE_BYTES). Setting it forgets the
+    layer's run-time decisions (the candidate paths change); turning it off drops a kept copy."""
+
+    @property
+    def dense_copy(self) -> bool:
+        return self.__dict__.get("_dense_copy", False)
+
+    @dense_copy.setter
+    def dense_copy(self, value: bool) -> None:
+        self.__dict__["_dense_copy"] = bool(value)
+        self._choice_reset()
+        if not value:
+            self.release_caches()
+
+
+def resident_bytes(module: nn.Module, cache: WeightCache | None = None) -> int:
+    """Bytes of storage a layer holds: its own parameters and buffers and the tensors of its weight cache, each
+    storage counted once (a view shares its base's storage)."""
+    seen, total = set(), 0
+    tensors = list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))
+    for t in tensors + (cache.tensors() if cache is not None else []):
+        if t.is_meta:
+            continue
+        st = t.untyped_storage()
+        key = (st.data_ptr(), t.device)
+        if key not in seen:
+            seen.add(key)
+            total += st.nbytes()
+    return total
+
+
 class VersionedModule(nn.Module):
     """Base class of the fastdl modules with a versioned extra state and a ``WeightCache``.
 

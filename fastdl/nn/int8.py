@@ -15,15 +15,20 @@ of the fp32 layer's bytes). On the CPU, when the C++ kernels are available, a dy
 *once*, in the VNNI-packed layout of the kernel (``weight_packed``/``weight_comp``, non-persistent buffers made at
 construction, load and device move - never per call); ``weight`` is then None and ``qweight`` unpacks it.
 
-Paths (inference layers): per bucket of input rows (``fastdl.dispatch``: measured on the first no-grad call at the
-bucket, cached, saved with ``fastdl.save_decisions``) the layer runs its int8 op (``"kernel"``, the default) or
-``"dequant"``: ``F.linear`` on the dequantized weight, which wins where the layer is compute-bound (large M) or where
-the op's per-call cost shows (M = 1, tiny layers), or (CPU, C++ kernels) ``"dequant_fused"``: the same product through
-``fastdl.ops.fused_linear``, whose packed kernels beat ``F.linear``'s GEMM at compute-bound shapes on some CPUs. The
-dequantized weight (``out x in`` in x's dtype: in fp32 4x the int8 weight, what the original ``nn.Linear`` held) is
-kept only while a bucket of that dtype chooses one of these two (``cache_bytes()``, ``memory_bytes()`` count it;
-``release_caches()`` drops it). ``runtime_choice = False`` pins the
-op.
+Memory: an inference layer holds its int8 weight, scales and bias, and nothing else (``memory_bytes()``), at every
+M and on every path: where a GEMM needs float weights the kernels dequantize them panel by panel as they pack them
+(the AVX2 family from 64 rows, the AVX-512 families for grouped weights from 128 rows; ``csrc/cpu/int8.cpp``), never
+into a kept full-size copy.
+
+Paths (inference layers): the layer runs its int8 op (``"kernel"``). Two more paths need a dense copy of the weight
+(``out x in`` in x's dtype: in fp32 4x the int8 weight, what the original ``nn.Linear`` held): ``"dequant"``
+(``F.linear`` on it) and, on the CPU with the C++ kernels, ``"dequant_fused"`` (``fastdl.ops.fused_linear`` on it).
+They are candidates of the run-time choice (per bucket of input rows, ``fastdl.dispatch``: measured on the first
+no-grad call at the bucket, cached, saved with ``fastdl.save_decisions``) only when the layer may keep that copy: a
+user opts in with ``layer.dense_copy = True`` (the copy is then kept while a bucket of that dtype chooses one of
+them; ``cache_bytes()`` counts it, ``release_caches()`` drops it), or the copy is tiny (at most
+``fastdl.nn.DENSE_COPY_FREE_BYTES``, 64 KiB: e.g. 64 x 64 fp32, where the op's per-call cost shows). Neither
+``fastdl.convert`` nor the run-time choice opts in. ``runtime_choice = False`` pins the op.
 
 QAT (``trainable=True``) holds fp32 master weights (``weight``, a Parameter, like ``nn.Linear``): in training mode the
 forward runs the int8 GEMM on the quantized weight and activations and the backward is straight-through in the float
@@ -62,12 +67,15 @@ from ..ops import int8 as int8_ops
 from ..ops.fused_linear import fused_linear as _fused_linear
 from ._base import (
     FLOAT_DTYPES,
+    DenseCopyOption,
     VersionedModule,
     check_dtype_arg,
+    dense_copy_allowed,
     input_error,
     is_dtensor,
     not_a_view,
     raise_input_error,
+    resident_bytes,
 )
 
 MODES = ("dynamic", "weight_only")
@@ -129,7 +137,7 @@ def _cpu_packing_available() -> bool:
     return backends.available("cpp", "int8_linear", "cpu")[0]
 
 
-class Int8Linear(RuntimeChoice, VersionedModule):
+class Int8Linear(DenseCopyOption, RuntimeChoice, VersionedModule):
     """Drop-in for ``nn.Linear(in_features, out_features, bias)`` with int8 weights. See the module docstring.
 
     ``Int8Linear(in, out)`` is initialised like ``nn.Linear`` (then quantized); usually it is made with
@@ -325,7 +333,8 @@ class Int8Linear(RuntimeChoice, VersionedModule):
     # F.linear at the compute-bound shapes (see csrc/cpu/fused_linear.cpp, the pb rules). Trainable (QAT) layers
     # always run their op.
     def _choice_layer(self) -> tuple:
-        return ("Int8Linear", self.mode, self.group_size, self.in_features, self.out_features, self.bias is not None)
+        layer = ("Int8Linear", self.mode, self.group_size, self.in_features, self.out_features, self.bias is not None)
+        return layer + (("dense_copy",) if self.dense_copy else ())
 
     def _choice_default(self, x) -> str:
         return "kernel"
@@ -334,7 +343,7 @@ class Int8Linear(RuntimeChoice, VersionedModule):
         err = input_error(self, x, X_DTYPES)  # the first call at a bucket: no decision is kept for a bad input
         if err is not None:
             raise err
-        if self.trainable or x.is_meta:
+        if self.trainable or x.is_meta or not dense_copy_allowed(self, x.dtype):
             return ("kernel",)
         if x.device.type == "cpu" and x.dtype != torch.float16 and backends.available("cpp", "fused_linear", "cpu")[0]:
             return ("kernel", "dequant", "dequant_fused")
@@ -352,16 +361,17 @@ class Int8Linear(RuntimeChoice, VersionedModule):
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``w_q * weight_scale`` (times the group scales) as a ``[out, in]`` tensor of ``dtype``: cached while the
-        "dequant" path is chosen for ``dtype`` (see above), else made per call. The cache is dropped whenever the
-        quantized weights are replaced (``load_state_dict``, a device move); int8 buffers changed in place by hand
-        are not seen: call ``release_caches()`` after doing that."""
+        "dequant" path is chosen for ``dtype`` and the layer may keep the copy (see above), else made per call. The
+        cache is dropped whenever the quantized weights are replaced (``load_state_dict``, a device move); int8
+        buffers changed in place by hand are not seen: call ``release_caches()`` after doing that."""
         cache = self._weight_cache
         w = cache.get(("dequant", dtype))
         if w is not None:
             return w
         with torch.no_grad():
             w = _dequantize(self.qweight, self.weight_scale, self.weight_group_scale).to(dtype).contiguous()
-        if not torch.compiler.is_compiling():  # no state changes inside a graph: made per call there
+        # no state changes inside a graph: made per call there; and no kept copy the layer may not keep
+        if not torch.compiler.is_compiling() and dense_copy_allowed(self, dtype):
             cache.set(("dequant", dtype), w)
         return w
 
@@ -601,17 +611,9 @@ class Int8Linear(RuntimeChoice, VersionedModule):
         return mod
 
     def memory_bytes(self) -> int:
-        """Bytes of storage held by the layer's parameters, buffers and cached quantized tensors (each storage
-        counted once)."""
-        seen, total = set(), 0
-        tensors = list(self.parameters(recurse=False)) + list(self.buffers(recurse=False))
-        for t in tensors + self._weight_cache.tensors():
-            st = t.untyped_storage()
-            key = (st.data_ptr(), t.device)
-            if key not in seen:
-                seen.add(key)
-                total += st.nbytes()
-        return total
+        """Bytes of storage held by the layer's parameters, buffers and cached tensors (each storage counted once):
+        what it keeps resident."""
+        return resident_bytes(self, self._weight_cache)
 
     def extra_repr(self) -> str:
         return (

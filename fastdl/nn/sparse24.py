@@ -7,7 +7,7 @@ the bytes of the dense layer in the same dtype. ``forward`` runs one of three pa
 
 ``sparse``  ``fastdl.ops.sparse24_linear``: the CPU kernel reads only the compressed weight (2 Zen 5 cores,
             K = 4096: ~4x dense bf16 ``F.linear`` at M = 1, ~1.7x at M = 16, ~1.15x at M = 128);
-``dense``   ``F.linear`` on the dense weight decompressed from the same values/meta, once, cached (not saved): large
+``dense``   ``F.linear`` on the dense weight decompressed from the same values/meta (kept only by opt-in, below): large
             batches are compute-bound and the sparse kernel does the multiply-adds of the dense GEMM, so the dense
             GEMM (oneDNN / cuBLAS) is as fast or faster there;
 ``dense_fused`` CPU, C++ kernels: the same dense weight through ``fastdl.ops.fused_linear``, activation and residual
@@ -19,15 +19,23 @@ the bytes of the dense layer in the same dtype. ``forward`` runs one of three pa
             Inference only: while the values need gradients the module uses the dense path (decompressed per call,
             differentiable) instead of the caches.
 
+Memory: the module keeps no dense copy of its weight unless its user asks for one: ``dense_copy = True`` or
+``mode="dense"`` (the copy costs ``out x in x itemsize`` bytes: 1.78x the compressed bytes), or the copy is tiny (at
+most ``fastdl.nn.DENSE_COPY_FREE_BYTES``, 64 KiB). Without that, the ``dense`` / ``dense_fused`` paths are not
+candidates on the CPU (where the ``sparse`` kernel reads only the compressed weight at every M), and where a dense
+path must run anyway (a dtype with no CPU kernel, CUDA without the semi-structured path) it decompresses per call
+(the copy is freed with the call). ``memory_bytes()`` says what the module holds. The CUDA ``semi`` tensor is kept:
+it is the compressed weight in cuSPARSELt's layout.
+
 ``mode="auto"`` (default) chooses per bucket of input rows M (powers of two) among the paths that apply, measured
 on the first no-grad call at the bucket (``fastdl.dispatch``: the decision is cached per process, keyed by CPU/GPU,
 dtype, shape and bucket, and can be saved). Without a decision (calls with autograd or inside ``torch.compile`` at
-a new bucket, ``FASTDL_CHOICE=off``, ``runtime_choice = False``) it uses the fixed rule: CPU: ``sparse`` below
-``dense_threshold`` (default 256; the two meet around M = 512 on the development machine), else ``dense``; CUDA:
+a new bucket, ``FASTDL_CHOICE=off``, ``runtime_choice = False``) it uses the fixed rule: CPU: ``sparse``, or, where
+the dense copy may be kept, ``sparse`` below ``dense_threshold`` (default 256) rows and ``dense`` from there; CUDA:
 ``semi`` from ``semi_min_rows`` (default 1024; cuSPARSELt pads small batches and loses to cuBLAS there) when
-supported, else ``dense``. The dense cache is kept only while a bucket uses the dense path (or the fixed rule
-needs it). ``mode="sparse"`` / ``"dense"`` force a path (``sparse`` on CUDA means ``semi`` when supported, else the
-fastdl op). Under ``torch.compile`` no cache is built and nothing is timed inside the graph: call
+supported, else ``dense`` where the copy may be kept, else ``sparse``. A kept dense copy stays only while a bucket
+uses a dense path. ``mode="sparse"`` / ``"dense"`` force a path (``sparse`` on CUDA means ``semi`` when supported,
+else the fastdl op). Under ``torch.compile`` no cache is built and nothing is timed inside the graph: call
 ``prepare(x_example)`` first (it decides the path for that shape and builds its cache), or the dense path
 decompresses per call.
 
@@ -53,12 +61,15 @@ from ..ops import sparse24 as sp_ops
 from ..ops.fused_linear import activation_fn, check_activation, fused_linear
 from ._base import (
     FLOAT_DTYPES,
+    DenseCopyOption,
     VersionedModule,
     check_dtype_arg,
+    dense_copy_allowed,
     input_error,
     layer_name,
     not_a_view,
     raise_input_error,
+    resident_bytes,
 )
 
 FORMAT = "fastdl.sparse24"
@@ -145,7 +156,7 @@ def semi_structured_support(weight_shape, dtype: torch.dtype, device: torch.devi
     return cls, ""
 
 
-class Sparse24Linear(RuntimeChoice, VersionedModule):
+class Sparse24Linear(DenseCopyOption, RuntimeChoice, VersionedModule):
     """Drop-in for ``nn.Linear(in_features, out_features, bias)`` with a 2:4-compressed weight. An inference
     module by default; with ``trainable=True`` the values and bias train (the sparsity pattern is fixed by ``meta``).
 
@@ -286,6 +297,10 @@ class Sparse24Linear(RuntimeChoice, VersionedModule):
             n += sum(t.numel() * t.element_size() for t in _semi_tensors(semi))
         return n
 
+    def memory_bytes(self) -> int:
+        """Bytes of storage the layer holds resident: parameters, buffers and caches (each storage counted once)."""
+        return resident_bytes(self, self._weight_cache)
+
     def weight_bytes(self) -> int:
         """Bytes of the compressed weight, metadata and bias (what the state dict holds)."""
         n = self.values.numel() * self.values.element_size() + self.meta.numel()
@@ -324,8 +339,14 @@ class Sparse24Linear(RuntimeChoice, VersionedModule):
         if dense is None or dense.dtype != dtype:
             with torch.no_grad():
                 dense = _decompress(self.values.detach(), self.meta, self.in_features).to(dtype)
-            self._weight_cache.set("dense", dense)
+            if self._may_keep_dense(dtype):  # else a per-call copy, freed with the call (the memory promise)
+                self._weight_cache.set("dense", dense)
         return dense
+
+    def _may_keep_dense(self, dtype: torch.dtype) -> bool:
+        """A dense copy may be kept: the user asked for it (``dense_copy = True`` or ``mode="dense"``) or it is tiny
+        (``fastdl.nn.DENSE_COPY_FREE_BYTES``)."""
+        return self.mode == "dense" or dense_copy_allowed(self, dtype)
 
     def _semi_for(self, dtype: torch.dtype):
         semi = self._weight_cache.get("semi")
@@ -396,12 +417,14 @@ class Sparse24Linear(RuntimeChoice, VersionedModule):
                 return "dense"
             if self.mode == "sparse":
                 return "semi" if semi_ok else "sparse"
-            return "semi" if semi_ok and rows >= self.semi_min_rows else "dense"
+            if semi_ok and rows >= self.semi_min_rows:
+                return "semi"
+            return "dense" if self._may_keep_dense(x.dtype) else "sparse"
         if self.mode != "auto":
             return self.mode
         if x.is_cpu and x.dtype not in (torch.float32, torch.bfloat16):
-            return "dense"  # no CPU kernel for this dtype: the op would run the (slow) reference
-        return "sparse" if rows < self.dense_threshold else "dense"
+            return "dense"  # no CPU kernel for this dtype: the op would run the (slow) reference (a per-call copy)
+        return "sparse" if rows < self.dense_threshold or not self._may_keep_dense(x.dtype) else "dense"
 
     def _semi_ok(self, dtype: torch.dtype) -> bool:
         return (self._semi_support(dtype)[0] is not None and self._weight_cache.get("semi_reason") is None
@@ -414,7 +437,7 @@ class Sparse24Linear(RuntimeChoice, VersionedModule):
 
     def _choice_layer(self) -> tuple:
         return ("Sparse24Linear", self.in_features, self.out_features, self.bias is not None, self.activation,
-                str(self.values.dtype).removeprefix("torch."))
+                str(self.values.dtype).removeprefix("torch.")) + (("dense_copy",) if self.dense_copy else ())
 
     def _choice_default(self, x) -> str:
         err = input_error(self, x)  # the first call at a bucket: no decision is kept for an input the layer rejects
@@ -429,12 +452,16 @@ class Sparse24Linear(RuntimeChoice, VersionedModule):
         default = self._fixed_path(x)
         if self.mode != "auto" or self.values.numel() == 0 or x.is_meta:
             return (default,)
+        dense = self._may_keep_dense(x.dtype)  # the dense paths are candidates only where the copy may be kept
         if x.device.type == "cuda":
-            paths = ("semi", "dense", "sparse") if self._semi_ok(x.dtype) else ("dense", "sparse")
+            paths = ("semi",) if self._semi_ok(x.dtype) else ()
+            paths += ("dense", "sparse") if dense else ("sparse",)
         elif x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
-            paths = ("sparse", "dense")
-            if backends.available("cpp", "fused_linear", "cpu")[0]:
-                paths += ("dense_fused",)
+            paths = ("sparse",)
+            if dense:
+                paths += ("dense",)
+                if backends.available("cpp", "fused_linear", "cpu")[0]:
+                    paths += ("dense_fused",)
         else:
             paths = ("dense",)
         return (default,) + tuple(p for p in paths if p != default)
