@@ -2,6 +2,7 @@
 fastdl row slower than PyTorch (tables, bench all summary, demo verdict, main-job summary)."""
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -458,6 +459,11 @@ def test_tinyllama_decode_bench_end_to_end_on_a_tiny_config(tmp_path, capsys):
             assert r[k] > 0, k
         assert r["peak_generate_mb"] >= r["rss_generate_mb"] and r["cached_mb"] >= 0
         assert r["same_tokens_each_run"]
+        # a fastdl layer on a dense copy streams up to the fp32 bytes, never fewer than it stores
+        assert r["mb_per_token"] <= r["mb_per_token_as_run"] + 1e-9
+        assert r["mb_per_token_as_run"] <= by["fp32"]["mb_per_token"] + 1e-9
+    assert by["fp32"]["mb_per_token_as_run"] == by["fp32"]["mb_per_token"] and by["fp32"]["paths_decode"] == ""
+    assert sum(int(n) for n in re.findall(r" (\d+)", by["int8_weight_only"]["paths_decode"])) == 2 * 7 + 1
     assert by["fp32"]["x_fp32"] == 1.0 and "slower" in by["int8_weight_only"] and "slower" not in by["fp32"]
     assert by["int8_weight_only"]["bytes_per_token"] == _expected_bytes_per_token("int8_weight_only")
     assert by["fp32"]["bytes_per_token"] == _expected_bytes_per_token(None)

@@ -27,6 +27,10 @@ their run-time path decisions at the prompt's and the decode step's rows there),
   RSS gen MB        resident memory after the generate() calls (gc + ``malloc_trim``: memory still held by objects)
   peak gen MB       peak resident memory (VmHWM) during the generate() calls (the peak is reset after conversion)
   cache MB          bytes in the fastdl layers' weight caches after generate() (kept derived copies)
+  MB/token as run   MB/token with each fastdl layer counted by the path its run-time choice took at 1 row: a path on
+                    a dense copy ("dequant*", "dense*") reads out x in x 4 bytes (fp32 activations), not its stored
+                    bytes (``step_paths``; the paths per phase are printed and in the CSV: ``paths_decode``,
+                    ``paths_prefill``). Above MB/token: the step streams a kept full-precision copy
 
 MB = 1e6 bytes, GB/s = 1e9 bytes/s. ``x fp32`` compares with the fp32 row, measured in another process before or
 after (not interleaved). ``--profile [POLICY]``: ``torch.profiler`` over one decode step of that policy (default
@@ -63,7 +67,7 @@ COLUMNS = [("policy", "policy", 16), ("prefill_ms", "prefill ms", 10), ("ms", "m
            ("x_fp32", "x fp32", 6), ("mb_per_token", "MB/token", 8), ("ceiling_per_s", "ceiling tok/s", 13),
            ("pct_ceiling", "% ceiling", 9), ("rss_converted_mb", "RSS conv MB", 11),
            ("rss_generate_mb", "RSS gen MB", 10), ("peak_generate_mb", "peak gen MB", 11),
-           ("cached_mb", "cache MB", 8)]  # fmt: skip
+           ("cached_mb", "cache MB", 8), ("mb_per_token_as_run", "MB/token as run", 15)]  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------- memory
@@ -151,6 +155,39 @@ def module_bytes(model: torch.nn.Module) -> dict:
                 cached += n
     return {"stored": stored, "embedding": emb, "per_token": stored - emb + rows, "lm_head": lm_head,
             "cached": cached}  # fmt: skip
+
+
+def _own_bytes(mod: torch.nn.Module) -> int:
+    return sum(_storage(t)[1] for t in list(mod.parameters(recurse=False)) + list(mod.buffers(recurse=False)))
+
+
+def step_paths(model: torch.nn.Module, rows: int, act_dtype: torch.dtype = torch.float32) -> tuple[dict, int]:
+    """What the fastdl layers run for an input of ``rows`` rows, as decided by their run-time choice
+    (``known_path``; nothing is timed; "no decision": not run at that size, e.g. ``lm_head`` at the prompt, where
+    ``generate()`` computes the last position's logits only): ``{path: number of layers}``, and the bytes those
+    layers read per call if a path on a dense copy (a name with "dequant" or "dense": the kept dequantized /
+    decompressed weight, out x in in ``act_dtype``, plus the bias) reads that copy and every other path the layer's
+    stored tensors. A diagnosis: it follows the naming of fastdl's paths, not their code."""
+    counts: dict[str, int] = {}
+    read = 0
+    for mod in model.modules():
+        known = getattr(mod, "known_path", None)
+        k, n = getattr(mod, "in_features", None), getattr(mod, "out_features", None)
+        if known is None or k is None or n is None:
+            continue
+        path = known(torch.empty((rows, k), dtype=act_dtype)) or "no decision"
+        counts[path] = counts.get(path, 0) + 1
+        if "dequant" in path or "dense" in path:
+            bias = getattr(mod, "bias", None)
+            read += n * k * torch.empty((), dtype=act_dtype).element_size()
+            read += 0 if bias is None else bias.numel() * bias.element_size()
+        else:
+            read += _own_bytes(mod)
+    return counts, read
+
+
+def _paths_text(counts: dict) -> str:
+    return ", ".join(f"{p} {n}" for p, n in sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
 # ---------------------------------------------------------------------------------------------- model
@@ -288,6 +325,16 @@ def run_policy(spec: dict, log=say) -> dict:
     row["rss_generate_mb"] = rss_mb()
     row["peak_generate_mb"] = peak_rss_mb()
     row["cached_mb"] = module_bytes(model)["cached"] / 1e6
+    act = torch.bfloat16 if policy in ("bf16", "bf16_autocast") else torch.float32
+    fastdl_read = sum(_own_bytes(m) for m in model.modules() if hasattr(m, "known_path"))
+    for phase, rows in (("decode", 1), ("prefill", P)):
+        counts, read = step_paths(model, rows, act)
+        row[f"paths_{phase}"] = _paths_text(counts)
+        if phase == "decode":  # the stored bytes of the fastdl layers replaced by what their decode path reads
+            row["mb_per_token_as_run"] = (sizes["per_token"] - fastdl_read + read) / 1e6
+    if row["paths_decode"]:
+        log(f"   {policy}: paths of the fastdl layers at the decode step (1 row): {row['paths_decode']}; at the "
+            f"prompt ({P} rows): {row['paths_prefill']}")
     row["threads"] = torch.get_num_threads()
     if spec.get("profile"):
         profile_step(model, prompt, autocast, policy, log)
