@@ -2,11 +2,13 @@
 fastdl row slower than PyTorch (tables, bench all summary, demo verdict, main-job summary)."""
 
 import os
+import re
 import subprocess
 import sys
 import time
 
 import pytest
+import torch
 
 from fastdl import cli, demo
 from fastdl.bench import all as bench_all
@@ -376,3 +378,122 @@ def test_compile_baseline_is_warmed_up_not_timed_as_its_compile(monkeypatch, cap
     compiled = [r for r in rows if r["provider"] == "compile"]
     assert compiled and compiled[0]["ms"] < 100, compiled  # a call of F.linear at 1x64x64, not the 400 ms compile
     assert "to compile fwd_fp32 M=1 K=64 N=64" in capsys.readouterr().out
+
+
+def test_dram_read_bandwidth_is_a_positive_finite_rate():
+    import math
+
+    bw = common.dram_read_bandwidth(1 << 20, passes=3)  # a small buffer (it measures the cache): the function works
+    assert math.isfinite(bw) and bw > 0
+    with pytest.raises(ValueError, match="nbytes"):
+        common.dram_read_bandwidth(0)
+    with pytest.raises(ValueError, match="passes"):
+        common.dram_read_bandwidth(1 << 10, passes=0)
+    llc = common.llc_bytes()
+    assert llc is None or llc >= 1 << 10
+
+
+# A LLaMA of the TinyLlama layout (GQA: 4 heads, 2 KV heads; untied lm_head), small enough for a test
+TINY_LLAMA = ["hidden_size=64", "intermediate_size=176", "num_hidden_layers=2", "num_attention_heads=4",
+              "num_key_value_heads=2", "vocab_size=128"]  # fmt: skip
+
+
+def _model_args(argv):
+    import argparse
+
+    from fastdl.bench import model
+
+    p = argparse.ArgumentParser()
+    model.add_arguments(p)
+    return p.parse_args(argv)
+
+
+def _expected_bytes_per_token(policy: str | None) -> int:
+    """The bytes a decode step reads, counted here independently of fastdl.bench.decode: Int8Linear's own
+    memory_bytes(), every other module's parameters and buffers, one row of the embedding table (policy None: the
+    fp32 model as built)."""
+    import itertools
+
+    import fastdl
+    from fastdl.bench import decode
+    from fastdl.nn import Int8Linear
+
+    m = decode.build(decode.llama_config(decode.parse_overrides(TINY_LLAMA)))
+    if policy is not None:
+        m = fastdl.convert(m, policy)
+    total = 0
+    for mod in m.modules():
+        if isinstance(mod, Int8Linear):
+            total += mod.memory_bytes()
+        elif isinstance(mod, torch.nn.Embedding):
+            total += mod.embedding_dim * mod.weight.element_size()
+        else:
+            total += sum(t.numel() * t.element_size()
+                         for t in itertools.chain(mod.parameters(recurse=False), mod.buffers(recurse=False)))
+    return total
+
+
+def test_tinyllama_decode_bench_end_to_end_on_a_tiny_config(tmp_path, capsys):
+    """--decoder tinyllama on a 2-layer hidden-64 LLaMA, in process: every row has its decode rate, bytes per token
+    (as counted independently from the converted model's modules), ceiling, % of it and resident memory; --profile
+    prints the ops of one decode step."""
+    pytest.importorskip("transformers")
+    from fastdl.bench import model
+
+    csv_path = tmp_path / "model.csv"
+    args = _model_args(["--decoder", "tinyllama", "--llama-config", *TINY_LLAMA, "--new-tokens", "5", "--reps", "2",
+                        "--in-process", "--bandwidth", "20", "--policies", "fp32", "int8_weight_only", "sparse24",
+                        "--profile", "int8_weight_only", "--csv", str(csv_path)])  # fmt: skip
+    rows = model.run(args)
+    by = {r["policy"]: r for r in rows}
+    assert list(by) == ["fp32", "int8_weight_only", "sparse24"]
+    for r in rows:
+        assert r["model"] == "tinyllama" and r["layers"] == 2 and r["hidden"] == 64 and r["tokens"] == 5
+        assert 0 < r["per_s"] < float("inf") and r["prefill_ms"] > 0
+        assert r["ms"] * r["per_s"] == pytest.approx(1e3)
+        assert r["ceiling_per_s"] == pytest.approx(20e9 / r["bytes_per_token"])
+        # a 0.4 MB model at a 20 GB/s ceiling of ~50000 tok/s: far below it, never above
+        assert 0 < r["pct_ceiling"] < 100
+        assert r["pct_ceiling"] == pytest.approx(100 * r["per_s"] / r["ceiling_per_s"])
+        for k in ("rss_fp32_mb", "rss_converted_mb", "rss_generate_mb", "peak_generate_mb", "peak_build_mb"):
+            assert r[k] > 0, k
+        assert r["peak_generate_mb"] >= r["rss_generate_mb"] and r["cached_mb"] >= 0
+        assert r["same_tokens_each_run"]
+        # a fastdl layer on a dense copy streams up to the fp32 bytes, never fewer than it stores
+        assert r["mb_per_token"] <= r["mb_per_token_as_run"] + 1e-9
+        assert r["mb_per_token_as_run"] <= by["fp32"]["mb_per_token"] + 1e-9
+    assert by["fp32"]["mb_per_token_as_run"] == by["fp32"]["mb_per_token"] and by["fp32"]["paths_decode"] == ""
+    assert sum(int(n) for n in re.findall(r" (\d+)", by["int8_weight_only"]["paths_decode"])) == 2 * 7 + 1
+    assert by["fp32"]["x_fp32"] == 1.0 and "slower" in by["int8_weight_only"] and "slower" not in by["fp32"]
+    assert by["int8_weight_only"]["bytes_per_token"] == _expected_bytes_per_token("int8_weight_only")
+    assert by["fp32"]["bytes_per_token"] == _expected_bytes_per_token(None)
+    # int8: 1 byte a weight + an fp32 scale per output row (of 64 inputs here); 2:4 leaves the lm_head dense
+    assert by["int8_weight_only"]["bytes_per_token"] < 0.3 * by["fp32"]["bytes_per_token"]
+    assert by["sparse24"]["bytes_per_token"] < 0.7 * by["fp32"]["bytes_per_token"]
+    out = capsys.readouterr().out
+    assert "profile of one decode step, policy int8_weight_only" in out and "Self CPU time total" in out
+    assert "pct_ceiling" in csv_path.read_text().splitlines()[0]
+
+
+def test_tinyllama_decode_policy_runs_in_its_own_process():
+    """Without --in-process each policy is a subprocess (its VmHWM its own): the row comes back through stdout."""
+    pytest.importorskip("transformers")
+    from fastdl.bench import decode
+
+    row = decode._child({"policy": "int8", "config": decode.parse_overrides(TINY_LLAMA), "prompt": 8,
+                         "new_tokens": 3, "reps": 1})  # fmt: skip
+    assert row["policy"] == "int8" and row["per_s"] > 0 and row["rss_generate_mb"] > 0
+    assert row["bytes_per_token"] == _expected_bytes_per_token("int8")
+
+
+def test_tinyllama_options_leave_the_default_model_bench_unchanged():
+    from fastdl.bench import decode, model
+
+    args = _model_args([])
+    assert args.decoder == "small" and args.models is None and args.policies is None
+    assert model._policy_list(args) == list(model.POLICIES)
+    assert model._policy_list(args, decoder=True) == [p for p in model.POLICIES if p != "compile"]
+    assert model._policy_list(_model_args(["--policies", "fp32", "bf16", "int8"])) == ["fp32", "int8"]
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        decode.parse_overrides(["hidden_size"])
+    assert decode.parse_overrides(["hidden_size=64", "hidden_act=silu"]) == {"hidden_size": 64, "hidden_act": "silu"}

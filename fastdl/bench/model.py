@@ -8,6 +8,10 @@ original fp32 model, in one process, calls of the policy and of the fp32 origina
             logits on the same token sequence (teacher forced), and the fraction of greedy tokens equal to fp32's
             (random weights give near-uniform logits, so greedy tokens flip at tiny errors: the logit error is the
             meaningful number)
+  tinyllama (opt-in: ``--decoder tinyllama``; minutes) the TinyLlama-1.1B shape (22 layers, 4 KV heads), each policy
+            in its own process: decode tokens/s, prefill ms, bytes streamed per token, the ceiling the measured DRAM
+            bandwidth allows and the % of it reached, resident memory; ``--profile``: one decode step profiled
+            (``fastdl.bench.decode``)
 
 The models are ``transformers``' ``BertModel`` and ``LlamaForCausalLM`` when ``transformers`` is installed (their
 Linear layers are plain ``nn.Linear``, activations are functions, so "fused" fuses no activation there), else a small
@@ -60,6 +64,9 @@ from .common import (
     time_left,
     write_csv,
 )
+from .decode import POLICIES as DECODE_POLICIES
+from .decode import SUPPORTED as DECODE_SUPPORTED
+from .decode import run_tinyllama
 
 # Measured in this order (a time box cuts the last ones): the PyTorch policies first (every fastdl row is judged
 # against the best of them), then "auto", the policy that must never lose to the original.
@@ -73,14 +80,18 @@ ALL_ARGS = ["--layers", "2", "--max-call", "1.0", "--budget", "1.0"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--models", nargs="+", default=["encoder", "decoder"], choices=["encoder", "decoder"])
-    p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
+    p.add_argument("--models", nargs="+", default=None, choices=["encoder", "decoder"],
+                   help="default: encoder decoder; with --decoder tinyllama: decoder")
+    p.add_argument("--policies", nargs="+", default=None, choices=POLICIES + ("bf16",),
+                   help="default: " + " ".join(POLICIES) + "; with --decoder tinyllama: " + " ".join(DECODE_POLICIES)
+                   + " (bf16: the weights cast to bfloat16; TinyLlama decoder only)")
     p.add_argument("--batch", type=int, nargs="+", default=None, help="encoder batch sizes (default 1 8 32)")
     p.add_argument("--seq", type=int, nargs="+", default=None,
                    help="encoder sequence lengths (default 16 128; --quick: 32)")
     p.add_argument("--hidden", type=int, default=None, help="decoder hidden size (default 2048; --quick: 1024)")
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default 4; --quick: 2)")
-    p.add_argument("--tokens", type=int, default=None, help="decoder: greedy tokens (default 32; --quick: 16)")
+    p.add_argument("--tokens", "--new-tokens", dest="tokens", type=int, default=None,
+                   help="decoder: greedy tokens (default 32; --quick: 16)")
     p.add_argument("--prompt", type=int, default=16, help="decoder: prompt length (default 16)")
     p.add_argument("--builtin", action="store_true", help="use the built-in transformer even with transformers")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile policy")
@@ -94,6 +105,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true",
                    help="main-job size: encoder at sequence 32, a 2-layer hidden-1024 decoder generating 16 tokens, no "
                         "torch.compile")
+    p.add_argument("--decoder", default="small", choices=["small", "tinyllama"],
+                   help="small: the LLaMA-style decoder above (default); tinyllama: the TinyLlama-1.1B shape decode "
+                        "benchmark instead (transformers needed; ~4.4 GB fp32 per policy process; minutes)")
+    p.add_argument("--llama-config", nargs="+", default=None, metavar="KEY=VALUE",
+                   help="tinyllama: LlamaConfig fields replacing the TinyLlama shape's (e.g. num_hidden_layers=4)")
+    p.add_argument("--reps", type=int, default=None, help="tinyllama: timed generate() runs per policy (default 3)")
+    p.add_argument("--bandwidth", type=float, default=None,
+                   help="tinyllama: DRAM read bandwidth in GB/s for the ceiling (default: measured)")
+    p.add_argument("--profile", nargs="?", const="int8_weight_only", default=None, choices=DECODE_SUPPORTED,
+                   help="tinyllama: profile one decode step of this policy (default int8_weight_only)")
+    p.add_argument("--in-process", action="store_true",
+                   help="tinyllama: run the policies in this process, one after the other (peak memory is then "
+                        "not per policy)")
     p.add_argument("--out", default=None, help="folder for model.csv and model.png (default: none; --csv also works)")
     p.add_argument("--csv", default=None, help="write rows to this CSV file")
 
@@ -254,14 +278,21 @@ def decoder_logits(model, hf: bool, ids: torch.Tensor) -> torch.Tensor:
 def apply_policy(policy: str, original: nn.Module, example_inputs=None, decoder: bool = False):
     """(model, autocast?) for ``policy``, built from a copy of ``original`` (fp32 and bf16_autocast use it as is);
     ``example_inputs``: the workload of "auto" (a list of examples)."""
+    if policy in ("fp32", "bf16_autocast"):
+        return original, policy == "bf16_autocast"
+    return convert_in_place(policy, copy.deepcopy(original), example_inputs, decoder)
+
+
+def convert_in_place(policy: str, m: nn.Module, example_inputs=None, decoder: bool = False):
+    """(model, autocast?) for ``policy``, converting ``m`` itself (no copy; fp32 and bf16_autocast return it as is,
+    bf16 casts its weights to bfloat16)."""
     import fastdl
     from fastdl import sparsity
 
-    if policy == "fp32":
-        return original, False
-    if policy == "bf16_autocast":
-        return original, True
-    m = copy.deepcopy(original)
+    if policy in ("fp32", "bf16_autocast"):
+        return m, policy == "bf16_autocast"
+    if policy == "bf16":
+        return m.to(torch.bfloat16), False
     if policy == "compile":
         if decoder:
             m.forward = torch.compile(m.forward)  # generate() calls self(...): compile the forward it runs
@@ -287,7 +318,7 @@ def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _policy_list(args, decoder: bool = False) -> list[str]:
     skip_compile = args.no_compile or args.quick or (decoder and not args.compile_decoder)
-    out = [p for p in args.policies if not (p == "compile" and skip_compile)]
+    out = [p for p in args.policies or POLICIES if p in POLICIES and not (p == "compile" and skip_compile)]
     if "fp32" not in out:
         out.insert(0, "fp32")
     return out
@@ -434,7 +465,7 @@ def run_decoder(args, hf: bool, env: dict, budget: float) -> list[dict]:
     fp32_call = call(original, False)
     table = LiveTable(DEC_COLUMNS, title="   decoder: greedy decoding, batch 1")
     best_torch = ("fp32", 1.0)  # every pair times fp32: x is relative to it
-    if "compile" in args.policies and "compile" not in _policy_list(args, decoder=True):
+    if "compile" in (args.policies or POLICIES) and "compile" not in _policy_list(args, decoder=True):
         say("   compile: not measured for the decoder" + (" (--quick / --no-compile)" if args.quick or args.no_compile
             else " (--compile-decoder to include it: recompiling for each KV-cache length takes minutes)"))
     for policy in _policy_list(args, decoder=True):
@@ -477,7 +508,7 @@ def plot(rows: list[dict], path: str) -> str | None:
     plt = pyplot()
     if plt is None:
         return None
-    kinds = [k for k in ("encoder", "decoder") if any(r["model"] == k for r in rows)]
+    kinds = [k for k in ("encoder", "decoder", "tinyllama") if any(r["model"] == k for r in rows)]
     if not kinds:
         return None
     fig, axes = plt.subplots(1, len(kinds), figsize=(7 * len(kinds), 4.5), squeeze=False)
@@ -513,10 +544,16 @@ def run(args) -> list[dict]:
     if not hf and not args.builtin:
         say("   transformers is not installed: the built-in transformer of the same shapes runs instead")
     rows: list[dict] = []
+    models = args.models or (["decoder"] if args.decoder == "tinyllama" else ["encoder", "decoder"])
+    if "bf16" in (args.policies or ()) and args.decoder != "tinyllama":
+        say("   bf16: a policy of the TinyLlama decoder only (--decoder tinyllama): skipped here")
+    if args.decoder == "tinyllama" and not hf:
+        say("   --decoder tinyllama needs transformers (pip install transformers): the decoder is skipped")
+        models = [m for m in models if m != "decoder"]
     try:
-        if "encoder" in args.models:
+        if "encoder" in models:
             left = time_left()
-            both = "decoder" in args.models
+            both = "decoder" in models
             if left is not None and both:  # a time box: the encoder gets 60% of it, the decoder the rest
                 set_deadline(0.6 * left)
             try:
@@ -524,8 +561,11 @@ def run(args) -> list[dict]:
             finally:
                 if left is not None and both:
                     set_deadline(max(0.0, left - (time.monotonic() - t_start)))
-        if "decoder" in args.models and not over_time("the decoder"):
-            rows += run_decoder(args, hf, env, budget)
+        if "decoder" in models and not over_time("the decoder"):
+            if args.decoder == "tinyllama":
+                rows += run_tinyllama(args, env)
+            else:
+                rows += run_decoder(args, hf, env, budget)
     except KeyboardInterrupt:
         say("  interrupted: the rows above are complete")
     csv_path = args.csv or (os.path.join(args.out, "model.csv") if args.out else None)
