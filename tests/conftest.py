@@ -46,9 +46,9 @@ def _backport_interpreter_index():
 if os.environ.get("TRITON_INTERPRET") == "1":
     _backport_interpreter_index()
 
-# Layers choose their paths per input shape by timing them (fastdl.dispatch); a choice made by timing can differ
+# Layers choose their paths per input shape by timing them (fastdl.runtime_choice); a choice made by timing can differ
 # between runs and between processes, and many tests compare outputs bit for bit across processes. So the suite runs
-# the fixed paths unless a test sets the mode (tests/test_runtime_choice.py forces timings with dispatch.set_timer).
+# the fixed paths unless a test sets the mode (test_runtime_choice.py forces timings with runtime_choice.set_timer).
 # FASTDL_CHOICE=measure runs the suite with real choices; then the tests that compare processes bit for bit can fail
 # (each process times for itself: share decisions with fastdl.save_decisions / FASTDL_DECISIONS_DIR).
 os.environ.setdefault("FASTDL_CHOICE", "off")

@@ -1,4 +1,4 @@
-"""Run-time choice of a layer's path per bucket of input rows (fastdl.dispatch), its decision cache, and
+"""Run-time choice of a layer's path per bucket of input rows (fastdl.runtime_choice), its decision cache, and
 convert("auto") over a workload. Timings are forced with a fake timer, so every choice here is deterministic."""
 
 import json
@@ -12,7 +12,7 @@ from conftest import rel_err
 from torch import nn
 
 import fastdl
-from fastdl import dispatch
+from fastdl import runtime_choice
 from fastdl.nn import FusedLinear, Int8Linear, Sparse24Linear
 from fastdl.ops import int8 as int8_ops
 
@@ -48,14 +48,14 @@ def timer():
 
     convert_mod = importlib.import_module("fastdl.convert")
     t = FakeTimer()
-    prev_mode = dispatch.set_choice_mode("measure")
-    dispatch.clear_decisions()
+    prev_mode = runtime_choice.set_choice_mode("measure")
+    runtime_choice.clear_decisions()
     convert_mod._DECISIONS.clear()
-    dispatch.set_timer(t)
+    runtime_choice.set_timer(t)
     yield t
-    dispatch.set_timer(None)
-    dispatch.set_choice_mode(prev_mode)
-    dispatch.clear_decisions()
+    runtime_choice.set_timer(None)
+    runtime_choice.set_choice_mode(prev_mode)
+    runtime_choice.clear_decisions()
     convert_mod._DECISIONS.clear()
 
 
@@ -70,9 +70,9 @@ def _linear(k=64, n=48, seed=0):
 
 # ------------------------------------------------------------------------------------------------ buckets and keys
 def test_buckets_are_powers_of_two():
-    assert [dispatch.bucket_of(m) for m in (0, 1, 2, 3, 4, 7, 8, 15, 16, 480, 512)] == [0, 1, 2, 2, 3, 3, 4, 4, 5, 9,
-                                                                                         10]
-    assert dispatch.bucket_label(5) == "M 16-31" and dispatch.bucket_label(1) == "M 1"
+    rows = (0, 1, 2, 3, 4, 7, 8, 15, 16, 480, 512)
+    assert [runtime_choice.bucket_of(m) for m in rows] == [0, 1, 2, 2, 3, 3, 4, 4, 5, 9, 10]
+    assert runtime_choice.bucket_label(5) == "M 16-31" and runtime_choice.bucket_label(1) == "M 1"
 
 
 def test_decision_key_names_the_cpu_isa_threads_dtype_shape_and_bucket(timer):
@@ -80,7 +80,7 @@ def test_decision_key_names_the_cpu_isa_threads_dtype_shape_and_bucket(timer):
     f = FusedLinear.from_linear(_linear(), "gelu")
     with torch.no_grad():
         f(torch.randn(5, 64))
-    [d] = dispatch.decisions()
+    [d] = runtime_choice.decisions()
     cpu = fastdl.info()["cpu"]
     assert cpu["model"] in d["machine"] and f"|{cpu['level']}|" in d["machine"]
     assert d["machine"].endswith(f"|{torch.get_num_threads()}t")
@@ -336,13 +336,13 @@ def test_compiled_layer_uses_a_decision_made_before_tracing(timer):
 # ------------------------------------------------------------------------------------------------ off / cached modes
 def test_off_mode_and_per_layer_switch_run_the_default_path(timer):
     f = FusedLinear.from_linear(_linear(), "gelu")
-    prev = dispatch.set_choice_mode("off")
+    prev = runtime_choice.set_choice_mode("off")
     try:
         with torch.no_grad():
             f(torch.randn(4, 64))  # the timer would raise
         assert _paths(f) == {3: "fused"}
     finally:
-        dispatch.set_choice_mode(prev)
+        runtime_choice.set_choice_mode(prev)
     assert _paths(f) == {}  # a mode change forgets the local decisions
     g = FusedLinear.from_linear(_linear(), "gelu")
     g.runtime_choice = False
@@ -350,11 +350,11 @@ def test_off_mode_and_per_layer_switch_run_the_default_path(timer):
         g(torch.randn(4, 64))
     assert _paths(g) == {3: "fused"} and not timer.timed
     with pytest.raises(ValueError, match="mode must be one of"):
-        dispatch.set_choice_mode("fast")
+        runtime_choice.set_choice_mode("fast")
 
 
 def test_env_var_sets_the_mode_in_a_fresh_process():
-    code = "import fastdl; print(fastdl.dispatch.choice_mode())"
+    code = "import fastdl; print(fastdl.runtime_choice.choice_mode())"
     for value, expected in (("off", "off"), ("cached", "cached"), ("measure", "measure"), ("fastest", "measure")):
         env = dict(os.environ, FASTDL_CHOICE=value)
         out = subprocess.run([sys.executable, "-W", "always", "-c", code], env=env, capture_output=True, text=True,
@@ -383,11 +383,11 @@ def test_save_load_round_trip_and_cached_mode(timer, tmp_path):
     doc = json.loads(path.read_text())
     assert doc["format"] == "fastdl.decisions" and doc["version"] == 1
     assert {(e["bucket"], e["path"]) for e in doc["decisions"]} == {(2, "aten"), (7, "fused")}
-    saved = fastdl.dispatch.decisions()
-    dispatch.clear_decisions()
-    assert fastdl.dispatch.decisions() == []
+    saved = fastdl.runtime_choice.decisions()
+    runtime_choice.clear_decisions()
+    assert fastdl.runtime_choice.decisions() == []
     assert fastdl.load_decisions(path) == 2
-    loaded = fastdl.dispatch.decisions()
+    loaded = fastdl.runtime_choice.decisions()
     assert [{**e, "source": None} for e in loaded] == [{**e, "source": None} for e in saved]
     assert all(e["source"] == "loaded" for e in loaded)
     timer.fn = None  # nothing may be timed now: a new layer of the same shape uses the loaded decisions
@@ -396,14 +396,14 @@ def test_save_load_round_trip_and_cached_mode(timer, tmp_path):
         g(torch.randn(3, 64))
         g(torch.randn(120, 64))
     assert _paths(g) == {2: "aten", 7: "fused"}
-    prev = dispatch.set_choice_mode("cached")  # cached: a new bucket runs the default path, untimed, undecided
+    prev = runtime_choice.set_choice_mode("cached")  # cached: a new bucket runs the default path, untimed, undecided
     try:
         with torch.no_grad():
             g(torch.randn(20, 64))
             g(torch.randn(3, 64))
         assert _paths(g) == {2: "aten"}
     finally:
-        dispatch.set_choice_mode(prev)
+        runtime_choice.set_choice_mode(prev)
 
 
 def test_load_rejects_other_files(tmp_path):
@@ -425,10 +425,10 @@ def test_cache_directory_is_written_and_read(timer, tmp_path, monkeypatch):
     q = Int8Linear.from_linear(_linear(), mode="dynamic")
     with torch.no_grad():
         q(torch.randn(4, 64))
-    f = tmp_path / "cache" / dispatch.FILE_NAME
+    f = tmp_path / "cache" / runtime_choice.FILE_NAME
     assert f.is_file() and json.loads(f.read_text())["decisions"][0]["path"] == "dequant"
-    dispatch.clear_decisions()
-    monkeypatch.setattr(dispatch._STATE, "dir_loaded", False)  # as in a new process
+    runtime_choice.clear_decisions()
+    monkeypatch.setattr(runtime_choice._STATE, "dir_loaded", False)  # as in a new process
     timer.fn = None
     q2 = Int8Linear.from_linear(_linear(seed=2), mode="dynamic")
     with torch.no_grad():
@@ -445,8 +445,8 @@ def test_deepcopy_and_device_moves_keep_modules_consistent(timer):
         f(torch.randn(4, 64))
     g = copy.deepcopy(f)
     assert _paths(g) == {3: "aten"}
-    prev = dispatch.set_choice_mode("off")  # the copy is registered too: it forgets its decisions with the others
-    dispatch.set_choice_mode(prev)
+    prev = runtime_choice.set_choice_mode("off")  # the copy is registered too: it forgets its decisions with the others
+    runtime_choice.set_choice_mode(prev)
     assert _paths(g) == {}
     f.double()
     assert _paths(f) == {}
@@ -483,7 +483,7 @@ def test_convert_auto_over_a_workload_picks_per_layer_consistently(timer):
             out[name] = 1.0 if name.startswith("original") else tables[info["layer"]](kind, path, info["rows"] < 64)
         return out
 
-    dispatch.set_timer(fake)
+    runtime_choice.set_timer(fake)
     model = _mlp()
     ref_model = _mlp()
     workload = [torch.randn(b, 16, 64) for b in (1, 8)]  # 16 and 128 rows
@@ -525,7 +525,7 @@ def test_convert_auto_never_slower_by_more_than_noise(timer):
     import importlib
 
     importlib.import_module("fastdl.convert")._DECISIONS.clear()
-    dispatch.clear_decisions()
+    runtime_choice.clear_decisions()
     timer.fn = lambda name, rows: {"original": 1.0, "original#2": 1.04}.get(name, 0.5 if rows < 64 else 1.07)
     model = _mlp()
     fastdl.convert(model, "auto", workload=[torch.randn(1, 16, 64), torch.randn(8, 16, 64)], candidates=("fused",))
@@ -580,12 +580,12 @@ def test_real_timer_orders_calls_and_bounds_its_cost():
 
     counts = {"fast": 0, "slow": 0}
     t0 = time.perf_counter()
-    times = dispatch.time_calls(_counted_sleeps(counts, fast=0.001, slow=0.004), torch.device("cpu"))
+    times = runtime_choice.time_calls(_counted_sleeps(counts, fast=0.001, slow=0.004), torch.device("cpu"))
     wall = time.perf_counter() - t0
     assert times["fast"] < times["slow"] and times["fast"] >= 0.001
     # one warm-up, then MIN_REPS..MAX_REPS rounds; past MAX_BUDGET_S per path it stops after the round
-    assert 1 + dispatch.MIN_REPS <= counts["fast"] == counts["slow"] <= 1 + dispatch.MAX_REPS
-    assert wall < 2 * (dispatch.MAX_BUDGET_S * 2 + 2 * (0.001 + 0.004)) + 0.5
+    assert 1 + runtime_choice.MIN_REPS <= counts["fast"] == counts["slow"] <= 1 + runtime_choice.MAX_REPS
+    assert wall < 2 * (runtime_choice.MAX_BUDGET_S * 2 + 2 * (0.001 + 0.004)) + 0.5
 
 
 def test_an_unsettled_timing_is_provisional_and_timed_again_at_most_retries_times(timer, monkeypatch):
@@ -598,29 +598,29 @@ def test_an_unsettled_timing_is_provisional_and_timed_again_at_most_retries_time
         timings.append(info["rows"])
         return next(results), False
 
-    monkeypatch.setattr(dispatch, "_time_calls", unsettled)
+    monkeypatch.setattr(runtime_choice, "_time_calls", unsettled)
     f = FusedLinear.from_linear(_linear(), "gelu")
     x = torch.randn(5, 64)
     with torch.no_grad():
         ref = f(x)
-        [d] = dispatch.decisions()
+        [d] = runtime_choice.decisions()
         assert (d["path"], d["source"]) == ("fused", "provisional")
         with torch.enable_grad():
             f(x)  # a call that may not time uses the provisional decision and does not time
         assert len(timings) == 1
         f(x)
-        [d] = dispatch.decisions()
+        [d] = runtime_choice.decisions()
         assert (d["path"], d["source"], d["times_ms"]) == ("aten", "provisional", {"fused": 3.0, "aten": 1.0})
         out = f(x)
-        [d] = dispatch.decisions()
+        [d] = runtime_choice.decisions()
         assert (d["path"], d["source"]) == ("aten", "measured")  # the last retry decides for good
         f(x)
         f(torch.randn(7, 64))
-    assert timings == [5, 5, 5] and len(timings) == 1 + dispatch.RETRIES
+    assert timings == [5, 5, 5] and len(timings) == 1 + runtime_choice.RETRIES
     torch.testing.assert_close(out, ref)
 
 
-class _SleepyLayer(dispatch.RuntimeChoice, nn.Module):
+class _SleepyLayer(runtime_choice.RuntimeChoice, nn.Module):
     """Two paths that take ``seconds[path]`` a call (sleeps: only ever longer, never shorter), counting their calls."""
 
     def __init__(self, seconds):
@@ -651,32 +651,32 @@ class _SleepyLayer(dispatch.RuntimeChoice, nn.Module):
 def test_long_calls_are_timed_twice_per_path_and_the_decision_is_final(seconds, chosen):
     # calls of LONG_CALL_S or more (e.g. 45+ ms at M >= 128, K = N = 4096): the warm-up and one timed call of each path,
     # a final decision (never provisional, so no re-timing on the next calls), and never the path measured slower
-    assert min(seconds.values()) >= dispatch.LONG_CALL_S
-    prev_timer, prev_mode = dispatch.set_timer(None), dispatch.set_choice_mode("measure")
-    dispatch.clear_decisions()
+    assert min(seconds.values()) >= runtime_choice.LONG_CALL_S
+    prev_timer, prev_mode = runtime_choice.set_timer(None), runtime_choice.set_choice_mode("measure")
+    runtime_choice.clear_decisions()
     try:
         layer = _SleepyLayer(seconds)
         x = torch.randn(256, 8)
         with torch.no_grad():
             layer(x)
             assert layer.calls[chosen] == 3 and sum(layer.calls.values()) == 5  # 2 timing calls each, then its own
-            [d] = dispatch.decisions()
+            [d] = runtime_choice.decisions()
             assert d["path"] == chosen and d["source"] == "measured"
             assert d["times_ms"][chosen] < min(v for p, v in d["times_ms"].items() if p != chosen)
             for _ in range(3):
                 layer(x)  # settled: only the chosen path runs
             assert layer.calls[chosen] == 6 and sum(layer.calls.values()) == 8
     finally:
-        dispatch.set_timer(prev_timer)
-        dispatch.set_choice_mode(prev_mode)
-        dispatch.clear_decisions()
+        runtime_choice.set_timer(prev_timer)
+        runtime_choice.set_choice_mode(prev_mode)
+        runtime_choice.clear_decisions()
 
 
 def test_time_calls_long_call_bound_counts_calls():
     counts = {"fast": 0, "slow": 0}
     calls = _counted_sleeps(counts, fast=0.0055, slow=0.011)
-    times = dispatch.time_calls(calls, torch.device("cpu"), long_call_s=dispatch.LONG_CALL_S)
+    times = runtime_choice.time_calls(calls, torch.device("cpu"), long_call_s=runtime_choice.LONG_CALL_S)
     assert counts == {"fast": 2, "slow": 2} and 0.0055 <= times["fast"] < times["slow"]
     counts.update(fast=0, slow=0)
-    dispatch.time_calls(calls, torch.device("cpu"))  # no bound given (fastdl.convert): MIN_REPS rounds at least
-    assert counts["fast"] == counts["slow"] >= 1 + dispatch.MIN_REPS
+    runtime_choice.time_calls(calls, torch.device("cpu"))  # no bound given (fastdl.convert): MIN_REPS rounds at least
+    assert counts["fast"] == counts["slow"] >= 1 + runtime_choice.MIN_REPS

@@ -15,7 +15,7 @@ of the fp32 layer's bytes). On the CPU, when the C++ kernels are available, a dy
 *once*, in the VNNI-packed layout of the kernel (``weight_packed``/``weight_comp``, non-persistent buffers made at
 construction, load and device move - never per call); ``weight`` is then None and ``qweight`` unpacks it.
 
-Paths (inference layers): per bucket of input rows (``fastdl.dispatch``: measured on the first no-grad call at the
+Paths (inference layers): per bucket of input rows (``fastdl.runtime_choice``: measured on the first no-grad call at the
 bucket, cached, saved with ``fastdl.save_decisions``) the layer runs its int8 op (``"kernel"``, the default) or
 ``"dequant"``: ``F.linear`` on the dequantized weight, which wins where the layer is compute-bound (large M) or where
 the op's per-call cost shows (M = 1, tiny layers), or (CPU, C++ kernels) ``"dequant_fused"``: the same product through
@@ -57,9 +57,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import backends
-from ..dispatch import RuntimeChoice
 from ..ops import int8 as int8_ops
 from ..ops.fused_linear import fused_linear as _fused_linear
+from ..runtime_choice import RuntimeChoice
 from ._base import (
     FLOAT_DTYPES,
     VersionedModule,

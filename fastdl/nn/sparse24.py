@@ -20,7 +20,7 @@ the bytes of the dense layer in the same dtype. ``forward`` runs one of three pa
             differentiable) instead of the caches.
 
 ``mode="auto"`` (default) chooses per bucket of input rows M (powers of two) among the paths that apply, measured
-on the first no-grad call at the bucket (``fastdl.dispatch``: the decision is cached per process, keyed by CPU/GPU,
+on the first no-grad call at the bucket (``fastdl.runtime_choice``: the decision is kept per process, keyed by CPU/GPU,
 dtype, shape and bucket, and can be saved). Without a decision (calls with autograd or inside ``torch.compile`` at
 a new bucket, ``FASTDL_CHOICE=off``, ``runtime_choice = False``) it uses the fixed rule: CPU: ``sparse`` below
 ``dense_threshold`` (default 256; the two meet around M = 512 on the development machine), else ``dense``; CUDA:
@@ -48,9 +48,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import backends
-from ..dispatch import RuntimeChoice
 from ..ops import sparse24 as sp_ops
 from ..ops.fused_linear import activation_fn, check_activation, fused_linear
+from ..runtime_choice import RuntimeChoice
 from ._base import (
     FLOAT_DTYPES,
     VersionedModule,
