@@ -56,9 +56,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import backends
 from ..ops import int8 as int8_ops
 from ..ops.fused_linear import fused_linear as _fused_linear
+from ..ops.fused_linear import has_cpu_kernel as _fused_linear_on_cpu
 from ..runtime_choice import RuntimeChoice
 from ._base import (
     FLOAT_DTYPES,
@@ -126,7 +126,7 @@ def _dequantize(q, s, g) -> torch.Tensor:
 
 def _cpu_packing_available() -> bool:
     """The packed weight is worth holding only when a kernel that reads it serves int8_linear on the CPU."""
-    return backends.available("cpp", "int8_linear", "cpu")[0]
+    return int8_ops.has_cpu_kernel()
 
 
 class Int8Linear(RuntimeChoice, VersionedModule):
@@ -336,7 +336,7 @@ class Int8Linear(RuntimeChoice, VersionedModule):
             raise err
         if self.trainable or x.is_meta:
             return ("kernel",)
-        if x.device.type == "cpu" and x.dtype != torch.float16 and backends.available("cpp", "fused_linear", "cpu")[0]:
+        if x.device.type == "cpu" and x.dtype != torch.float16 and _fused_linear_on_cpu():
             return ("kernel", "dequant", "dequant_fused")
         return ("kernel", "dequant")
 

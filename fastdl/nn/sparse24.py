@@ -47,9 +47,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import backends
 from ..ops import sparse24 as sp_ops
 from ..ops.fused_linear import activation_fn, check_activation, fused_linear
+from ..ops.fused_linear import has_cpu_kernel as _fused_linear_on_cpu
 from ..runtime_choice import RuntimeChoice
 from ._base import (
     FLOAT_DTYPES,
@@ -433,7 +433,7 @@ class Sparse24Linear(RuntimeChoice, VersionedModule):
             paths = ("semi", "dense", "sparse") if self._semi_ok(x.dtype) else ("dense", "sparse")
         elif x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
             paths = ("sparse", "dense")
-            if backends.available("cpp", "fused_linear", "cpu")[0]:
+            if _fused_linear_on_cpu():
                 paths += ("dense_fused",)
         else:
             paths = ("dense",)

@@ -58,6 +58,7 @@ from ..kernels.constants import WEIGHT_GROUP  # k per group scale (fixed: the ke
 from ._library import (
     define,
     grad_of,
+    has_cpp_kernel,
     register_autocast_rule,
     register_autograd,
     require,
@@ -470,6 +471,12 @@ int8_linear_op = define(
     triton="int8:int8_linear",
     check=check_linear,
 )
+
+
+def has_cpu_kernel() -> bool:
+    """True when fastdl's C++ kernel serves int8_linear on the CPU: only then is a VNNI-packed weight
+    (``int8_pack_weight``) worth holding, since no other backend reads it."""
+    return has_cpp_kernel("int8_linear", "cpu")
 
 
 # ------------------------------------------------------------------------------------ int8_weight_only_linear
