@@ -561,31 +561,53 @@ def test_fixed_policy_with_a_workload_decides_now_and_reports_buckets(timer):
     assert "M 16-31" in text and "kernel 1e+03" in text and "dequant" in text
 
 
-def _counted_sleeps(counts: dict, **seconds):
-    """{name: a call that counts its runs in counts[name] and sleeps seconds[name]}."""
-    import time
+def _counted_calls(clock, counts: dict, **costs):
+    """{name: a call that counts its runs in counts[name] and takes costs[name] seconds on the virtual clock: a number,
+    or a list (one cost per call, the last one repeated)}."""
 
-    def call(name, secs):
+    def call(name, cost):
+        seq = list(cost) if isinstance(cost, (list, tuple)) else [cost]
+
         def f():
+            clock.spend(seq[min(counts[name], len(seq) - 1)])
             counts[name] += 1
-            time.sleep(secs)
 
         return f
 
-    return {name: call(name, secs) for name, secs in seconds.items()}
+    return {name: call(name, cost) for name, cost in costs.items()}
 
 
-def test_real_timer_orders_calls_and_bounds_its_cost():
-    import time
-
+def test_timer_keeps_each_paths_fastest_call_and_stops_once_two_calls_agree(virtual_clock):
+    clock = virtual_clock(runtime_choice)
     counts = {"fast": 0, "slow": 0}
-    t0 = time.perf_counter()
-    times = runtime_choice.time_calls(_counted_sleeps(counts, fast=0.001, slow=0.004), torch.device("cpu"))
-    wall = time.perf_counter() - t0
-    assert times["fast"] < times["slow"] and times["fast"] >= 0.001
-    # one warm-up, then MIN_REPS..MAX_REPS rounds; past MAX_BUDGET_S per path it stops after the round
-    assert 1 + runtime_choice.MIN_REPS <= counts["fast"] == counts["slow"] <= 1 + runtime_choice.MAX_REPS
-    assert wall < 2 * (runtime_choice.MAX_BUDGET_S * 2 + 2 * (0.001 + 0.004)) + 0.5
+    # the warm-up, then fast's first timed call is hit by interference (3 ms instead of 1 ms)
+    calls = _counted_calls(clock, counts, fast=[0.001, 0.003, 0.001], slow=0.004)
+    times, settled = runtime_choice._time_calls(calls, torch.device("cpu"), None)
+    assert settled and times == pytest.approx({"fast": 0.001, "slow": 0.004})  # the minimum, not the first or median
+    # one warm-up, then MIN_REPS rounds: BUDGET_S per path is spent by then and two calls of each path agree
+    assert counts == {"fast": 1 + runtime_choice.MIN_REPS, "slow": 1 + runtime_choice.MIN_REPS}
+
+
+def test_timer_stops_after_the_round_that_spends_its_max_budget_when_calls_never_agree(virtual_clock):
+    clock = virtual_clock(runtime_choice)
+    counts = {"a": 0, "b": 0}
+    growth = 1.1  # each call 10 % slower than the one before: no two calls of a path agree within SETTLED (3 %)
+    cost = {"a": 0.001, "b": 0.0015}
+    calls = _counted_calls(clock, counts, **{n: [c * growth**i for i in range(40)] for n, c in cost.items()})
+    times, settled = runtime_choice._time_calls(calls, torch.device("cpu"), None)
+    assert not settled and times == pytest.approx({n: c * growth for n, c in cost.items()})  # the first timed call
+    rounds = spent = 0.0
+    while True:  # the rule: after MIN_REPS rounds, stop at the first round that ends past MAX_BUDGET_S per path
+        rounds += 1
+        spent += sum(c * growth**rounds for c in cost.values())
+        if rounds >= runtime_choice.MIN_REPS and spent >= 2 * runtime_choice.MAX_BUDGET_S:
+            break
+        if rounds == runtime_choice.MAX_REPS:
+            break
+    assert counts == {"a": 1 + rounds, "b": 1 + rounds} and runtime_choice.MIN_REPS < rounds < runtime_choice.MAX_REPS
+    # the bound: the timed rounds overshoot 2 x MAX_BUDGET_S by less than one round
+    last_round = sum(c * growth**rounds for c in cost.values())
+    assert 2 * runtime_choice.MAX_BUDGET_S <= spent < 2 * runtime_choice.MAX_BUDGET_S + last_round
 
 
 def test_an_unsettled_timing_is_provisional_and_timed_again_at_most_retries_times(timer, monkeypatch):
@@ -620,26 +642,27 @@ def test_an_unsettled_timing_is_provisional_and_timed_again_at_most_retries_time
     torch.testing.assert_close(out, ref)
 
 
-class _SleepyLayer(runtime_choice.RuntimeChoice, nn.Module):
-    """Two paths that take ``seconds[path]`` a call (sleeps: only ever longer, never shorter), counting their calls."""
+class _TimedLayer(runtime_choice.RuntimeChoice, nn.Module):
+    """Two paths whose calls take ``seconds[path]`` on the virtual clock (a number, or one per call, the last one
+    repeated), counting their calls."""
 
-    def __init__(self, seconds):
+    def __init__(self, clock, seconds):
         super().__init__()
-        self.seconds = seconds
+        self.clock, self.seconds = clock, seconds
         self.calls = {p: 0 for p in seconds}
         self._init_choice()
 
     def _choice_layer(self):
-        return ("SleepyLayer", id(self))
+        return ("TimedLayer", id(self))
 
     def _choice_paths(self, x):
         return tuple(self.seconds)
 
     def _run_path(self, path, x):
-        import time
-
+        cost = self.seconds[path]
+        seq = list(cost) if isinstance(cost, (list, tuple)) else [cost]
+        self.clock.spend(seq[min(self.calls[path], len(seq) - 1)])
         self.calls[path] += 1
-        time.sleep(self.seconds[path])
         return x + 0
 
     def forward(self, x):
@@ -647,22 +670,26 @@ class _SleepyLayer(runtime_choice.RuntimeChoice, nn.Module):
         return self._run_path(self._choice_local.get(key) or self._choose(x, key), x)
 
 
-@pytest.mark.parametrize("seconds, chosen", [({"a": 0.012, "b": 0.006}, "b"), ({"a": 0.006, "b": 0.012}, "a")])
-def test_long_calls_are_timed_twice_per_path_and_the_decision_is_final(seconds, chosen):
-    # calls of LONG_CALL_S or more (e.g. 45+ ms at M >= 128, K = N = 4096): the warm-up and one timed call of each path,
-    # a final decision (never provisional, so no re-timing on the next calls), and never the path measured slower
-    assert min(seconds.values()) >= runtime_choice.LONG_CALL_S
+@pytest.mark.parametrize("seconds, chosen, times_ms", [
+    ({"a": 0.012, "b": [0.030, 0.006]}, "b", {"a": 12.0, "b": 6.0}),  # b's warm-up builds a cache: its timed call wins
+    ({"a": [0.006, 0.040], "b": 0.012}, "a", {"a": 6.0, "b": 12.0}),  # a's timed call is hit by interference
+])  # fmt: skip
+def test_long_calls_are_timed_twice_per_path_and_the_decision_is_final(seconds, chosen, times_ms, virtual_clock):
+    # calls of LONG_CALL_S or more (e.g. 45+ ms at M >= 128, K = N = 4096): the warm-up and one timed call of each path
+    # (the faster of the two is the path's time), a final decision (never provisional, so no re-timing on the next
+    # calls), and never the path measured slower
+    clock = virtual_clock(runtime_choice)
     prev_timer, prev_mode = runtime_choice.set_timer(None), runtime_choice.set_choice_mode("measure")
     runtime_choice.clear_decisions()
     try:
-        layer = _SleepyLayer(seconds)
+        layer = _TimedLayer(clock, seconds)
         x = torch.randn(256, 8)
         with torch.no_grad():
             layer(x)
             assert layer.calls[chosen] == 3 and sum(layer.calls.values()) == 5  # 2 timing calls each, then its own
             [d] = runtime_choice.decisions()
             assert d["path"] == chosen and d["source"] == "measured"
-            assert d["times_ms"][chosen] < min(v for p, v in d["times_ms"].items() if p != chosen)
+            assert d["times_ms"] == pytest.approx(times_ms)
             for _ in range(3):
                 layer(x)  # settled: only the chosen path runs
             assert layer.calls[chosen] == 6 and sum(layer.calls.values()) == 8
@@ -672,11 +699,12 @@ def test_long_calls_are_timed_twice_per_path_and_the_decision_is_final(seconds, 
         runtime_choice.clear_decisions()
 
 
-def test_time_calls_long_call_bound_counts_calls():
+def test_time_calls_long_call_bound_counts_calls(virtual_clock):
+    clock = virtual_clock(runtime_choice)
     counts = {"fast": 0, "slow": 0}
-    calls = _counted_sleeps(counts, fast=0.0055, slow=0.011)
+    calls = _counted_calls(clock, counts, fast=0.0055, slow=0.011)
     times = runtime_choice.time_calls(calls, torch.device("cpu"), long_call_s=runtime_choice.LONG_CALL_S)
-    assert counts == {"fast": 2, "slow": 2} and 0.0055 <= times["fast"] < times["slow"]
+    assert counts == {"fast": 2, "slow": 2} and times == pytest.approx({"fast": 0.0055, "slow": 0.011})
     counts.update(fast=0, slow=0)
     runtime_choice.time_calls(calls, torch.device("cpu"))  # no bound given (fastdl.convert): MIN_REPS rounds at least
-    assert counts["fast"] == counts["slow"] >= 1 + runtime_choice.MIN_REPS
+    assert counts == {"fast": 1 + runtime_choice.MIN_REPS, "slow": 1 + runtime_choice.MIN_REPS}
