@@ -6,7 +6,7 @@ initialisation) and warns once, naming the fix, when it is missing. ``FASTDL_JIT
 
 import os as _os
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 # In a source checkout (and an editable install), ``fastdl.kernels`` is the top-level ``kernels/`` folder, which pip
 # installs as the sub-package fastdl.kernels (setup.py: package_dir, and an __init__.py written into the wheel).
@@ -32,17 +32,17 @@ if not _os.path.isdir(_os.path.join(_os.path.dirname(__file__), "kernels")) and 
 from . import (  # noqa: E402
     _extension,  # noqa: E402
     backends,
-    dispatch,
     hf,  # noqa: E402,F401  (registers "fastdl" with transformers when it imports its quantizers)
     nn,
     ops,
+    runtime_choice,
 )
 from ._extension import load_extension  # noqa: E402
 from ._info import info  # noqa: E402
 from .backends import BackendUnavailableError, use_backend  # noqa: E402
 from .convert import convert, report  # noqa: E402
-from .dispatch import clear_decisions, load_decisions, save_decisions, set_choice_mode  # noqa: E402
 from .nn import CheckpointError  # noqa: E402
+from .runtime_choice import clear_decisions, load_decisions, save_decisions, set_choice_mode  # noqa: E402
 from .serialization import load, load_pretrained, save  # noqa: E402
 
 _extension.warn_if_untested_torch()
@@ -54,7 +54,6 @@ __all__ = [
     "backends",
     "clear_decisions",
     "convert",
-    "dispatch",
     "info",
     "load",
     "load_decisions",
@@ -63,6 +62,7 @@ __all__ = [
     "nn",
     "ops",
     "report",
+    "runtime_choice",
     "save",
     "save_decisions",
     "set_choice_mode",
@@ -76,4 +76,10 @@ def __getattr__(name):  # lazy sub-modules (they import nothing heavy, but keep 
         import importlib
 
         return importlib.import_module(f"{__name__}.{name}")
+    if name == "dispatch":  # the old name of fastdl.runtime_choice (it was in __all__): `fastdl.dispatch.x` and
+        import warnings  # `from fastdl import dispatch` keep working, with a warning; `import fastdl.dispatch` does not
+
+        warnings.warn("fastdl.dispatch was renamed fastdl.runtime_choice (the decision functions are also on fastdl: "
+                      "fastdl.save_decisions, ...)", DeprecationWarning, stacklevel=2)  # fmt: skip
+        return runtime_choice
     raise AttributeError(f"module 'fastdl' has no attribute {name!r}")

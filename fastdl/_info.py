@@ -10,6 +10,7 @@ import os
 import torch
 
 from . import _extension, backends
+from ._version import __version__
 
 
 def _triton_version() -> str | None:
@@ -22,8 +23,6 @@ def _triton_version() -> str | None:
 
 
 def collect() -> dict:
-    from . import __version__
-
     _extension.ensure_loaded()  # imports fastdl._C if built; JIT-builds only under FASTDL_JIT=1
     gpu = None
     if torch.cuda.is_available():  # info is the one place that may initialise CUDA: it is asked to
@@ -132,10 +131,8 @@ def info(print_result: bool = True) -> dict:
 
 def env_summary() -> dict:
     """Short facts for benchmark CSV rows."""
-    d = {"fastdl": None, "torch": torch.__version__, "triton": _triton_version(), "cpu_isa": _extension.cpu_isa()}
-    from . import __version__
-
-    d["fastdl"] = __version__
+    d = {"fastdl": __version__, "torch": torch.__version__, "triton": _triton_version(),
+         "cpu_isa": _extension.cpu_isa()}
     d["threads"] = torch.get_num_threads()
     d["host"] = os.uname().nodename if hasattr(os, "uname") else ""
     return d

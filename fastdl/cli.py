@@ -6,40 +6,12 @@ PyTorch's CPU libraries are capped to that level together (``fastdl.bench.isa``)
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
-
-
-def _add_isa(p: argparse.ArgumentParser) -> None:
-    from .bench.isa import CHOICES
-
-    p.add_argument("--isa", choices=CHOICES, default=None,
-                   help="run in a subprocess with fastdl AND PyTorch (ATen, oneDNN, MKL, fbgemm) capped to this CPU "
-                        "ISA level (native: no caps); see fastdl.bench.isa")  # fmt: skip
-
-
-def _sigterm_as_interrupt() -> None:
-    """A benchmark stopped by SIGTERM (``timeout``, a CI limit) or Ctrl-C prints and writes the rows measured so far;
-    ``bench all`` then stops and writes its summary of what ran."""
-    import signal
-
-    from .bench.common import request_stop
-
-    def handler(signum, frame):
-        request_stop()
-        raise KeyboardInterrupt
-
-    try:
-        signal.signal(signal.SIGTERM, handler)
-        signal.signal(signal.SIGINT, handler)
-    except ValueError:  # not the main thread
-        pass
 
 
 def build_parser() -> argparse.ArgumentParser:
     from . import demo
-    from .bench import BENCHMARKS
-    from .bench import all as bench_all
+    from .bench.command import add_isa, add_parsers
 
     parser = argparse.ArgumentParser(prog="fastdl", description="fastdl: fast Linear kernels for PyTorch")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -47,27 +19,11 @@ def build_parser() -> argparse.ArgumentParser:
     p_info.add_argument("--json", action="store_true", help="print the facts as JSON")
     p_demo = sub.add_parser("demo", help="train/prune/quantize a small model with DDP, compare with plain PyTorch")
     demo.add_arguments(p_demo)
-    _add_isa(p_demo)
+    add_isa(p_demo)
     p_sum = sub.add_parser("summary", help="the main job's closing summary from the results of demo and bench all")
     p_sum.add_argument("dir", nargs="?", default="bench-out", help="folder holding demo.json and summary.json")
     p_bench = sub.add_parser("bench", help="benchmarks vs PyTorch")
-    bench_sub = p_bench.add_subparsers(dest="bench", required=True)
-    p_all = bench_sub.add_parser("all", help="every benchmark, time-boxed; a summary of ratios, CSV and a PNG plot")
-    bench_all.add_arguments(p_all)
-    _add_isa(p_all)
-    p_all.set_defaults(_module=bench_all)
-    for name, module in BENCHMARKS.items():
-        try:
-            mod = importlib.import_module(module)
-        except ImportError as exc:  # a capability that is not built yet
-            bench_sub.add_parser(name, help=f"(unavailable: {exc})")
-            continue
-        doc = (mod.__doc__ or name).strip().splitlines()[0]
-        p = bench_sub.add_parser(name, help=doc, description=mod.__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-        mod.add_arguments(p)
-        _add_isa(p)
-        p.set_defaults(_module=mod)
+    add_parsers(p_bench.add_subparsers(dest="bench", required=True))
     return parser
 
 
@@ -75,16 +31,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
 
-    isa = getattr(args, "isa", None)
-    if isa is not None:
-        from .bench import isa as isa_mod
+    from .bench.command import rerun_capped
 
-        if not isa_mod.in_child(isa):
-            try:
-                return isa_mod.rerun(argv, isa)
-            except ValueError as exc:
-                print(f"fastdl: {exc}", file=sys.stderr)
-                return 2
+    status = rerun_capped(argv, getattr(args, "isa", None))
+    if status is not None:
+        return status
 
     if args.command == "info":
         from ._info import collect, format_info
@@ -101,22 +52,17 @@ def main(argv: list[str] | None = None) -> int:
         from .bench.report import main_job_summary
 
         return main_job_summary(args.dir)
-    from .bench.common import start_heartbeat
-
-    start_heartbeat()
-    _sigterm_as_interrupt()
     if args.command == "demo":
         from . import demo
+        from .bench.command import start_long_command
 
+        start_long_command()
         results = demo.run(args)
         return 1 if results["missed"] else 0
     if args.command == "bench":
-        mod = getattr(args, "_module", None)
-        if mod is None:
-            print(f"fastdl bench {args.bench}: this benchmark is not available in this build", file=sys.stderr)
-            return 2
-        mod.run(args)
-        return 0
+        from .bench.command import run
+
+        return run(args)
     return 2
 
 

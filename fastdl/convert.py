@@ -11,8 +11,8 @@ Policies:
                       ``max_error`` of the original layer's output and never slower than the original layer at any
                       of the workload's input shapes by more than ``noise`` (do no harm); else the original layer
 
-Every converted layer chooses its execution path per bucket of input rows at run time (``fastdl.dispatch``: e.g. an
-``Int8Linear`` runs ``F.linear`` on its dequantized weight where that beats its int8 kernel), so "a policy's time at
+Every converted layer chooses its execution path per bucket of input rows at run time (``fastdl.runtime_choice``: e.g.
+an ``Int8Linear`` runs ``F.linear`` on its dequantized weight where that beats its int8 kernel), so "a policy's time at
 a shape" is the time of the path it chooses there. "auto" times, per layer and per bucket of the workload, the
 original layer and every path of every candidate on the layer's real input (captured with hooks while the workload
 runs through the unconverted model), interleaved, and records the paths it chose as the layers' run-time decisions.
@@ -39,15 +39,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import dispatch
+from . import runtime_choice as choice  # (convert also has an argument runtime_choice)
 from ._layers import LayerSite, find_layers, replace_layer
+from ._recipe import note_conversion
 from .nn.fused_linear import FusedActivation, FusedLinear
 from .ops.fused_linear import activation_fn, activation_of
-from .serialization import note_conversion
 
 POLICIES = ("fused", "int8", "int8_weight_only", "sparse24", "auto")
-# "auto" times each (layer shape, bucket) once, when asked: longer than a run-time decision (fastdl.dispatch), so that
-# one noisy timing does not reject a candidate (it must not be slower than the original at *any* bucket): at least
+# "auto" times each (layer shape, bucket) once, when asked: longer than a run-time decision (fastdl.runtime_choice), so
+# that one noisy timing does not reject a candidate (it must not be slower than the original at *any* bucket): at least
 # 10 ms per path until two calls agree within 3 %, at most 40 ms per path or 40 rounds.
 CONVERT_TIMING = {"budget_s": 10e-3, "max_budget_s": 40e-3, "max_reps": 40}
 ORIGINAL_TWIN = "original#2"
@@ -258,7 +258,7 @@ def convert(
     layer's at every workload input, and ``noise`` how much slower than the original layer a candidate may be at any
     of them (0.03 = 3 %, plus the noise measured there: the original is timed twice, and how far apart the two land
     is added) ("auto" only). ``runtime_choice=False`` pins every converted layer to its
-    default path (``fastdl.dispatch``). When ``model`` itself is an ``nn.Linear``, the converted layer is returned
+    default path (``fastdl.runtime_choice``). When ``model`` itself is an ``nn.Linear``, the converted layer is returned
     (use the return value).
     """
     if not isinstance(model, nn.Module):
@@ -348,7 +348,7 @@ def _convert_auto(model, sites, examples, max_error, noise, kinds, runtime_choic
             x = args[0].detach()
             if x.dim() < 1 or x.numel() == 0:
                 return
-            b = dispatch.bucket_of(x.numel() // x.shape[-1])
+            b = choice.bucket_of(x.numel() // x.shape[-1])
             if (b, x.dtype) in entry["buckets"]:
                 return  # this bucket is measured already (an earlier example, or a second call)
             if entry["cands"] is None:
@@ -396,7 +396,7 @@ def _measure_bucket(site: _Site, cands: dict, x: torch.Tensor, lin_out: torch.Te
     lin = site.linear
     ref = act(lin_out)
     rows = x.numel() // x.shape[-1]
-    b = dispatch.bucket_of(rows)
+    b = choice.bucket_of(rows)
     # every call without nn.Module.__call__ (hooks: this runs inside one), like the candidates' _run_path
     # the original twice (an A/A pair): how far apart two timings of the same call land is this bucket's noise
     calls: dict[str, Callable] = {"original": lambda: act(lin.forward(x)), ORIGINAL_TWIN: lambda: act(lin.forward(x))}
@@ -408,13 +408,13 @@ def _measure_bucket(site: _Site, cands: dict, x: torch.Tensor, lin_out: torch.Te
                 calls[f"{kind}/{p}"] = lambda m=mod, p=p: m._run_path(p, x)
             else:
                 calls[f"{kind}/{p}"] = lambda m=mod, p=p: act(m._run_path(p, x))
-    key = (dispatch.machine_key(x.device), x.device.type, str(x.dtype), lin.in_features, lin.out_features,
+    key = (choice.machine_key(x.device), x.device.type, str(x.dtype), lin.in_features, lin.out_features,
            lin.bias is not None, site.activation, tuple(sorted(calls)), b)
     times = _DECISIONS.get(key)
     was_cached = times is not None
     if times is None:
         info = {"rows": rows, "bucket": b, "layer": site.name, "purpose": "convert"}
-        times = _DECISIONS[key] = dispatch.time_calls(calls, x.device, info, **CONVERT_TIMING)
+        times = _DECISIONS[key] = choice.time_calls(calls, x.device, info, **CONVERT_TIMING)
     with torch.no_grad():
         errors = {name: _rel_err(fn(), ref) for name, fn in calls.items() if not name.startswith("original")}
     t1, t2 = times["original"], times.get(ORIGINAL_TWIN, times["original"])
@@ -423,10 +423,10 @@ def _measure_bucket(site: _Site, cands: dict, x: torch.Tensor, lin_out: torch.Te
               "cached_times": was_cached, "kinds": {}}
     for kind, mod in cands.items():
         ptimes = {p: times[f"{kind}/{p}"] for p in paths[kind]}
-        if mod.runtime_choice and dispatch.choice_mode() != "off":
+        if mod.runtime_choice and choice.choice_mode() != "off":
             path = mod.known_path(x)  # a decision this process made already stands (layers of this shape use it)
             if path is None:
-                path = dispatch.pick(ptimes, paths[kind][0])
+                path = choice.pick(ptimes, paths[kind][0])
                 mod.record_choice(x, mod._choice_key(x), path, ptimes, source="convert")
             else:
                 mod._choice_local[mod._choice_key(x)] = path
@@ -454,7 +454,7 @@ def _choose_policy(site: _Site, entry: dict, max_error: float, noise: float) -> 
         if worst_err > max_error:
             why_not[kind] = f"error {worst_err:.3g} > max_error"
         elif slow:
-            why_not[kind] = f"slower at {dispatch.bucket_label(slow[0]['bucket'])}"
+            why_not[kind] = f"slower at {choice.bucket_label(slow[0]['bucket'])}"
         else:
             scores[kind] = math.exp(sum(math.log(bk["orig_s"] / r["s"]) for bk, r in zip(buckets, res)) / len(res))
     best = max(scores, key=scores.get) if scores else "original"
@@ -465,7 +465,7 @@ def _choose_policy(site: _Site, entry: dict, max_error: float, noise: float) -> 
         r = bk["kinds"].get(best) if best != "original" else None
         t = r["s"] if r else bk["orig_s"]
         per_bucket.append({
-            "rows": bk["rows"], "bucket": bk["bucket"], "label": dispatch.bucket_label(bk["bucket"]),
+            "rows": bk["rows"], "bucket": bk["bucket"], "label": choice.bucket_label(bk["bucket"]),
             "dtype": str(bk["dtype"]).removeprefix("torch."), "input_shape": bk["input_shape"],
             "orig_ms": bk["orig_s"] * 1e3, "time_ms": t * 1e3, "speedup": bk["orig_s"] / t, "noise": bk["noise"],
             "path": r["path"] if r else "original",
@@ -555,7 +555,7 @@ def report(model: nn.Module) -> Report:
             mod = None
         if mod is not None:
             r["resident"] = mod.memory_bytes() if hasattr(mod, "memory_bytes") else _nbytes(mod)
-        if isinstance(mod, dispatch.RuntimeChoice):
+        if isinstance(mod, choice.RuntimeChoice):
             seen = {(b["bucket"], b["dtype"]) for b in r.get("buckets", [])}  # measured by "auto": listed already
             r["runtime"] = [d for d in mod.runtime_decisions() if (d["bucket"], d["dtype"]) not in seen]
         rows.append(r)

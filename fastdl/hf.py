@@ -45,23 +45,19 @@ before transformers reads it. (``config.save_pretrained`` drops that key, so fas
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import sys
 import warnings
 import weakref
 from typing import Any
 
-QUANT_METHOD = "fastdl"
+from . import _recipe as recipes
+from ._recipe import _NEEDS_FASTDL, GUARD, GUARD_KEY, QUANT_METHOD, install_save_guard
+
 POLICIES = ("fused", "int8", "int8_weight_only", "sparse24")
 NOT_YET = {"int4": "int4 is not available in this fastdl yet"}
 GROUP_SIZES = ("auto", 16, None)
-GUARD_KEY = "transformers_weights"
-GUARD = ("this checkpoint was quantized by fastdl (config.json: quantization_config.quant_method = 'fastdl'); "
-         "run `import fastdl` (pip install fastdl) before from_pretrained, transformers alone cannot load its "
-         "int8 / 2:4 layers")  # fmt: skip
 _REGISTRY = "transformers.quantizers.auto"
-_NEEDS_FASTDL = ("Int8Linear", "Sparse24Linear")
 
 __all__ = ["GUARD", "POLICIES", "QUANT_METHOD", "FastdlConfig", "FastdlHfQuantizer", "dequantize",  # noqa: F822
            "register"]
@@ -249,43 +245,8 @@ def dequantize(model, dtype=None):
 
 
 # ------------------------------------------------------------------------------------------------ saving
-class _GuardedSave:
-    """``model.save_pretrained`` of a model with fastdl layers: transformers' own, then ``config.json`` gets the
-    guard entry (see the module docstring) when the model holds layers transformers alone cannot load."""
-
-    def __init__(self, model) -> None:
-        self.model = model
-
-    def __call__(self, save_directory, *args, **kwargs):
-        out = type(self.model).save_pretrained(self.model, save_directory, *args, **kwargs)
-        write_guard(save_directory, self.model)
-        return out
-
-
-def needs_fastdl(model) -> bool:
-    return any(type(m).__name__ in _NEEDS_FASTDL for m in model.modules())
-
-
-def write_guard(save_directory, model) -> None:
-    path = os.path.join(os.fspath(save_directory), "config.json")
-    if not os.path.isfile(path) or not needs_fastdl(model):
-        return
-    with open(path, encoding="utf-8") as f:
-        config = json.load(f)
-    qc = config.get("quantization_config")
-    if not isinstance(qc, dict) or qc.get("quant_method") != QUANT_METHOD:
-        return
-    config[GUARD_KEY] = GUARD
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(json.dumps(config, indent=2, sort_keys=True) + "\n")
-
-
-def install_save_guard(model) -> None:
-    """Make ``model.save_pretrained`` write the guard entry (a per-instance attribute; ``dequantize`` removes it)."""
-    if callable(getattr(type(model), "save_pretrained", None)) and "save_pretrained" not in model.__dict__:
-        object.__setattr__(model, "save_pretrained", _GuardedSave(model))
-
-
+# The guard entry that save_pretrained writes (install_save_guard) is part of the conversion record
+# (fastdl._recipe), which every conversion calls; the quantizer below removes it on load.
 def _is_guard(value: Any) -> bool:
     return isinstance(value, str) and "fastdl" in value and not value.endswith((".safetensors", ".json"))
 
@@ -298,7 +259,6 @@ def _define() -> dict[str, type]:
     from transformers.quantizers.quantizers_utils import should_convert_module
     from transformers.utils.quantization_config import QuantizationConfigMixin
 
-    from . import serialization as ser
     from .nn import CheckpointError
 
     class FastdlConfig(QuantizationConfigMixin):
@@ -332,7 +292,7 @@ def _define() -> dict[str, type]:
             if "layers" in kwargs or "format" in kwargs:  # read back from a saved model's config.json
                 rec = {k: kwargs.pop(k) for k in ("format", "version", "fastdl_version", "root", "layers")
                        if k in kwargs}  # fmt: skip
-                self._recipe = ser._check_recipe(rec, "config.json quantization_config")
+                self._recipe = recipes._check_recipe(rec, "config.json quantization_config")
             self._extra = kwargs  # load_with, note, entries of a newer fastdl: written back as they are
             self._model = None
 
@@ -346,11 +306,11 @@ def _define() -> dict[str, type]:
 
         def to_dict(self) -> dict[str, Any]:
             model = self._model() if self._model is not None else None
-            rec = ser.recipe(model) if model is not None else self._recipe
+            rec = recipes.recipe(model) if model is not None else self._recipe
             out = {"quant_method": QUANT_METHOD, "policy": self.policy, "group_size": self.group_size,
                    "modules_to_not_convert": self.modules_to_not_convert, **self._extra}  # fmt: skip
             if rec is not None:
-                out.update(ser.hf_quantization_config(rec))
+                out.update(recipes.hf_quantization_config(rec))
             return out
 
         def __deepcopy__(self, memo):
@@ -445,7 +405,7 @@ def _define() -> dict[str, type]:
         def _prepare_saved(self, model, checkpoint_files) -> None:
             rec = dict(self.quantization_config.recipe)
             rec["layers"] = _strip_base_prefix(model, rec)
-            ser._apply_recipe(model, rec, os.path.join(self._where, "config.json"))
+            recipes._apply_recipe(model, rec, os.path.join(self._where, "config.json"))
             header = _read_headers(checkpoint_files)
             for name in rec["layers"]:
                 m = model.get_submodule(name) if name else model

@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 from ._layers import find_layers, replace_layers
+from ._recipe import note_conversion
 from .nn.int8 import MODES, Int8Linear
 from .ops.int8 import quantize_per_channel, quantize_per_group, quantize_per_token
-from .serialization import note_conversion
 
 __all__ = [
     "dequantize",

@@ -27,12 +27,20 @@ import torch
 from torch import nn
 
 from ._layers import find_layers, replace_layers
+from ._pruned import (  # the state a pruned layer carries (shared with the conversion recipe)
+    MASK_BUFFER,
+    PERM_BUFFER,
+    attach_mask,
+    attach_permutation,
+    get_mask,
+    is_pruned,
+    kept_magnitude_fraction,
+    prepare_pruned,
+    remask,
+)
+from ._recipe import note_conversion
 from .nn._base import is_dtensor
 from .ops import sparse24 as sp_ops
-from .serialization import note_conversion
-
-MASK_BUFFER = "weight_mask"
-PERM_BUFFER = "input_permutation"
 
 
 # ----------------------------------------------------------------------------------------------- selection
@@ -52,11 +60,6 @@ def is_2_4(weight: torch.Tensor) -> bool:
         return True
     w = weight.detach()
     return bool(((w.reshape(-1, w.shape[-1] // 4, 4) != 0).sum(-1) <= 2).all())
-
-
-def is_pruned(module: nn.Module) -> bool:
-    """True when ``prune`` gave this module a 2:4 mask."""
-    return isinstance(getattr(module, MASK_BUFFER, None), torch.Tensor) and hasattr(module, "_sp24_state")
 
 
 @dataclasses.dataclass
@@ -80,72 +83,12 @@ class PruneReport:
 
 
 # ----------------------------------------------------------------------------------------------- masks
-class _State:
-    """Per pruned module: the unpacked mask, cached (not a buffer: DDP broadcasts buffers and gloo has no bool),
-    also in the dtypes it is applied in."""
-
-    def __init__(self, kept_fraction: float):
-        self.kept_fraction = kept_fraction
-        self.mask: torch.Tensor | None = None
-        self.cast: dict = {}
-        self.key = None
-
-    def invalidate(self) -> None:
-        self.mask, self.cast, self.key = None, {}, None
-
-
-def get_mask(module: nn.Module, dtype: torch.dtype = torch.bool) -> torch.Tensor:
-    """The ``[out, in]`` mask of a pruned module (bool, or 0/1 in ``dtype``), unpacked from its ``weight_mask``
-    buffer and cached. The cache follows the buffer's storage and device and is refreshed by ``load_state_dict``;
-    it deliberately ignores in-place writes of the same values (DDP re-broadcasts buffers on every forward)."""
-    packed = getattr(module, MASK_BUFFER)
-    st: _State = module._sp24_state
-    key = (packed.data_ptr(), packed.device, module.weight.device)
-    if st.mask is None or st.key != key:
-        st.invalidate()
-        st.mask = sp_ops.unpack_meta(packed, module.weight.shape[1]).to(module.weight.device)
-        st.key = key
-    if dtype == torch.bool:
-        return st.mask
-    m = st.cast.get(dtype)
-    if m is None:
-        m = st.cast[dtype] = st.mask.to(dtype)
-    return m
-
-
 @torch.no_grad()
 def apply_masks(model: nn.Module) -> None:
     """Zero the pruned weights of every pruned layer (``weight *= mask``)."""
     for m in model.modules():
         if is_pruned(m):
-            _remask(m)
-
-
-def kept_magnitude_fraction(weight: torch.Tensor, mask: torch.Tensor | None = None) -> float:
-    """``sum |w * mask| / sum |w|`` (the 2:4 magnitude mask of w when mask is None)."""
-    w = weight.detach().float().abs()
-    if mask is None:
-        mask = sp_ops.mask_2_4(weight.detach())
-    total = w.sum().item()
-    return (w * mask).sum().item() / total if total > 0 else 1.0
-
-
-@torch.no_grad()
-def _remask(module: nn.Module) -> None:
-    """``weight *= mask``; a weight sharded by FSDP2 (a DTensor) is multiplied by the same shard of the mask."""
-    w = module.weight
-    mask = get_mask(module, w.dtype)
-    if is_dtensor(w):
-        from torch.distributed.tensor import distribute_tensor
-
-        mask = distribute_tensor(mask, w.device_mesh, w.placements, src_data_rank=None)  # local split, no comm
-    w.mul_(mask)
-
-
-def _load_hook(module, incompatible_keys) -> None:
-    """After load_state_dict: the packed mask may have changed; re-apply it to the loaded weight."""
-    module._sp24_state.invalidate()
-    _remask(module)
+            remask(m)
 
 
 # ----------------------------------------------------------------------------------------------- permutation
@@ -211,42 +154,7 @@ def search_permutation(weight: torch.Tensor, iters: int = 2, max_pairs: int = 20
     return perm
 
 
-def _permute_pre_hook(module, args):
-    x, perm = args[0], getattr(module, PERM_BUFFER)
-    if isinstance(x, torch.Tensor) and (x.dim() == 0 or x.shape[-1] != perm.shape[0]):
-        # index_select would gather a wider x without error (and the layer compute on the wrong features)
-        raise ValueError(f"{type(module).__name__}(in_features={perm.shape[0]}) with an input permutation: x.shape[-1] "
-                         f"must equal in_features = {perm.shape[0]}, got x of shape {tuple(x.shape)}")
-    return (x.index_select(-1, perm), *args[1:])
-
-
 # ----------------------------------------------------------------------------------------------- prune
-def _attach_mask(m: nn.Module, mask: torch.Tensor, kept: float) -> None:
-    """Make ``m`` a pruned layer: the packed ``weight_mask`` buffer, its cache, the load hook; weight *= mask."""
-    m.register_buffer(MASK_BUFFER, sp_ops.pack_mask(mask.cpu()).to(m.weight.device))
-    m._sp24_state = _State(kept)
-    m.weight.mul_(mask.to(m.weight.dtype))
-    m.register_load_state_dict_post_hook(_load_hook)
-
-
-def _attach_permutation(m: nn.Module, perm: torch.Tensor) -> None:
-    m.register_buffer(PERM_BUFFER, perm.to(m.weight.device))
-    m.register_forward_pre_hook(_permute_pre_hook)
-
-
-@torch.no_grad()
-def prepare_pruned(m: nn.Module, permuted: bool = False) -> None:
-    """Give a fresh (unpruned) layer the buffers and hooks of a pruned one, so that the ``state_dict`` of a pruned
-    layer of this shape loads into it (``fastdl.load`` uses it). The mask is the weight's 2:4 magnitude mask until
-    the checkpoint replaces it."""
-    if is_pruned(m):
-        return
-    if permuted:
-        _attach_permutation(m, torch.arange(m.weight.shape[1]))
-    mask = sp_ops.mask_2_4(m.weight.detach())
-    _attach_mask(m, mask, kept_magnitude_fraction(m.weight, mask))
-
-
 @torch.no_grad()
 def prune(model: nn.Module, filter_fn=None, *, permute: bool = False) -> PruneReport:
     """Apply 2:4 magnitude masks to the chosen Linear layers of ``model`` (in place) and return a report.
@@ -274,10 +182,10 @@ def prune(model: nn.Module, filter_fn=None, *, permute: bool = False) -> PruneRe
             perm = search_permutation(w)
             if not torch.equal(perm, torch.arange(K, device=perm.device)):
                 w.copy_(w[:, perm])
-                _attach_permutation(m, perm)
+                attach_permutation(m, perm)
         mask = sp_ops.mask_2_4(w.detach())
         kept = kept_magnitude_fraction(w, mask)
-        _attach_mask(m, mask, kept)
+        attach_mask(m, mask, kept)
         report.pruned[name] = kept
     note_conversion(model)
     return report
@@ -332,7 +240,7 @@ class MaskedTraining:
     def apply(self) -> None:
         """Re-mask the weights now (done automatically after each optimizer step)."""
         for m in self.modules:
-            _remask(m)
+            remask(m)
 
     def remove(self) -> None:
         for h in self._handles:
@@ -450,6 +358,7 @@ __all__ = [
     "is_pruned",
     "kept_magnitude_fraction",
     "masks",
+    "prepare_pruned",
     "prune",
     "search_permutation",
     "sparsify",

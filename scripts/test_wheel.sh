@@ -3,6 +3,7 @@
 # a second, fresh virtual environment in another folder (torch from requirements/dev.txt, nothing of the checkout),
 # and from outside the checkout check that
 #   * `python -m fastdl info` loads the compiled extension and a converted model runs (int8_weight_only, fused);
+#   * fastdl.kernels is the installed package's kernels/ and fastdl.__path__ is the package folder alone;
 #   * `readelf -d` of fastdl/_C*.so names no path of the build environment (RUNPATH is $ORIGIN-relative);
 #   * the installed package is at most 15 MB (debug info stripped; FASTDL_DEBUG=1 would keep it).
 # Usage: bash scripts/test_wheel.sh     (env: VENV=the build environment, default .venv; KEEP=1 keeps the temp folder)
@@ -48,13 +49,19 @@ head -12 "$WORK/info.txt"
 grep -q "the build compiled:" "$WORK/info.txt" || { echo "!! fastdl info does not show what the build compiled" >&2; exit 1; }
 "$WORK/env/bin/python" - <<'PY'
 import copy
+import os
 
 import torch
 
 import fastdl
+import fastdl.kernels.constants
 
 assert fastdl.info(print_result=False)["extension"]["source"] == "aot", "the wheel's compiled extension did not load"
 assert "site-packages" in fastdl.__file__, fastdl.__file__
+# the package path is the package folder alone; fastdl.kernels is the wheel's (with the __init__.py setup.py wrote)
+here = os.path.dirname(fastdl.__file__)
+assert list(fastdl.__path__) == [here], fastdl.__path__
+assert os.path.dirname(fastdl.kernels.constants.__file__) == os.path.join(here, "kernels"), fastdl.kernels.constants
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 32))
 x = torch.randn(4, 64)

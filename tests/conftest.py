@@ -46,9 +46,9 @@ def _backport_interpreter_index():
 if os.environ.get("TRITON_INTERPRET") == "1":
     _backport_interpreter_index()
 
-# Layers choose their paths per input shape by timing them (fastdl.dispatch); a choice made by timing can differ
+# Layers choose their paths per input shape by timing them (fastdl.runtime_choice); a choice made by timing can differ
 # between runs and between processes, and many tests compare outputs bit for bit across processes. So the suite runs
-# the fixed paths unless a test sets the mode (tests/test_runtime_choice.py forces timings with dispatch.set_timer).
+# the fixed paths unless a test sets the mode (test_runtime_choice.py forces timings with runtime_choice.set_timer).
 # FASTDL_CHOICE=measure runs the suite with real choices; then the tests that compare processes bit for bit can fail
 # (each process times for itself: share decisions with fastdl.save_decisions / FASTDL_DECISIONS_DIR).
 os.environ.setdefault("FASTDL_CHOICE", "off")
@@ -195,3 +195,40 @@ def wait_no_loader_thread(timeout: float = 5.0) -> bool:
         gc.collect()
         time.sleep(0.02)
     return False
+
+
+class VirtualClock:
+    """A stand-in for the ``time`` module of a timing loop under test (``virtual_clock``): time passes only when a
+    call under test says how long it took (``spend``), plus ``tick`` seconds at each reading. A test then checks
+    the loop's rules (warm-up, rounds, budgets, slow-call bounds, which time counts) exactly, without reading the
+    wall clock of a shared machine."""
+
+    def __init__(self, tick: float = 0.0) -> None:
+        self.now = 0.0
+        self.tick = tick
+
+    def perf_counter(self) -> float:
+        self.now += self.tick
+        return self.now
+
+    monotonic = perf_counter
+    time = perf_counter
+
+    def spend(self, seconds: float) -> None:
+        self.now += seconds
+
+    sleep = spend
+
+
+@pytest.fixture
+def virtual_clock(monkeypatch):
+    """``clock = virtual_clock(module, ..., tick=0.0)``: a VirtualClock as the ``time`` of those modules (each reads
+    the clock through its own ``import time``) for this test."""
+
+    def install(*modules, tick: float = 0.0) -> VirtualClock:
+        clock = VirtualClock(tick)
+        for module in modules:
+            monkeypatch.setattr(module, "time", clock)
+        return clock
+
+    return install

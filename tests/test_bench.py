@@ -5,7 +5,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -109,19 +108,30 @@ def test_pytorch_capped_below_fastdl_is_warned(monkeypatch, level, warned):
     assert any("but fastdl is not" in w for w in warnings) == warned, warnings
 
 
-def test_slow_call_is_timed_fewer_times_and_marked():
+def test_slow_call_is_timed_fewer_times_and_marked(virtual_clock):
+    clock = virtual_clock(common)  # calls take the time they say, on a clock only they advance
     calls = []
 
     def slow():
         calls.append(1)
-        time.sleep(0.03)
+        clock.spend(0.03)
+
+    def fast():
+        clock.spend(0.001)
 
     t = common.time_fn(slow, slow_call_s=0.01, min_reps=10, budget_s=5)
-    assert t.reduced and t.reps <= 2 and len(calls) <= 3
-    fast = common.time_fn(lambda: None, min_reps=10, budget_s=0.01)
-    assert not fast.reduced and fast.reps >= 10
-    out = common.interleaved({"slow": slow, "fast": lambda: None}, budget_s=0.02, min_reps=5, slow_call_s=0.01)
-    assert out["slow"].reduced and not out["fast"].reduced and out["fast"].reps >= 5
+    # the probe (30 ms > 10 ms) makes it a slow baseline: 2 more calls (1 beyond 4 x slow_call_s), no warm-up
+    assert t.reduced and t.reps == 2 and len(calls) == 3 and t == pytest.approx(0.03)
+    calls.clear()
+    t = common.time_fn(slow, slow_call_s=0.005, min_reps=10, budget_s=5)
+    assert t.reduced and t.reps == 1 and len(calls) == 2
+    t = common.time_fn(lambda: clock.spend(2 * common.VERY_SLOW_CALL_S), min_reps=10)
+    assert t.reduced and t.reps == 1  # past VERY_SLOW_CALL_S the probe is the measurement
+    t = common.time_fn(fast, min_reps=10, budget_s=0.01)
+    assert not t.reduced and t.reps == 10 and t == pytest.approx(0.001)  # min_reps calls fill the 10 ms budget
+    out = common.interleaved({"slow": slow, "fast": fast}, budget_s=0.02, min_reps=5, slow_call_s=0.01)
+    assert out["slow"].reduced and out["slow"].reps == 2 and not out["fast"].reduced
+    assert out["fast"].reps == 20 and out["fast"] == pytest.approx(0.001)  # min_reps rounds, then the 20 ms budget
 
 
 def test_interleaved_rounds_rotate_so_no_function_always_follows_the_same_one():
@@ -347,7 +357,7 @@ def test_bench_tables_update_refreshes_one_column_by_row_key():
         mod.update_column(text, "avx9", run)
 
 
-def test_compile_baseline_is_warmed_up_not_timed_as_its_compile(monkeypatch, capsys):
+def test_compile_baseline_is_warmed_up_not_timed_as_its_compile(monkeypatch, capsys, virtual_clock):
     """The first call of a compiled function compiles it (seconds): the fused_linear bench makes that call untimed
     and reports the compile time on its own line, so the compile row is a per-call time (issue 33)."""
     import argparse
@@ -356,12 +366,18 @@ def test_compile_baseline_is_warmed_up_not_timed_as_its_compile(monkeypatch, cap
 
     from fastdl.bench import fused_linear as bench_fl
 
+    # the bench's clock: time passes only as the calls say (the compile: 0.4 s), 1 us at each reading; the matmul
+    # peak (% columns) is given, not measured (its time budget would never run out on this clock)
+    clock = virtual_clock(common, bench_fl, tick=1e-6)
+    for dtype in (torch.bfloat16, torch.float32):
+        monkeypatch.setitem(common._PEAK_CACHE, ("cpu", dtype), 1e11)
+
     def fake_compile(fn, **_):  # a "compiled" function whose first call takes 0.4 s, like a compile
         state = {"compiled": False}
 
         def call(*a):
             if not state["compiled"]:
-                time.sleep(0.4)
+                clock.spend(0.4)
                 state["compiled"] = True
             return fn(*a)
 
@@ -376,8 +392,8 @@ def test_compile_baseline_is_warmed_up_not_timed_as_its_compile(monkeypatch, cap
     rows = bench_fl.run(p.parse_args(["--m", "1", "--kn", "64", "64", "--modes", "fwd_fp32", "--budget", "0.01"]))
     bench_fl._COMPILED.clear()
     compiled = [r for r in rows if r["provider"] == "compile"]
-    assert compiled and compiled[0]["ms"] < 100, compiled  # a call of F.linear at 1x64x64, not the 400 ms compile
-    assert "to compile fwd_fp32 M=1 K=64 N=64" in capsys.readouterr().out
+    assert compiled and compiled[0]["ms"] < 1, compiled  # a call (a few clock readings), not the 400 ms compile
+    assert "0.4 s to compile fwd_fp32 M=1 K=64 N=64" in capsys.readouterr().out
 
 
 def test_dram_read_bandwidth_is_a_positive_finite_rate():

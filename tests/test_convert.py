@@ -53,7 +53,7 @@ def test_filter_fn_and_unknown_policy():
 @pytest.fixture
 def timer():
     """Install a fake timer: ``timer.set(fn)`` with ``fn(name, info) -> seconds``; records every timed name."""
-    from fastdl import dispatch
+    from fastdl import runtime_choice
 
     class T:
         calls: list = []
@@ -63,15 +63,15 @@ def timer():
                 self.calls.extend(calls)
                 return {name: fn(name, info) for name in calls}
 
-            dispatch.set_timer(fake)
+            runtime_choice.set_timer(fake)
 
     convert_mod._DECISIONS.clear()
-    dispatch.clear_decisions()
+    runtime_choice.clear_decisions()
     t = T()
     t.calls = []
     yield t
-    dispatch.set_timer(None)
-    dispatch.clear_decisions()
+    runtime_choice.set_timer(None)
+    runtime_choice.clear_decisions()
     convert_mod._DECISIONS.clear()
 
 

@@ -246,7 +246,7 @@ def test_torch_reference_exact_where_int_mm_saturates():
     the torch backend then uses its float64 product, bit for bit exact at +-127 x +-127 / -128."""
     script = """
 import torch
-from fastdl.ops import int8 as o
+from fastdl.ops import _int8_formats as o
 K = 4096
 a = torch.full((2, K), 127, dtype=torch.int8); a[1, ::2] = -127
 b = torch.full((3, K), 127, dtype=torch.int8); b[1] = -128; b[2, 1::2] = -128

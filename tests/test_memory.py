@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import fastdl
-from fastdl import dispatch
+from fastdl import runtime_choice as dispatch
 from fastdl.nn import DENSE_COPY_FREE_BYTES, Int8Linear, Sparse24Linear
 
 DENSE_PATHS = ("dequant", "dequant_fused", "dense", "dense_fused")
@@ -139,7 +139,7 @@ _RSS_SCRIPT = textwrap.dedent("""
     import gc, json, sys, torch
     from torch import nn
     import fastdl
-    from fastdl import dispatch
+    from fastdl import runtime_choice as dispatch
 
     def rss():
         with open("/proc/self/status") as f:

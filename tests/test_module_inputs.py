@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fastdl
-from fastdl import dispatch, sparsity
+from fastdl import runtime_choice, sparsity
 from fastdl.nn import CheckpointError, FusedLinear, Int8Linear, Sparse24Linear
 from fastdl.nn._base import decode_extra_state, encode_extra_state
 
@@ -113,18 +113,18 @@ def test_wrong_in_features_on_a_decided_aten_or_dequant_path():
 @pytest.fixture
 def measuring():
     """Run-time choice on, timings faked (every path equally fast: the default wins)."""
-    prev_mode = dispatch.set_choice_mode("measure")
+    prev_mode = runtime_choice.set_choice_mode("measure")
     def timer(calls, device, info):
         for call in calls.values():
             call()  # each path runs on the input, as with the real timer
         return dict.fromkeys(calls, 1.0)
 
-    prev_timer = dispatch.set_timer(timer)
-    dispatch.clear_decisions()
+    prev_timer = runtime_choice.set_timer(timer)
+    runtime_choice.clear_decisions()
     yield
-    dispatch.set_timer(prev_timer)
-    dispatch.set_choice_mode(prev_mode)
-    dispatch.clear_decisions()
+    runtime_choice.set_timer(prev_timer)
+    runtime_choice.set_choice_mode(prev_mode)
+    runtime_choice.clear_decisions()
 
 
 @pytest.mark.parametrize("case", ["FusedLinear", "Int8Linear-dynamic", "Sparse24Linear-auto"])

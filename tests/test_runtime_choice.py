@@ -1,4 +1,4 @@
-"""Run-time choice of a layer's path per bucket of input rows (fastdl.dispatch), its decision cache, and
+"""Run-time choice of a layer's path per bucket of input rows (fastdl.runtime_choice), its decision cache, and
 convert("auto") over a workload. Timings are forced with a fake timer, so every choice here is deterministic."""
 
 import json
@@ -12,7 +12,7 @@ from conftest import rel_err
 from torch import nn
 
 import fastdl
-from fastdl import dispatch
+from fastdl import runtime_choice
 from fastdl.nn import FusedLinear, Int8Linear, Sparse24Linear
 from fastdl.ops import int8 as int8_ops
 
@@ -48,14 +48,14 @@ def timer():
 
     convert_mod = importlib.import_module("fastdl.convert")
     t = FakeTimer()
-    prev_mode = dispatch.set_choice_mode("measure")
-    dispatch.clear_decisions()
+    prev_mode = runtime_choice.set_choice_mode("measure")
+    runtime_choice.clear_decisions()
     convert_mod._DECISIONS.clear()
-    dispatch.set_timer(t)
+    runtime_choice.set_timer(t)
     yield t
-    dispatch.set_timer(None)
-    dispatch.set_choice_mode(prev_mode)
-    dispatch.clear_decisions()
+    runtime_choice.set_timer(None)
+    runtime_choice.set_choice_mode(prev_mode)
+    runtime_choice.clear_decisions()
     convert_mod._DECISIONS.clear()
 
 
@@ -70,9 +70,9 @@ def _linear(k=64, n=48, seed=0):
 
 # ------------------------------------------------------------------------------------------------ buckets and keys
 def test_buckets_are_powers_of_two():
-    assert [dispatch.bucket_of(m) for m in (0, 1, 2, 3, 4, 7, 8, 15, 16, 480, 512)] == [0, 1, 2, 2, 3, 3, 4, 4, 5, 9,
-                                                                                         10]
-    assert dispatch.bucket_label(5) == "M 16-31" and dispatch.bucket_label(1) == "M 1"
+    rows = (0, 1, 2, 3, 4, 7, 8, 15, 16, 480, 512)
+    assert [runtime_choice.bucket_of(m) for m in rows] == [0, 1, 2, 2, 3, 3, 4, 4, 5, 9, 10]
+    assert runtime_choice.bucket_label(5) == "M 16-31" and runtime_choice.bucket_label(1) == "M 1"
 
 
 def test_decision_key_names_the_cpu_isa_threads_dtype_shape_and_bucket(timer):
@@ -80,7 +80,7 @@ def test_decision_key_names_the_cpu_isa_threads_dtype_shape_and_bucket(timer):
     f = FusedLinear.from_linear(_linear(), "gelu")
     with torch.no_grad():
         f(torch.randn(5, 64))
-    [d] = dispatch.decisions()
+    [d] = runtime_choice.decisions()
     cpu = fastdl.info()["cpu"]
     assert cpu["model"] in d["machine"] and f"|{cpu['level']}|" in d["machine"]
     assert d["machine"].endswith(f"|{torch.get_num_threads()}t")
@@ -336,13 +336,13 @@ def test_compiled_layer_uses_a_decision_made_before_tracing(timer):
 # ------------------------------------------------------------------------------------------------ off / cached modes
 def test_off_mode_and_per_layer_switch_run_the_default_path(timer):
     f = FusedLinear.from_linear(_linear(), "gelu")
-    prev = dispatch.set_choice_mode("off")
+    prev = runtime_choice.set_choice_mode("off")
     try:
         with torch.no_grad():
             f(torch.randn(4, 64))  # the timer would raise
         assert _paths(f) == {3: "fused"}
     finally:
-        dispatch.set_choice_mode(prev)
+        runtime_choice.set_choice_mode(prev)
     assert _paths(f) == {}  # a mode change forgets the local decisions
     g = FusedLinear.from_linear(_linear(), "gelu")
     g.runtime_choice = False
@@ -350,11 +350,11 @@ def test_off_mode_and_per_layer_switch_run_the_default_path(timer):
         g(torch.randn(4, 64))
     assert _paths(g) == {3: "fused"} and not timer.timed
     with pytest.raises(ValueError, match="mode must be one of"):
-        dispatch.set_choice_mode("fast")
+        runtime_choice.set_choice_mode("fast")
 
 
 def test_env_var_sets_the_mode_in_a_fresh_process():
-    code = "import fastdl; print(fastdl.dispatch.choice_mode())"
+    code = "import fastdl; print(fastdl.runtime_choice.choice_mode())"
     for value, expected in (("off", "off"), ("cached", "cached"), ("measure", "measure"), ("fastest", "measure")):
         env = dict(os.environ, FASTDL_CHOICE=value)
         out = subprocess.run([sys.executable, "-W", "always", "-c", code], env=env, capture_output=True, text=True,
@@ -383,11 +383,11 @@ def test_save_load_round_trip_and_cached_mode(timer, tmp_path):
     doc = json.loads(path.read_text())
     assert doc["format"] == "fastdl.decisions" and doc["version"] == 1
     assert {(e["bucket"], e["path"]) for e in doc["decisions"]} == {(2, "aten"), (7, "fused")}
-    saved = fastdl.dispatch.decisions()
-    dispatch.clear_decisions()
-    assert fastdl.dispatch.decisions() == []
+    saved = fastdl.runtime_choice.decisions()
+    runtime_choice.clear_decisions()
+    assert fastdl.runtime_choice.decisions() == []
     assert fastdl.load_decisions(path) == 2
-    loaded = fastdl.dispatch.decisions()
+    loaded = fastdl.runtime_choice.decisions()
     assert [{**e, "source": None} for e in loaded] == [{**e, "source": None} for e in saved]
     assert all(e["source"] == "loaded" for e in loaded)
     timer.fn = None  # nothing may be timed now: a new layer of the same shape uses the loaded decisions
@@ -396,14 +396,14 @@ def test_save_load_round_trip_and_cached_mode(timer, tmp_path):
         g(torch.randn(3, 64))
         g(torch.randn(120, 64))
     assert _paths(g) == {2: "aten", 7: "fused"}
-    prev = dispatch.set_choice_mode("cached")  # cached: a new bucket runs the default path, untimed, undecided
+    prev = runtime_choice.set_choice_mode("cached")  # cached: a new bucket runs the default path, untimed, undecided
     try:
         with torch.no_grad():
             g(torch.randn(20, 64))
             g(torch.randn(3, 64))
         assert _paths(g) == {2: "aten"}
     finally:
-        dispatch.set_choice_mode(prev)
+        runtime_choice.set_choice_mode(prev)
 
 
 def test_load_rejects_other_files(tmp_path):
@@ -425,10 +425,10 @@ def test_cache_directory_is_written_and_read(timer, tmp_path, monkeypatch):
     q = Int8Linear.from_linear(_linear(), mode="dynamic")
     with torch.no_grad():
         q(torch.randn(4, 64))
-    f = tmp_path / "cache" / dispatch.FILE_NAME
+    f = tmp_path / "cache" / runtime_choice.FILE_NAME
     assert f.is_file() and json.loads(f.read_text())["decisions"][0]["path"] == "dequant"
-    dispatch.clear_decisions()
-    monkeypatch.setattr(dispatch._STATE, "dir_loaded", False)  # as in a new process
+    runtime_choice.clear_decisions()
+    monkeypatch.setattr(runtime_choice._STATE, "dir_loaded", False)  # as in a new process
     timer.fn = None
     q2 = Int8Linear.from_linear(_linear(seed=2), mode="dynamic")
     with torch.no_grad():
@@ -445,8 +445,8 @@ def test_deepcopy_and_device_moves_keep_modules_consistent(timer):
         f(torch.randn(4, 64))
     g = copy.deepcopy(f)
     assert _paths(g) == {3: "aten"}
-    prev = dispatch.set_choice_mode("off")  # the copy is registered too: it forgets its decisions with the others
-    dispatch.set_choice_mode(prev)
+    prev = runtime_choice.set_choice_mode("off")  # the copy is registered too: it forgets its decisions with the others
+    runtime_choice.set_choice_mode(prev)
     assert _paths(g) == {}
     f.double()
     assert _paths(f) == {}
@@ -483,7 +483,7 @@ def test_convert_auto_over_a_workload_picks_per_layer_consistently(timer):
             out[name] = 1.0 if name.startswith("original") else tables[info["layer"]](kind, path, info["rows"] < 64)
         return out
 
-    dispatch.set_timer(fake)
+    runtime_choice.set_timer(fake)
     model = _mlp()
     ref_model = _mlp()
     workload = [torch.randn(b, 16, 64) for b in (1, 8)]  # 16 and 128 rows
@@ -525,7 +525,7 @@ def test_convert_auto_never_slower_by_more_than_noise(timer):
     import importlib
 
     importlib.import_module("fastdl.convert")._DECISIONS.clear()
-    dispatch.clear_decisions()
+    runtime_choice.clear_decisions()
     timer.fn = lambda name, rows: {"original": 1.0, "original#2": 1.04}.get(name, 0.5 if rows < 64 else 1.07)
     model = _mlp()
     fastdl.convert(model, "auto", workload=[torch.randn(1, 16, 64), torch.randn(8, 16, 64)], candidates=("fused",))
@@ -561,31 +561,53 @@ def test_fixed_policy_with_a_workload_decides_now_and_reports_buckets(timer):
     assert "M 16-31" in text and "kernel 1e+03" in text and "dequant" in text
 
 
-def _counted_sleeps(counts: dict, **seconds):
-    """{name: a call that counts its runs in counts[name] and sleeps seconds[name]}."""
-    import time
+def _counted_calls(clock, counts: dict, **costs):
+    """{name: a call that counts its runs in counts[name] and takes costs[name] seconds on the virtual clock: a number,
+    or a list (one cost per call, the last one repeated)}."""
 
-    def call(name, secs):
+    def call(name, cost):
+        seq = list(cost) if isinstance(cost, (list, tuple)) else [cost]
+
         def f():
+            clock.spend(seq[min(counts[name], len(seq) - 1)])
             counts[name] += 1
-            time.sleep(secs)
 
         return f
 
-    return {name: call(name, secs) for name, secs in seconds.items()}
+    return {name: call(name, cost) for name, cost in costs.items()}
 
 
-def test_real_timer_orders_calls_and_bounds_its_cost():
-    import time
-
+def test_timer_keeps_each_paths_fastest_call_and_stops_once_two_calls_agree(virtual_clock):
+    clock = virtual_clock(runtime_choice)
     counts = {"fast": 0, "slow": 0}
-    t0 = time.perf_counter()
-    times = dispatch.time_calls(_counted_sleeps(counts, fast=0.001, slow=0.004), torch.device("cpu"))
-    wall = time.perf_counter() - t0
-    assert times["fast"] < times["slow"] and times["fast"] >= 0.001
-    # one warm-up, then MIN_REPS..MAX_REPS rounds; past MAX_BUDGET_S per path it stops after the round
-    assert 1 + dispatch.MIN_REPS <= counts["fast"] == counts["slow"] <= 1 + dispatch.MAX_REPS
-    assert wall < 2 * (dispatch.MAX_BUDGET_S * 2 + 2 * (0.001 + 0.004)) + 0.5
+    # the warm-up, then fast's first timed call is hit by interference (3 ms instead of 1 ms)
+    calls = _counted_calls(clock, counts, fast=[0.001, 0.003, 0.001], slow=0.004)
+    times, settled = runtime_choice._time_calls(calls, torch.device("cpu"), None)
+    assert settled and times == pytest.approx({"fast": 0.001, "slow": 0.004})  # the minimum, not the first or median
+    # one warm-up, then MIN_REPS rounds: BUDGET_S per path is spent by then and two calls of each path agree
+    assert counts == {"fast": 1 + runtime_choice.MIN_REPS, "slow": 1 + runtime_choice.MIN_REPS}
+
+
+def test_timer_stops_after_the_round_that_spends_its_max_budget_when_calls_never_agree(virtual_clock):
+    clock = virtual_clock(runtime_choice)
+    counts = {"a": 0, "b": 0}
+    growth = 1.1  # each call 10 % slower than the one before: no two calls of a path agree within SETTLED (3 %)
+    cost = {"a": 0.001, "b": 0.0015}
+    calls = _counted_calls(clock, counts, **{n: [c * growth**i for i in range(40)] for n, c in cost.items()})
+    times, settled = runtime_choice._time_calls(calls, torch.device("cpu"), None)
+    assert not settled and times == pytest.approx({n: c * growth for n, c in cost.items()})  # the first timed call
+    rounds = spent = 0.0
+    while True:  # the rule: after MIN_REPS rounds, stop at the first round that ends past MAX_BUDGET_S per path
+        rounds += 1
+        spent += sum(c * growth**rounds for c in cost.values())
+        if rounds >= runtime_choice.MIN_REPS and spent >= 2 * runtime_choice.MAX_BUDGET_S:
+            break
+        if rounds == runtime_choice.MAX_REPS:
+            break
+    assert counts == {"a": 1 + rounds, "b": 1 + rounds} and runtime_choice.MIN_REPS < rounds < runtime_choice.MAX_REPS
+    # the bound: the timed rounds overshoot 2 x MAX_BUDGET_S by less than one round
+    last_round = sum(c * growth**rounds for c in cost.values())
+    assert 2 * runtime_choice.MAX_BUDGET_S <= spent < 2 * runtime_choice.MAX_BUDGET_S + last_round
 
 
 def test_an_unsettled_timing_is_provisional_and_timed_again_at_most_retries_times(timer, monkeypatch):
@@ -598,48 +620,49 @@ def test_an_unsettled_timing_is_provisional_and_timed_again_at_most_retries_time
         timings.append(info["rows"])
         return next(results), False
 
-    monkeypatch.setattr(dispatch, "_time_calls", unsettled)
+    monkeypatch.setattr(runtime_choice, "_time_calls", unsettled)
     f = FusedLinear.from_linear(_linear(), "gelu")
     x = torch.randn(5, 64)
     with torch.no_grad():
         ref = f(x)
-        [d] = dispatch.decisions()
+        [d] = runtime_choice.decisions()
         assert (d["path"], d["source"]) == ("fused", "provisional")
         with torch.enable_grad():
             f(x)  # a call that may not time uses the provisional decision and does not time
         assert len(timings) == 1
         f(x)
-        [d] = dispatch.decisions()
+        [d] = runtime_choice.decisions()
         assert (d["path"], d["source"], d["times_ms"]) == ("aten", "provisional", {"fused": 3.0, "aten": 1.0})
         out = f(x)
-        [d] = dispatch.decisions()
+        [d] = runtime_choice.decisions()
         assert (d["path"], d["source"]) == ("aten", "measured")  # the last retry decides for good
         f(x)
         f(torch.randn(7, 64))
-    assert timings == [5, 5, 5] and len(timings) == 1 + dispatch.RETRIES
+    assert timings == [5, 5, 5] and len(timings) == 1 + runtime_choice.RETRIES
     torch.testing.assert_close(out, ref)
 
 
-class _SleepyLayer(dispatch.RuntimeChoice, nn.Module):
-    """Two paths that take ``seconds[path]`` a call (sleeps: only ever longer, never shorter), counting their calls."""
+class _TimedLayer(runtime_choice.RuntimeChoice, nn.Module):
+    """Two paths whose calls take ``seconds[path]`` on the virtual clock (a number, or one per call, the last one
+    repeated), counting their calls."""
 
-    def __init__(self, seconds):
+    def __init__(self, clock, seconds):
         super().__init__()
-        self.seconds = seconds
+        self.clock, self.seconds = clock, seconds
         self.calls = {p: 0 for p in seconds}
         self._init_choice()
 
     def _choice_layer(self):
-        return ("SleepyLayer", id(self))
+        return ("TimedLayer", id(self))
 
     def _choice_paths(self, x):
         return tuple(self.seconds)
 
     def _run_path(self, path, x):
-        import time
-
+        cost = self.seconds[path]
+        seq = list(cost) if isinstance(cost, (list, tuple)) else [cost]
+        self.clock.spend(seq[min(self.calls[path], len(seq) - 1)])
         self.calls[path] += 1
-        time.sleep(self.seconds[path])
         return x + 0
 
     def forward(self, x):
@@ -647,36 +670,41 @@ class _SleepyLayer(dispatch.RuntimeChoice, nn.Module):
         return self._run_path(self._choice_local.get(key) or self._choose(x, key), x)
 
 
-@pytest.mark.parametrize("seconds, chosen", [({"a": 0.012, "b": 0.006}, "b"), ({"a": 0.006, "b": 0.012}, "a")])
-def test_long_calls_are_timed_twice_per_path_and_the_decision_is_final(seconds, chosen):
-    # calls of LONG_CALL_S or more (e.g. 45+ ms at M >= 128, K = N = 4096): the warm-up and one timed call of each path,
-    # a final decision (never provisional, so no re-timing on the next calls), and never the path measured slower
-    assert min(seconds.values()) >= dispatch.LONG_CALL_S
-    prev_timer, prev_mode = dispatch.set_timer(None), dispatch.set_choice_mode("measure")
-    dispatch.clear_decisions()
+@pytest.mark.parametrize("seconds, chosen, times_ms", [
+    ({"a": 0.012, "b": [0.030, 0.006]}, "b", {"a": 12.0, "b": 6.0}),  # b's warm-up builds a cache: its timed call wins
+    ({"a": [0.006, 0.040], "b": 0.012}, "a", {"a": 6.0, "b": 12.0}),  # a's timed call is hit by interference
+])  # fmt: skip
+def test_long_calls_are_timed_twice_per_path_and_the_decision_is_final(seconds, chosen, times_ms, virtual_clock):
+    # calls of LONG_CALL_S or more (e.g. 45+ ms at M >= 128, K = N = 4096): the warm-up and one timed call of each path
+    # (the faster of the two is the path's time), a final decision (never provisional, so no re-timing on the next
+    # calls), and never the path measured slower
+    clock = virtual_clock(runtime_choice)
+    prev_timer, prev_mode = runtime_choice.set_timer(None), runtime_choice.set_choice_mode("measure")
+    runtime_choice.clear_decisions()
     try:
-        layer = _SleepyLayer(seconds)
+        layer = _TimedLayer(clock, seconds)
         x = torch.randn(256, 8)
         with torch.no_grad():
             layer(x)
             assert layer.calls[chosen] == 3 and sum(layer.calls.values()) == 5  # 2 timing calls each, then its own
-            [d] = dispatch.decisions()
+            [d] = runtime_choice.decisions()
             assert d["path"] == chosen and d["source"] == "measured"
-            assert d["times_ms"][chosen] < min(v for p, v in d["times_ms"].items() if p != chosen)
+            assert d["times_ms"] == pytest.approx(times_ms)
             for _ in range(3):
                 layer(x)  # settled: only the chosen path runs
             assert layer.calls[chosen] == 6 and sum(layer.calls.values()) == 8
     finally:
-        dispatch.set_timer(prev_timer)
-        dispatch.set_choice_mode(prev_mode)
-        dispatch.clear_decisions()
+        runtime_choice.set_timer(prev_timer)
+        runtime_choice.set_choice_mode(prev_mode)
+        runtime_choice.clear_decisions()
 
 
-def test_time_calls_long_call_bound_counts_calls():
+def test_time_calls_long_call_bound_counts_calls(virtual_clock):
+    clock = virtual_clock(runtime_choice)
     counts = {"fast": 0, "slow": 0}
-    calls = _counted_sleeps(counts, fast=0.0055, slow=0.011)
-    times = dispatch.time_calls(calls, torch.device("cpu"), long_call_s=dispatch.LONG_CALL_S)
-    assert counts == {"fast": 2, "slow": 2} and 0.0055 <= times["fast"] < times["slow"]
+    calls = _counted_calls(clock, counts, fast=0.0055, slow=0.011)
+    times = runtime_choice.time_calls(calls, torch.device("cpu"), long_call_s=runtime_choice.LONG_CALL_S)
+    assert counts == {"fast": 2, "slow": 2} and times == pytest.approx({"fast": 0.0055, "slow": 0.011})
     counts.update(fast=0, slow=0)
-    dispatch.time_calls(calls, torch.device("cpu"))  # no bound given (fastdl.convert): MIN_REPS rounds at least
-    assert counts["fast"] == counts["slow"] >= 1 + dispatch.MIN_REPS
+    runtime_choice.time_calls(calls, torch.device("cpu"))  # no bound given (fastdl.convert): MIN_REPS rounds at least
+    assert counts == {"fast": 1 + runtime_choice.MIN_REPS, "slow": 1 + runtime_choice.MIN_REPS}

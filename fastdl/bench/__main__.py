@@ -1,5 +1,7 @@
+"""``python -m fastdl.bench <name> [options]``: ``fastdl bench <name> [options]`` (fastdl.bench.command)."""
+
 import sys
 
-from ..cli import main
+from .command import main
 
-main(["bench", *(sys.argv[1:] or ["fused_linear"])])
+sys.exit(main())

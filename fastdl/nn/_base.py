@@ -273,7 +273,7 @@ class VersionedModule(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self._weight_cache = WeightCache()
-        init_choice = getattr(self, "_init_choice", None)  # modules that choose a path per input (fastdl.dispatch)
+        init_choice = getattr(self, "_init_choice", None)  # modules that choose a path per input (runtime_choice.py)
         if init_choice is not None:
             init_choice()
 

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ops
-from ..dispatch import RuntimeChoice
 from ..ops.fused_linear import activation_fn, activation_module, check_activation
+from ..runtime_choice import RuntimeChoice
 from ._base import check_dtype_arg, input_error, raise_input_error
 
 
@@ -39,7 +39,7 @@ class FusedLinear(RuntimeChoice, nn.Module):
 
     activation: ``"none" | "relu" | "gelu" | "gelu_tanh" | "silu"`` ("gelu" is the exact erf form).
 
-    Paths, chosen per bucket of input rows (``fastdl.dispatch``): ``"fused"`` (``fastdl.ops.fused_linear``, the
+    Paths, chosen per bucket of input rows (``fastdl.runtime_choice``): ``"fused"`` (``fastdl.ops.fused_linear``, the
     default) or ``"aten"`` (``F.linear`` + the activation (+ residual) in PyTorch: what the original layer computed;
     offered when the weight, bias and residual have x's dtype, i.e. not for fp32 master weights with bf16 inputs).
     ``runtime_choice = False`` pins the fused path.
@@ -94,7 +94,7 @@ class FusedLinear(RuntimeChoice, nn.Module):
             raise_input_error(self, x, exc)
             raise
 
-    # ------------------------------------------------------------------------------ run-time choice (dispatch)
+    # ------------------------------------------------------------------------ run-time choice (fastdl.runtime_choice)
     def _choice_layer(self) -> tuple:
         return ("FusedLinear", self.in_features, self.out_features, self.bias is not None, self.activation)
 

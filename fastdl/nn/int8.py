@@ -23,7 +23,7 @@ into a kept full-size copy.
 Paths (inference layers): the layer runs its int8 op (``"kernel"``). Two more paths need a dense copy of the weight
 (``out x in`` in x's dtype: in fp32 4x the int8 weight, what the original ``nn.Linear`` held): ``"dequant"``
 (``F.linear`` on it) and, on the CPU with the C++ kernels, ``"dequant_fused"`` (``fastdl.ops.fused_linear`` on it).
-They are candidates of the run-time choice (per bucket of input rows, ``fastdl.dispatch``: measured on the first
+They are candidates of the run-time choice (per bucket of input rows, ``fastdl.runtime_choice``: measured on the first
 no-grad call at the bucket, cached, saved with ``fastdl.save_decisions``) only when the layer may keep that copy: a
 user opts in with ``layer.dense_copy = True`` (the copy is then kept while a bucket of that dtype chooses one of
 them; ``cache_bytes()`` counts it, ``release_caches()`` drops it), or the copy is tiny (at most
@@ -61,10 +61,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import backends
-from ..dispatch import RuntimeChoice
 from ..ops import int8 as int8_ops
 from ..ops.fused_linear import fused_linear as _fused_linear
+from ..ops.fused_linear import has_cpu_kernel as _fused_linear_on_cpu
+from ..runtime_choice import RuntimeChoice
 from ._base import (
     FLOAT_DTYPES,
     DenseCopyOption,
@@ -134,7 +134,7 @@ def _dequantize(q, s, g) -> torch.Tensor:
 
 def _cpu_packing_available() -> bool:
     """The packed weight is worth holding only when a kernel that reads it serves int8_linear on the CPU."""
-    return backends.available("cpp", "int8_linear", "cpu")[0]
+    return int8_ops.has_cpu_kernel()
 
 
 class Int8Linear(DenseCopyOption, RuntimeChoice, VersionedModule):
@@ -345,7 +345,7 @@ class Int8Linear(DenseCopyOption, RuntimeChoice, VersionedModule):
             raise err
         if self.trainable or x.is_meta or not dense_copy_allowed(self, x.dtype):
             return ("kernel",)
-        if x.device.type == "cpu" and x.dtype != torch.float16 and backends.available("cpp", "fused_linear", "cpu")[0]:
+        if x.device.type == "cpu" and x.dtype != torch.float16 and _fused_linear_on_cpu():
             return ("kernel", "dequant", "dequant_fused")
         return ("kernel", "dequant")
 

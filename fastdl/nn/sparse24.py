@@ -28,7 +28,7 @@ path must run anyway (a dtype with no CPU kernel, CUDA without the semi-structur
 it is the compressed weight in cuSPARSELt's layout.
 
 ``mode="auto"`` (default) chooses per bucket of input rows M (powers of two) among the paths that apply, measured
-on the first no-grad call at the bucket (``fastdl.dispatch``: the decision is cached per process, keyed by CPU/GPU,
+on the first no-grad call at the bucket (``fastdl.runtime_choice``: the decision is kept per process, keyed by CPU/GPU,
 dtype, shape and bucket, and can be saved). Without a decision (calls with autograd or inside ``torch.compile`` at
 a new bucket, ``FASTDL_CHOICE=off``, ``runtime_choice = False``) it uses the fixed rule: CPU: ``sparse``, or, where
 the dense copy may be kept, ``sparse`` below ``dense_threshold`` (default 256) rows and ``dense`` from there; CUDA:
@@ -55,10 +55,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import backends
-from ..dispatch import RuntimeChoice
 from ..ops import sparse24 as sp_ops
 from ..ops.fused_linear import activation_fn, check_activation, fused_linear
+from ..ops.fused_linear import has_cpu_kernel as _fused_linear_on_cpu
+from ..runtime_choice import RuntimeChoice
 from ._base import (
     FLOAT_DTYPES,
     DenseCopyOption,
@@ -460,7 +460,7 @@ class Sparse24Linear(DenseCopyOption, RuntimeChoice, VersionedModule):
             paths = ("sparse",)
             if dense:
                 paths += ("dense",)
-                if backends.available("cpp", "fused_linear", "cpu")[0]:
+                if _fused_linear_on_cpu():
                     paths += ("dense_fused",)
         else:
             paths = ("dense",)

@@ -405,6 +405,13 @@ def define(
     return op
 
 
+def has_cpp_kernel(name: str, device_type: str) -> bool:
+    """True when the compiled extension serves ``fastdl::name`` on ``device_type`` (loaded, and built with that
+    kernel), whatever backend the current ``FASTDL_BACKEND`` / ``use_backend`` would pick. Each capability's module
+    asks it through its own ``has_cpu_kernel()``: the modules in ``fastdl.nn`` call those, never ``backends``."""
+    return backends.available("cpp", name, device_type)[0]
+
+
 _CPP_AUTOGRAD: dict[str, bool] = {}
 
 

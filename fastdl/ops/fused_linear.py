@@ -23,6 +23,7 @@ from ..kernels.constants import ACTIVATIONS as KERNEL_ACTIVATIONS
 from ._library import (
     define,
     grad_of,
+    has_cpp_kernel,
     register_autocast_rule,
     register_autograd,
     require,
@@ -199,6 +200,13 @@ fused_linear_op = define(
     check=lambda x, w, b, act, res, save: check_args(x, w, b, act, res),
     cpp_autograd=True,  # csrc/fused_linear_autograd.cpp
 )
+
+
+def has_cpu_kernel() -> bool:
+    """True when fastdl's C++ kernel serves fused_linear on the CPU. The run-time path candidates that go through
+    fused_linear on the CPU (``Int8Linear``'s ``"dequant_fused"``, ``Sparse24Linear``'s ``"dense_fused"``: the
+    dequantized or decompressed weight in fastdl's GEMM) are offered only then."""
+    return has_cpp_kernel("fused_linear", "cpu")
 
 
 # ----------------------------------------------------------------------------------------------- backward op

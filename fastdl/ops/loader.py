@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import backends
 from ._library import define, require, require_device, require_dtype
 
 FILL_SCHEMA = "(Tensor[] src, Tensor(a!) dst, int[] offsets, int[] keep_strides, int num_threads) -> ()"
@@ -153,6 +154,46 @@ loader_use_count_op = define(
     prefer={"cpu": ("cpp", "torch"), "cuda": ("torch",)},
     check=check_use_count,
 )
+
+
+# ------------------------------------------------------------------------------------------- the copies' backend
+COPY_BACKENDS = ("auto", "cpp", "torch")
+
+
+def select_copy_backend(copy_backend: str = "auto") -> str:
+    """The backend of the copy ops for a pass started now in this thread.
+
+    "auto" follows ``fastdl.use_backend`` / ``FASTDL_BACKEND`` like every other op (auto: C++ when the extension is
+    built, else torch); "cpp" or "torch" is the loader's own explicit choice. An explicit choice that cannot be
+    honoured raises ``fastdl.BackendUnavailableError``."""
+    if copy_backend not in COPY_BACKENDS:
+        raise ValueError(f"copy_backend must be 'auto', 'cpp' or 'torch', got {copy_backend!r}")
+    if copy_backend == "auto":
+        return backends.select("loader_fill", "cpu")
+    ok, why = backends.available(copy_backend, "loader_fill", "cpu")
+    if not ok:
+        raise backends.BackendUnavailableError(
+            f"fastdl PrefetchLoader: copy_backend={copy_backend!r} was requested but cannot serve the host copies: "
+            f"{why}. Use copy_backend='auto' to fall back automatically."
+        )
+    return copy_backend
+
+
+def copy_backend_status() -> tuple[str, str]:
+    """What "auto" gives here, for ``fastdl info``: ``(backend, why not C++)``, or ``("unavailable", why)`` when
+    ``FASTDL_BACKEND`` names a backend the copies do not have."""
+    try:
+        backend = select_copy_backend("auto")
+    except backends.BackendUnavailableError as exc:
+        return "unavailable", str(exc)
+    if backend == "cpp":
+        return backend, ""
+    return backend, next((why for b, ok, why in backends.explain("loader_fill", "cpu") if b == "cpp" and not ok), "")
+
+
+def using_copy_backend(name: str):
+    """A block whose copy ops run on backend ``name`` (the loader's producer thread runs a whole pass in one)."""
+    return backends.use_backend(name)
 
 
 # ------------------------------------------------------------------------------------------------ public API
