@@ -7,6 +7,7 @@
 // The kernel family each CPU capability runs in this process (chosen once from cpu_isa.h's level).
 const char *fastdl_int8_isa();                 // csrc/cpu/int8.cpp
 const char *fastdl_fused_linear_cpu_kernels(); // csrc/cpu/fused_linear.cpp
+const char *fastdl_int4_cpu_kernels();         // csrc/cpu/int4.cpp
 std::string fastdl_fused_linear_onednn();      // csrc/cpu/fused_linear.cpp
 const char *fastdl_sparse24_cpu_kernels();     // csrc/cpu/sparse24.cpp
 
@@ -53,6 +54,7 @@ pybind11::dict cpu_info() {
     kernels["fused_linear"] = std::string(fastdl_fused_linear_cpu_kernels());
     kernels["int8"] = std::string(fastdl_int8_isa());
     kernels["sparse24"] = std::string(fastdl_sparse24_cpu_kernels());
+    kernels["int4"] = std::string(fastdl_int4_cpu_kernels());
     d["kernels"] = kernels;
     d["fused_linear_onednn"] = fastdl_fused_linear_onednn();
     return d;

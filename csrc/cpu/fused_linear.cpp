@@ -1041,14 +1041,15 @@ fused_linear_backward_cpu(const at::Tensor &grad_out, const at::Tensor &x, const
 
 } // namespace
 
-bool fgemm_int8_weight(const void *x, DType x_dtype, int64_t ldx, int64_t M, const Int8Weight &w, int64_t N, int64_t K,
-                       const float *bias, void *out, DType out_dtype) {
+bool fgemm_quantized_weight(const void *x, DType x_dtype, int64_t ldx, int64_t M, const Int8Weight &w8,
+                            const Int4Weight &w4, int64_t N, int64_t K, const float *bias, void *out, DType out_dtype) {
     if (!kernels().fgemm.block)
         return false;
     FgemmArgs g;
     g.a = GemmOperand{x, ldx, x_dtype, false};
     g.b = GemmOperand{nullptr, K, DType::F32, true}; // the weight's rows: strip mode
-    g.bq = w;
+    g.bq = w8;
+    g.b4 = w4;
     g.M = M;
     g.N = N;
     g.K = K;

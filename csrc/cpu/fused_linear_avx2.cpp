@@ -410,6 +410,20 @@ FA FA_INLINE __m256 load_int8_weight(const Int8Weight &w, int64_t j, int64_t k, 
     return _mm256_mul_ps(v, _mm256_set1_ps(w.scale[j]));
 }
 
+// 8 k (k % 8 == 0, K % 32 == 0) of an int4 weight row dequantized: (u - z) * s, exact. In a 32-k block, k 0..15 are
+// the low nibbles of its 16 bytes and k 16..31 the high ones (int4_kernels.h).
+FA FA_INLINE __m256 load_int4_weight(const Int4Weight &w, int64_t K, int64_t j, int64_t k) {
+    const int64_t groups = K / w.group, g = k / w.group, i = k % 32;
+    const uint8_t *src = w.q + j * (K / 2) + (k / 32) * 16 + (i & 15);
+    __m128i b8 = _mm_loadl_epi64(reinterpret_cast<const __m128i *>(src));
+    if (i >= 16)
+        b8 = _mm_srli_epi16(b8, 4);
+    const int z = w.zeros ? w.zeros[j * groups + g] : 8;
+    b8 = _mm_sub_epi8(_mm_and_si128(b8, _mm_set1_epi8(0x0F)), _mm_set1_epi8(static_cast<char>(z)));
+    const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b8));
+    return _mm256_mul_ps(v, _mm256_set1_ps(_cvtsh_ss(w.scales[j * groups + g])));
+}
+
 // The columns [nc, nc + 16 * njr) of B over the whole K into the strip buffer bp (layout above): B trans 8 weight rows
 // at a time, each read over its whole K in order; B rows row by row (only for short K: see fgemm_strip_mode).
 FA void fgemm_pack_b(const FgemmArgs &g, int64_t nc, int64_t njr, float *bp) {
@@ -443,6 +457,7 @@ FA void fgemm_pack_b(const FgemmArgs &g, int64_t nc, int64_t njr, float *bp) {
                 for (int q = 0; q < 8; ++q)
                     r[q] = q >= rows ? _mm256_setzero_ps()
                            : g.bq.q  ? load_int8_weight(g.bq, j0 + q, k, K - k)
+                           : g.b4.q  ? load_int4_weight(g.b4, K, j0 + q, k)
                                      : load_operand(base + (j0 + q) * b.ld * esz, b.dtype, k, K - k, rnd);
                 transpose8(r);
                 float *dst = at(jr, k) + 8 * h;

@@ -208,9 +208,18 @@ struct Int8Weight {
     const uint8_t *group = nullptr; // [N, ceil(K / 16)] or null
     int64_t ldg = 0;
 };
+//   b4 (instead of b, b.trans only): an int4 weight (csrc/cpu/int4_kernels.h's format) dequantized while it is packed,
+//      B[k][j] = (u[j][k] - z[j][k / group]) * s[j][k / group] (exact in fp32), K a multiple of 32.
+struct Int4Weight {
+    const uint8_t *q = nullptr;       // [N, K / 2], 32-k blocks of low / high nibbles
+    const uint16_t *scales = nullptr; // [N, K / group] fp16 bits
+    const uint8_t *zeros = nullptr;   // [N, K / group] or null (8)
+    int64_t group = 0;
+};
 struct FgemmArgs {
     GemmOperand a, b;
     Int8Weight bq; // bq.q set: B is this int8 weight (b unused)
+    Int4Weight b4; // b4.q set: B is this int4 weight (b unused)
     bool round_b = false;
     int64_t M = 0, N = 0, K = 0;
 };
@@ -224,11 +233,12 @@ struct Fgemm {
                   const Epilogue &epi, void *workspace) = nullptr;
 };
 
-// x [M, K] (fp32 or bf16, row stride ldx) times an int8 weight (FgemmArgs::bq) through fgemm, + bias (fp32 or null),
-// into out [M, N] (row stride N, fp32 or bf16): fused_linear.cpp runs it on its threads; false (nothing written)
-// when this process's family has no fgemm. For int8_weight_only_linear where it is compute-bound (int8.cpp).
-bool fgemm_int8_weight(const void *x, DType x_dtype, int64_t ldx, int64_t M, const Int8Weight &w, int64_t N, int64_t K,
-                       const float *bias, void *out, DType out_dtype);
+// x [M, K] (fp32 or bf16, row stride ldx) times a quantized weight (FgemmArgs::bq or ::b4, the other one empty)
+// through fgemm, + bias (fp32 or null), into out [M, N] (row stride N, fp32 or bf16): fused_linear.cpp runs it on its
+// threads; false (nothing written) when this process's family has no fgemm. For the weight-only layers where they are
+// compute-bound (int8.cpp, int4.cpp): the weight is dequantized strip by strip as it is packed, never as a whole.
+bool fgemm_quantized_weight(const void *x, DType x_dtype, int64_t ldx, int64_t M, const Int8Weight &w8,
+                            const Int4Weight &w4, int64_t N, int64_t K, const float *bias, void *out, DType out_dtype);
 
 // ---------------------------------------------------------------------------------------------------------------
 // One family's kernels. Absent kernels are null; the glue then takes the next path (see fused_linear.cpp).

@@ -11,7 +11,7 @@
 //   loses to eager fp32 itself and to this kernel at every M (Zen 4 capped at AVX2, one core, 4096 x 4096, ms,
 //   kernel / copy + F.linear / eager fp32 F.linear: M = 64 34.9 / 55.5 / 43.0, 128 54.3 / 77.9 / 66.4, 256 119 / 124
 //   / 111, 512 260 / 264 / 244). From M = 256 the kernel is 0.84-0.98x eager fp32 on a kept fp32 weight: there
-//   Int8Linear's run-time choice (fastdl/dispatch.py) takes F.linear on its dequantised weight per M bucket.
+//   Int8Linear's run-time choice (fastdl/runtime_choice.py) takes F.linear on its dequantised weight per M bucket.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -513,7 +513,7 @@ at::Tensor int8_linear_qat(const at::Tensor &x, const at::Tensor &weight, const 
 }
 
 // The AVX2 family from 64 rows: fused_linear's fp32 GEMM (fgemm: 6 x 16 register tiles over strips packed from the
-// int8 weight, dequantized while packed; fgemm_int8_weight) instead of the weight-only kernel's 3 x 4 dot tiles.
+// int8 weight, dequantized while packed; fgemm_quantized_weight) instead of the weight-only kernel's 3 x 4 dot tiles.
 // Zen 4 capped to AVX2, 2 threads, per-channel scales, ms, kernel vs fgemm (eager fp32 F.linear on the dequantized
 // weight): 512x4096^2 101.4 vs 81.3 (94.8) | 128x4096^2 23.4 vs 21.7 | 64x4096^2 12.5 vs 11.8 | 160x384x1536 1.41 vs
 // 1.03 | 4096x64x512 2.33 vs 1.50 (1.46) | 64x1024^2 1.05 vs 0.80 | 64x384x384 0.15 vs 0.13; kept below 64 rows:
@@ -594,7 +594,7 @@ at::Tensor int8_weight_only_linear(const at::Tensor &x, const at::Tensor &w_q, c
         const fl::Int8Weight iw{base.w, base.ldw, base.w_scale, base.w_group, base.ldg};
         const fl::DType xd = x2.scalar_type() == at::kFloat ? fl::DType::F32 : fl::DType::BF16;
         const fl::DType od = out.scalar_type() == at::kFloat ? fl::DType::F32 : fl::DType::BF16;
-        if (fl::fgemm_int8_weight(base.x, xd, base.ldx, M, iw, N, K, base.bias, base.out, od))
+        if (fl::fgemm_quantized_weight(base.x, xd, base.ldx, M, iw, fl::Int4Weight{}, N, K, base.bias, base.out, od))
             return out;
         TORCH_CHECK(x2.scalar_type() == at::kFloat, op, ": internal error: bf16 x without fgemm");
     }

@@ -1,0 +1,151 @@
+// CPU glue of the int4 weight-only capability: fastdl_cpp::int4_weight_only_linear (schema in fastdl/ops/int4.py,
+// format in int4_kernels.h). Argument checks, then one route:
+//   M <= kStreamMaxRows (or no fgemm in this family): the streaming kernel (int4_stream.h: each packed byte read once
+//     per call, the rows' FMAs share each dequantized vector), threads over contiguous slices of N;
+//   more rows: fused_linear's fgemm with the int4 weight dequantized strip by strip while it is packed (no dense
+//     copy of the weight, at any M), x fp32 or bf16 read as it is.
+// The rule's numbers are at kStreamMaxRows.
+#include "int4_kernels.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "cpu_isa.h"
+#include "fused_linear_kernels.h"
+
+namespace fastdl {
+namespace int4 {
+
+const Kernels &kernels() {
+    static const Kernels &k = [] {
+        const cpu::Level level = cpu::level();
+        const Kernels *f = nullptr;
+        if (level >= cpu::kAvx512)
+            f = kernels_avx512();
+        if (!f && level >= cpu::kAvx2)
+            f = kernels_avx2();
+        return f ? std::cref(*f) : std::cref(*kernels_scalar());
+    }();
+    return k;
+}
+
+namespace {
+
+// Streaming kernel up to this many rows, fgemm above (where this family has fgemm: AVX2 and AVX-512).
+constexpr int64_t kStreamMaxRows = 4;
+
+void check_cpu(const at::Tensor &t, const char *name) {
+    TORCH_CHECK(t.device().is_cpu(), "int4_weight_only_linear: ", name, " must be a CPU tensor, got ", t.device());
+}
+
+at::Tensor int4_weight_only_linear(const at::Tensor &x, const at::Tensor &qweight, const at::Tensor &scales,
+                                   const c10::optional<at::Tensor> &zeros, const c10::optional<at::Tensor> &bias,
+                                   int64_t group_size) {
+    constexpr const char *op = "int4_weight_only_linear";
+    check_cpu(x, "x");
+    check_cpu(qweight, "qweight");
+    check_cpu(scales, "scales");
+    TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
+                     op, ": x must be float32, bfloat16 or float16, got ", x.scalar_type());
+    TORCH_CHECK_VALUE(x.dim() >= 1, op, ": x must have at least 1 dimension [..., K], got a 0-D tensor");
+    TORCH_CHECK_VALUE(group_size == 32 || group_size == 64 || group_size == 128, op,
+                      ": group_size must be 32, 64 or 128, got ", group_size);
+    TORCH_CHECK_TYPE(qweight.scalar_type() == at::kByte, op, ": qweight must be uint8, got ", qweight.scalar_type());
+    TORCH_CHECK_VALUE(qweight.dim() == 2, op, ": qweight must be 2-D [N, K / 2], got ", qweight.sizes());
+    const int64_t K = x.size(-1), N = qweight.size(0);
+    TORCH_CHECK_VALUE(K % group_size == 0, op, ": K = x.shape[-1] = ", K,
+                      " must be a multiple of group_size = ", group_size);
+    TORCH_CHECK_VALUE(qweight.size(1) * 2 == K, op, ": qweight must have shape [N, K / 2] = [", N, ", ", K / 2,
+                      "], got ", qweight.sizes());
+    const int64_t groups = K / group_size;
+    TORCH_CHECK_TYPE(scales.scalar_type() == at::kHalf, op, ": scales must be float16, got ", scales.scalar_type());
+    TORCH_CHECK_VALUE(scales.dim() == 2 && scales.size(0) == N && scales.size(1) == groups, op,
+                      ": scales must have shape [N, K / group_size] = [", N, ", ", groups, "], got ", scales.sizes());
+    at::Tensor z, b;
+    if (zeros.has_value() && zeros->defined()) {
+        check_cpu(*zeros, "zeros");
+        TORCH_CHECK_TYPE(zeros->scalar_type() == at::kByte, op, ": zeros must be uint8, got ", zeros->scalar_type());
+        TORCH_CHECK_VALUE(zeros->dim() == 2 && zeros->size(0) == N && zeros->size(1) == groups, op,
+                          ": zeros must have shape [N, K / group_size] = [", N, ", ", groups, "], got ",
+                          zeros->sizes());
+        z = zeros->contiguous();
+    }
+    if (bias.has_value() && bias->defined()) {
+        check_cpu(*bias, "bias");
+        TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == N, op, ": bias must have shape [N] = [", N, "], got ",
+                          bias->sizes());
+        TORCH_CHECK_TYPE(at::isFloatingType(bias->scalar_type()), op, ": bias must be a floating tensor, got ",
+                         bias->scalar_type());
+        b = bias->to(at::kFloat).contiguous();
+    }
+    std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+    out_shape.back() = N;
+    at::Tensor out = at::empty(out_shape, x.options());
+    const int64_t M = K > 0 ? x.numel() / K : c10::multiply_integers(x.sizes().slice(0, x.dim() - 1));
+    if (out.numel() == 0)
+        return out;
+    if (K == 0) { // an empty product: the bias (or zeros)
+        return b.defined() ? out.copy_(b.expand(out_shape)) : out.zero_();
+    }
+    const at::Tensor q = qweight.contiguous(), s = scales.contiguous();
+    const bool fgemm = M > kStreamMaxRows && x.scalar_type() != at::kHalf;
+    if (fgemm) { // x fp32 / bf16 as it is
+        namespace fl = fastdl::fused_linear;
+        const at::Tensor x2 = x.reshape({M, K}).contiguous();
+        fl::Int4Weight w4;
+        w4.q = q.data_ptr<uint8_t>();
+        w4.scales = reinterpret_cast<const uint16_t *>(s.data_ptr<at::Half>());
+        w4.zeros = z.defined() ? z.data_ptr<uint8_t>() : nullptr;
+        w4.group = group_size;
+        const fl::DType xd = x2.scalar_type() == at::kFloat ? fl::DType::F32 : fl::DType::BF16;
+        if (fl::fgemm_quantized_weight(x2.data_ptr(), xd, K, M, fl::Int8Weight{}, w4, N, K,
+                                       b.defined() ? b.data_ptr<float>() : nullptr, out.data_ptr(), xd))
+            return out;
+    }
+    const at::Tensor xf = x.reshape({M, K}).to(at::kFloat).contiguous();
+    at::Tensor of = x.scalar_type() == at::kFloat ? out.view({M, N}) : at::empty({M, N}, x.options().dtype(at::kFloat));
+    Int4Args a;
+    a.x = xf.data_ptr<float>();
+    a.ldx = K;
+    a.M = M;
+    a.K = K;
+    a.N = N;
+    a.group = group_size;
+    a.q = q.data_ptr<uint8_t>();
+    a.scales = reinterpret_cast<const uint16_t *>(s.data_ptr<at::Half>());
+    a.zeros = z.defined() ? z.data_ptr<uint8_t>() : nullptr;
+    a.bias = b.defined() ? b.data_ptr<float>() : nullptr;
+    a.out = of.data_ptr<float>();
+    a.ldo = N;
+    const auto fn = kernels().stream;
+    // Threads over contiguous slices of N (each streams its own weight rows); one thread below ~256K MACs.
+    const int64_t T = M * N * K < (int64_t{1} << 18) ? 1 : std::max<int64_t>(1, at::get_num_threads());
+    const int64_t slice = std::max<int64_t>(8, (N + T - 1) / T);
+    if (T == 1) {
+        fn(a, 0, N);
+    } else {
+        at::parallel_for(0, (N + slice - 1) / slice, 1, [&](int64_t t0, int64_t t1) {
+            for (int64_t t = t0; t < t1; ++t)
+                fn(a, t * slice, std::min(N, (t + 1) * slice));
+        });
+    }
+    if (!of.is_same(out) && of.data_ptr() != out.data_ptr())
+        out.view({M, N}).copy_(of);
+    return out;
+}
+
+} // namespace
+} // namespace int4
+} // namespace fastdl
+
+const char *fastdl_int4_cpu_kernels() {
+    return fastdl::int4::kernels().name;
+}
+
+TORCH_LIBRARY_IMPL(fastdl_cpp, CPU, m) {
+    m.impl("int4_weight_only_linear", TORCH_FN(fastdl::int4::int4_weight_only_linear));
+}

@@ -1,0 +1,75 @@
+// The int4 weight-only capability's kernel interface, shared by the ATen glue (int4.cpp) and the kernel families:
+//   int4_avx512.cpp  AVX-512 F/BW/VL (+ F16C): the streaming kernel of int4_stream.h over 512-bit vectors;
+//   int4_avx2.cpp    AVX2 + FMA + F16C: the same body over 256-bit vectors;
+//   int4_scalar.cpp  portable C++.
+// One table per family (struct Kernels), chosen once per process from cpu_isa.h's level (FASTDL_CPU_ISA caps it).
+// The body is written once (int4_stream.h) over a vector-traits type; each SIMD file defines its traits (how 16
+// packed bytes become 32 dequantized fp32 weights, FMA, horizontal sum) and includes it - the only per-ISA code.
+// No torch headers here.
+//
+// Format (fastdl/ops/int4.py; docs in the module): W [N, K] with codes u in 0..15 in blocks of 32 input features, byte
+// i (0..15) of a block holding u[32 b + i] in its low nibble and u[32 b + 16 + i] in its high nibble (one 16-byte load
+// is 32 consecutive codes); per group of G in {32, 64, 128} features an fp16 scale s and a zero point z (uint8, or 8
+// when there is no zeros tensor): W[n][k] = (u - z) * s, exact in fp32.
+#pragma once
+
+#include <cstdint>
+
+// The kernel family int4_weight_only_linear runs in this process, for `fastdl info`.
+const char *fastdl_int4_cpu_kernels();
+
+namespace fastdl {
+namespace int4 {
+
+struct Int4Args {
+    const float *x = nullptr; // [M, K] fp32, row stride ldx
+    int64_t ldx = 0;
+    int64_t M = 0, K = 0, N = 0, group = 0;
+    const uint8_t *q = nullptr;       // [N, K / 2]
+    const uint16_t *scales = nullptr; // [N, K / group] fp16 bits
+    const uint8_t *zeros = nullptr;   // [N, K / group] or null (8)
+    const float *bias = nullptr;      // [N] or null
+    float *out = nullptr;             // [M, N] fp32, row stride ldo
+    int64_t ldo = 0;
+};
+
+// The streaming kernel reads each packed weight byte once per call for up to kStreamRows rows of x (the rows' FMAs
+// share every dequantized weight vector); it computes out rows [0, M) x columns [n0, n1) (any M: more rows are done
+// kStreamRows at a time, re-reading the weights, which only the scalar family does).
+constexpr int64_t kStreamRows = 4;
+
+struct Kernels {
+    const char *name = "scalar";
+    void (*stream)(const Int4Args &a, int64_t n0, int64_t n1) = nullptr;
+};
+
+const Kernels *kernels_avx512(); // nullptr on non-x86 builds
+const Kernels *kernels_avx2();   // nullptr on non-x86 builds
+const Kernels *kernels_scalar();
+const Kernels &kernels(); // this process's family (cpu_isa.h level, decided once)
+
+// fp16 bits -> fp32, exact (portable; the SIMD families use F16C).
+inline float half_to_float(uint16_t h) {
+    const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu, bits;
+    if (exp == 0x1F) {
+        bits = sign | 0x7F800000u | (man << 13); // inf / nan
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (man == 0) {
+        bits = sign; // +-0
+    } else {         // subnormal: normalise
+        exp = 113;
+        while ((man & 0x400u) == 0) {
+            man <<= 1;
+            --exp;
+        }
+        bits = sign | (exp << 23) | ((man & 0x3FFu) << 13);
+    }
+    float f;
+    __builtin_memcpy(&f, &bits, 4);
+    return f;
+}
+
+} // namespace int4
+} // namespace fastdl
