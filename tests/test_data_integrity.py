@@ -252,7 +252,7 @@ def test_nested_tensors_pass_through(layout, backend):
 def test_nested_tensor_device_buffers_view_its_memory(layout):
     """What the CUDA path passes to record_stream for a nested tensor: plain tensors on its memory (checked here on
     the CPU, where the same views exist)."""
-    from fastdl.data import _device_buffers
+    from fastdl._loader_pass import device_buffers as _device_buffers
 
     nt = _nested(layout)
     bufs = _device_buffers(nt)

@@ -30,6 +30,8 @@ from conftest import LOADER_THREAD, loader_threads, wait_no_loader_thread
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler, TensorDataset
 
 import fastdl
+from fastdl import _loader_pass as fpass
+from fastdl import _loader_ring as fring
 from fastdl import backends
 from fastdl import data as fdata
 from fastdl._distributed import finish_worker
@@ -121,13 +123,13 @@ def test_use_backend_and_env_reach_the_copies(monkeypatch):
     """copy_backend="auto" follows fastdl.use_backend / FASTDL_BACKEND in the thread that starts a pass, like every
     other op; the producer thread runs the pass's copies with that backend; copy_backend= fixes it per loader."""
     seen = []
-    real = fdata.loader_fill
+    real = fpass.loader_fill
 
     def spy(*args):
         seen.append((threading.current_thread().name, backends.requested()))
         return real(*args)
 
-    monkeypatch.setattr(fdata, "loader_fill", spy)
+    monkeypatch.setattr(fpass, "loader_fill", spy)  # the producer's staging (fastdl/_loader_pass.py) calls it
     src = [torch.arange(6) * i for i in range(4)]
     loader = PrefetchLoader(src, device="cpu")
     with fastdl.use_backend("torch"):
@@ -685,7 +687,7 @@ def test_fill_op_copies_every_layout(backend):
     keep = [1, 0, 1, 1, 0, 1, 1]
     offs, off = [], 0
     for t in srcs:
-        off = fdata._align(off)
+        off = fring.align(off)
         offs.append(off)
         off += t.numel() * t.element_size()
     dst = torch.zeros(off, dtype=torch.uint8)
@@ -793,7 +795,7 @@ def test_gil_watch_fails_for_a_copy_that_holds_the_gil():
 def test_producer_copies_while_the_consumer_holds_the_gil(monkeypatch, backend):
     """Through the loader: its producer thread stages a batch (the copy op into a ring slot) while the consumer holds
     the GIL, so a consumer busy in Python does not stall the staging of the next batch."""
-    real = fdata.loader_fill
+    real = fpass.loader_fill
     hook = {"staging": threading.Event()}
 
     def spy(src, dst, offsets, keep, threads):
@@ -802,7 +804,7 @@ def test_producer_copies_while_the_consumer_holds_the_gil(monkeypatch, backend):
         hook["staging"].set()
         real(src, dst, offsets, keep, threads)
 
-    monkeypatch.setattr(fdata, "loader_fill", spy)
+    monkeypatch.setattr(fpass, "loader_fill", spy)
     seen = []
     for value in range(1, _GIL_TRIES + 1):
         batch = torch.full((_GIL_BYTES,), value, dtype=torch.uint8)
