@@ -89,7 +89,8 @@ def loader_info() -> dict:
 class PrefetchLoader:
     """Wrap ``loader`` (any iterable of tensors or nested tuples/lists/dicts of tensors; other leaves pass
     through untouched, see below) and prefetch ``depth`` batches ahead on a background thread, staged through a
-    reused host ring and, on a GPU, copied to ``device`` on a side stream.
+    reused host ring and, on a GPU, copied to ``device`` on a side stream. On a plain CPU target nothing needs a
+    copy and the batches are handed on as the wrapped loader made them (mode "cpu"; ``stage=True`` stages them).
 
     Args:
         loader: the wrapped iterable, e.g. a ``torch.utils.data.DataLoader``. ``len()``, ``sampler``,
@@ -98,6 +99,10 @@ class PrefetchLoader:
         depth: batches prepared ahead of the consumer (queue length; >= 1).
         pin_memory: page-lock the ring. Default: on for CUDA targets. On a CPU target with CUDA available, True
             gives mode "cpu-pinned".
+        stage: copy the batches through the reused host ring. Default (None): where the target needs a copy (a
+            CUDA device, or ``pin_memory`` on the CPU); a plain CPU target passes the batches through (mode "cpu").
+            True on a CPU target stages them anyway (mode "cpu-staged": detached, contiguous copies in bounded,
+            reused memory); False is only for a CPU target without ``pin_memory`` (ValueError otherwise).
         max_ring_bytes: bound on the ring's total size; a batch larger than one slot's share is not staged
             (copied directly, counted as ``oversize_batches``).
         copy_backend: the backend of the host copies (the ops ``fastdl.ops.loader_fill`` / ``loader_use_count``):
@@ -109,27 +114,29 @@ class PrefetchLoader:
         timeout: seconds to wait for one batch before raising TimeoutError (0: forever).
         shutdown_timeout: seconds to wait for the producer thread when an iteration is stopped early.
 
-    The batches of a CPU target are views into the ring: they stay valid as long as you hold them (a slot still
-    referenced is never reused). Tensors are detached; tensors that share memory in the source batch are copied
-    separately (aliasing is not preserved).
+    Staged batches (every mode but "cpu") are copies: the batches of a staged CPU target are views into the ring
+    that stay valid as long as you hold them (a slot still referenced is never reused); tensors are detached, and
+    tensors that share memory in the source batch are copied separately (aliasing is not preserved). In mode
+    "cpu" (pass-through) the consumer gets the wrapped loader's own batch objects, unchanged.
 
     Passes (``iter()``): each ``iter(loader)`` over a re-iterable source (a list, a ``DataLoader``) is an
-    independent pass with its own producer thread, queue and ring, as each ``iter()`` of a ``DataLoader`` is its
-    own iterator: ``zip(loader, loader)`` and nested loops see every batch, and a loop after a ``break`` starts a
-    new epoch. Two passes running at once hold two rings (up to ``max_ring_bytes`` each; a pass that ends leaves
-    its ring to the next one, so sequential epochs reuse one); ``stats()`` counts the batches, bytes and times of
-    all passes, ``elapsed_s`` the time during which at least one ran. Over a one-shot source (an iterator or
-    generator, ``iter(source) is source``) there is one stream of data: an ``iter()`` while a pass is live returns
-    that pass (``zip(loader, loader)`` pairs consecutive batches, as ``zip(gen, gen)`` does), and the batches a
-    stopped pass had prefetched (``break``, ``del``, ``close()``, an interrupt) are delivered first by the next
-    pass, so every element arrives exactly once and in order. Why not one error for a second ``iter()``: a
+    independent pass with its own producer thread, queue and ring (when it stages), as each ``iter()`` of a
+    ``DataLoader`` is its own iterator: ``zip(loader, loader)`` and nested loops see every batch, and a loop after a
+    ``break`` starts a new epoch. Two passes running at once hold two rings (up to ``max_ring_bytes`` each; a pass
+    that ends leaves its ring to the next one, so sequential epochs reuse one); ``stats()`` counts the batches,
+    bytes and times of all passes, ``elapsed_s`` the time during which at least one ran. Over a one-shot source (an
+    iterator or generator, ``iter(source) is source``) there is one stream of data: an ``iter()`` while a pass is
+    live returns that pass (``zip(loader, loader)`` pairs consecutive batches, as ``zip(gen, gen)`` does), and the
+    batches a stopped pass had prefetched (``break``, ``del``, ``close()``, an interrupt) are delivered first by the
+    next pass, so every element arrives exactly once and in order. Why not one error for a second ``iter()``: a
     ``DataLoader`` allows it, and code that peeks a batch (``next(iter(loader))``) or zips two loops relies on it.
     The exception: a ``DataLoader(persistent_workers=True)`` reuses one iterator for every ``iter()``, so a second
     pass while one runs raises RuntimeError (finish or ``close()`` the first).
 
-    What a batch may hold: tensors (any shapes: a list of ragged tensors is moved tensor by tensor; sparse, nested
-    (strided or jagged layout) and quantized tensors are moved with ``.to(device)`` without the ring, so a CPU
-    target hands them out as they are, detached), nested in Mappings, lists and tuples
+    What a batch may hold (when it is staged; in mode "cpu" any batch is handed on unchanged): tensors (any
+    shapes: a list of ragged tensors is moved tensor by tensor; sparse, nested (strided or jagged layout) and
+    quantized tensors are moved with ``.to(device)`` without the ring, so a staged CPU target hands them out as they
+    are, detached), nested in Mappings, lists and tuples
     (rebuilt as the same type: dict subclasses such as ``defaultdict`` or a transformers ``BatchEncoding`` keep
     their type and attributes, namedtuples their fields). Any other leaf that holds no tensor (numbers, strings,
     None, numpy arrays, arbitrary objects) is passed through untouched: the consumer gets the same object. A leaf
@@ -145,6 +152,7 @@ class PrefetchLoader:
         depth: int = 2,
         *,
         pin_memory: bool | None = None,
+        stage: bool | None = None,
         max_ring_bytes: int = DEFAULT_MAX_RING_BYTES,
         copy_backend: str = "auto",
         copy_threads: int | None = None,
@@ -174,6 +182,15 @@ class PrefetchLoader:
                           RuntimeWarning, stacklevel=2)
             pin_memory = False
         self.pin_memory = bool(pin_memory)
+        if stage not in (None, True, False):
+            raise TypeError(f"fastdl PrefetchLoader: stage must be None, True or False, got {stage!r}")
+        if stage is False and (cuda or self.pin_memory):
+            raise ValueError(f"fastdl PrefetchLoader: stage=False needs a CPU target without pin_memory (nothing to "
+                             f"copy), got device {dev} and pin_memory={self.pin_memory}")
+        # A plain CPU target has nothing to copy: the batches are passed through. Per batch over iterating the
+        # source directly (a list of {4 MiB, 16 int64} dicts, a consumer doing nothing, 2 shared cores): staged
+        # 1.07-1.30 ms (0.15 ms at 64 KiB), for nothing the consumer needed; passed through 15-57 us (the hand-off).
+        self._stage = bool(stage) if stage is not None else (cuda or self.pin_memory)
         self._copy_backend_arg = copy_backend
         # an explicit choice is checked here; "auto" is resolved when each pass starts (_cfg)
         self._pass_backend = None if copy_backend == "auto" else select_copy_backend(copy_backend)
@@ -188,7 +205,7 @@ class PrefetchLoader:
         # staging of batch k overlap the copy of batch k-1. CPU target: the consumer's handed-out batches are views,
         # and in `for b in loader` the slots of the batch still bound to `b`, of the one being returned, of the
         # `depth` queued ones and of the one the producer holds while it waits for queue space are all referenced.
-        self._nslots = max(self.depth, 2) if cuda else self.depth + 3
+        self._nslots = (max(self.depth, 2) if cuda else self.depth + 3) if self._stage else 0
         self._ring: Ring | None = None  # the ring of the last pass that ended, for the next pass
         self._rings: weakref.WeakSet = weakref.WeakSet()  # every ring still alive (ring_bytes)
         self._ring_counters = RingCounters()
@@ -208,7 +225,9 @@ class PrefetchLoader:
     def mode(self) -> str:
         if self.device.type == "cuda":
             return "cuda-pinned" if self.pin_memory else "cuda-pageable"
-        return "cpu-pinned" if self.pin_memory else "cpu"
+        if self.pin_memory:
+            return "cpu-pinned"
+        return "cpu-staged" if self._stage else "cpu"
 
     @property
     def copy_backend(self) -> str:
@@ -225,14 +244,16 @@ class PrefetchLoader:
             "device": self.device,
             "stream": self._stream,
             "copy_backend": self._pass_backend,
-            "stage": True,
+            "stage": self._stage,
             "threads": self.copy_threads,
             "intra_op_threads": torch.get_num_threads(),  # of the thread that starts the pass
         }
 
-    def _take_ring(self) -> Ring:
+    def _take_ring(self) -> Ring | None:
         """The ring for a pass starting now: the one the last pass left, else a new one (a pass running at the
-        same time as another gets its own)."""
+        same time as another gets its own); None for a pass that does not stage (mode "cpu")."""
+        if not self._stage:
+            return None
         ring, self._ring = self._ring, None
         if ring is None:
             ring = Ring(
@@ -245,7 +266,7 @@ class PrefetchLoader:
             self._rings.add(ring)
         return ring
 
-    def _return_ring(self, ring: Ring) -> None:
+    def _return_ring(self, ring: Ring | None) -> None:
         if self._ring is None and not self._closed:
             self._ring = ring
 
