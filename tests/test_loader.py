@@ -22,6 +22,7 @@ import gc
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -1078,10 +1079,57 @@ def test_bench_smoke(tmp_path, capsys):
         ["--batches", "6", "--produce-ms", "1", "--step-ms", "1", "--batch-mb", "0.1", "--kinds", "torch", "python",
          "--loaders", "dl0", "fastdl", "--repeats", "1", "--csv", str(out)]
     )
-    assert [r["loader"] for r in rows] == ["dl0", "fastdl", "dl0", "fastdl"]
+    assert [r["loader"] for r in rows] == ["dl0", "fastdl", "fastest"] * 2
     for r in rows:
-        assert r["epoch_s"] > 0 and r["overlap_eff"] > 0 and r["name"].startswith("overlap/")
-    assert rows[1]["mode"] == "cpu" and rows[1]["wait_s"] >= 0
+        assert r["epoch_s"] > 0 and r["name"].startswith("overlap/") and r["x_best"] > 0
+    assert rows[0]["overlap_eff"] > 0 and "slower" not in rows[0]  # a PyTorch row is not judged
+    fd, fastest = rows[1], rows[2]
+    assert fd["mode"] == "cpu" and fd["wait_s"] >= 0 and fd["baseline"] == "dl0" and "slower" in fd
+    assert fd["x_baseline"] == pytest.approx(rows[0]["epoch_s"] / fd["epoch_s"])  # one repeat: the plain ratio
+    assert fastest["fastest_fastdl"] == "fastdl" and fastest["baseline"] == "dl0"
     text = out.read_text()
-    assert text.startswith("name,") and text.count("\n") == 5
-    assert "overlap eff" in capsys.readouterr().out
+    assert text.startswith("name,") and text.count("\n") == 7
+    printed = capsys.readouterr().out
+    assert "overlap eff" in printed and "fastest fastdl (fastdl," in printed
+
+
+def _bench_sets(epochs: dict) -> tuple[list, dict]:
+    rows = [{"loader": n, "epoch_s": sorted(e)[len(e) // 2], "mode": "cpu" if n.startswith("fastdl") else None,
+             "batches": 8, "produce_ms": 1.0, "step_ms": 1.0, "batch_mb": 1.0, "threads": 1, "repeats": len(e)}
+            for n, e in epochs.items()]  # fmt: skip
+    return rows, {n: {"epochs": e} for n, e in epochs.items()}
+
+
+def test_bench_compares_each_fastdl_row_with_the_loader_it_wraps():
+    """Issue 31 item 4: fastdl+dl2 is judged against dl2 (not dl0), fastdl against dl0, and the fastest fastdl
+    configuration against the fastest PyTorch one; ``fastdl bench all`` reports those ratios, not x dl0."""
+    from fastdl.bench import all as bench_all
+    from fastdl.bench import loader as bench
+
+    # epochs per round (3 rounds): dl2 is the fastest PyTorch loader; fastdl+dl2 is a hair slower than dl2 (0.98x)
+    # but faster than dl0; fastdl (over dl0) is faster than dl0
+    rows, sets = _bench_sets({"dl0": [2.0, 2.2, 2.1], "dl2": [1.0, 1.1, 1.0], "fastdl": [1.6, 1.7, 1.6],
+                              "fastdl+dl2": [1.02, 1.12, 1.02]})  # fmt: skip
+    rows = bench._compare(rows, sets, "torch", torch.device("cpu"))
+    r = {x["loader"]: x for x in rows}
+    assert r["fastdl+dl2"]["baseline"] == "dl2" and r["fastdl"]["baseline"] == "dl0"
+    assert r["fastdl+dl2"]["x_baseline"] == pytest.approx(statistics.median([1 / 1.02, 1.1 / 1.12, 1 / 1.02]))
+    assert r["fastdl"]["x_baseline"] == pytest.approx(statistics.median([2 / 1.6, 2.2 / 1.7, 2.1 / 1.6]))
+    assert "DataLoader(num_workers=2), the loader it wraps" in r["fastdl+dl2"]["slower"]
+    assert r["fastdl"]["slower"] == "" and r["dl2"]["best_pytorch"] == "dl2" and "slower" not in r["dl0"]
+    f = r["fastest"]
+    assert f["fastest_fastdl"] == "fastdl+dl2" and f["baseline"] == "dl2" and f["x_baseline"] < 1 and f["slower"]
+    summ = {s["what"]: s for s in bench_all.summarize({"loader": rows})}
+    assert set(summ) == {"fastdl", "fastdl+dl2", "fastest"}  # the PyTorch rows are baselines, not judged
+    assert summ["fastdl+dl2"]["x_replaced"] == r["fastdl+dl2"]["x_baseline"]  # vs dl2, not vs dl0 (~2x)
+    assert summ["fastdl"]["x_replaced"] > 1 and not summ["fastdl"]["slower"] and summ["fastest"]["slower"]
+    assert summ["fastdl+dl2"]["mode"] == "cpu" and summ["fastdl+dl2"]["best_pytorch"] == "dl2"
+    # the same configurations with fastdl+dl2 at dl2's speed: nothing is slower
+    rows, sets = _bench_sets({"dl0": [2.0, 2.2, 2.1], "dl2": [1.0, 1.1, 1.0], "fastdl": [1.6, 1.7, 1.6],
+                              "fastdl+dl2": [0.99, 1.1, 0.98]})  # fmt: skip
+    summ = bench_all.summarize({"loader": bench._compare(rows, sets, "torch", torch.device("cpu"))})
+    assert not any(s["slower"] for s in summ), summ
+    # only fastdl+dl2 measured (dl0 runs for the serial totals): its fastest row compares with dl2, not with dl0
+    rows, sets = _bench_sets({"dl0": [0.5, 0.5, 0.5], "dl2": [1.0, 1.1, 1.0], "fastdl+dl2": [0.99, 1.1, 0.98]})
+    f = bench._compare(rows, sets, "torch", torch.device("cpu"))[-1]
+    assert f["loader"] == "fastest" and f["baseline"] == "dl2" and not f["slower"] and f["best_pytorch"] == "dl0"
