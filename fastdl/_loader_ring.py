@@ -1,6 +1,6 @@
 """PrefetchLoader's host buffers and counters (part of ``fastdl.data``): the ring of reused host buffers a pass
-stages its batches in, and the loader's telemetry, timed with the loader's one clock (``clock``; tests replace
-``_clock`` with a fake one, so that no test depends on how long anything took)."""
+stages its batches in, and the loader's telemetry, timed with the loader's one clock (``clock``, which reads this
+module's ``time``: tests swap it for conftest's virtual clock, so that no test depends on how long anything took)."""
 
 from __future__ import annotations
 
@@ -13,12 +13,10 @@ from .ops.loader import loader_use_count
 
 ALIGN = 256  # byte alignment of every tensor in a slot (GPU kernels want >= 16 B; 256 = CUDA allocator's min)
 
-_clock = time.perf_counter
-
 
 def clock() -> float:
     """Seconds, for every time the loader measures (wait, produce, copy, elapsed, timeout)."""
-    return _clock()
+    return time.perf_counter()
 
 
 def align(n: int, a: int = ALIGN) -> int:

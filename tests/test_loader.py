@@ -4,7 +4,7 @@ backend choice (copy_backend=, fastdl.use_backend, FASTDL_BACKEND), the CPU pass
 loader's batches, unchanged, no copy; issue 31 item 4), and CUDA streams/pinning (skipped without a GPU).
 
 The ring's tests stage on the CPU (``stage=True``, mode "cpu-staged": the same staging code as a GPU target, without
-the device copy). No test depends on how long anything takes: the stats are checked against a fake clock, overlap
+the device copy). No test depends on how long anything takes: the stats are checked on a virtual clock, overlap
 and prefetching by what the producer did (counters, the queue), not by durations.
 
 The C++ copy kernels come from fastdl._C (csrc/cpu/loader.cpp); without it the tests run the torch backend and skip
@@ -127,19 +127,6 @@ def _wait_in(thread: threading.Thread, function: str, timeout: float = 60.0) -> 
             return
         assert time.monotonic() < deadline, f"{thread.name} never reached {function}"
         time.sleep(0.002)
-
-
-class _FakeClock:
-    """The loader's clock (fastdl._loader_ring._clock), advanced only by the test: the stats are exact."""
-
-    def __init__(self):
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
-
-    def advance(self, seconds: float) -> None:
-        self.t += seconds
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -738,12 +725,11 @@ def test_producer_runs_ahead_of_the_step(stage):
 
 
 @pytest.mark.parametrize("stage", [False, True])
-def test_stats_count_waits_and_production_exactly(monkeypatch, stage):
-    """stats() against a fake clock that only the source advances (``P`` seconds per batch, in the producer):
+def test_stats_count_waits_and_production_exactly(virtual_clock, stage):
+    """stats() on a virtual clock that only the source advances (``P`` seconds per batch, in the producer):
     the consumer waits for batch 0 and batch 2 (it asks before they are produced: each wait is ``P``) and not for
     batch 1 (produced and queued before it asks), so wait_s is exactly 2P, produce_s 3P, elapsed_s 3P."""
-    clock = _FakeClock()
-    monkeypatch.setattr(fring, "_clock", clock)
+    clock = virtual_clock(fring)  # the loader's one clock (_loader_ring.clock) reads that module's time
     P, n, nbytes = 2.0, 3, 1 << 12
     gates = [threading.Event() for _ in range(n)]
 
@@ -754,7 +740,7 @@ def test_stats_count_waits_and_production_exactly(monkeypatch, stage):
         def __iter__(self):
             for i in range(n):
                 assert gates[i].wait(60.0)
-                clock.advance(P)  # the production of batch i
+                clock.spend(P)  # the production of batch i
                 yield torch.full((nbytes // 4,), float(i))
 
     def open_when_waiting(i):  # opens gate i once the consumer is blocked in the loader's wait for data
