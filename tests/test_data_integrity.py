@@ -26,6 +26,9 @@ THREAD = LOADER_THREAD
 CPP, _CPP_WHY = backends.available("cpp", "loader_fill", "cpu")
 needs_cpp = pytest.mark.skipif(not CPP, reason=f"the C++ loader kernels are not available: {_CPP_WHY}")
 BACKENDS = ["torch", pytest.param("cpp", marks=needs_cpp)]
+# a CPU target's two paths: pass-through (the default) and staged through the ring with each copy backend
+MODES = [{}, {"stage": True, "copy_backend": "torch"},
+         pytest.param({"stage": True, "copy_backend": "cpp"}, marks=needs_cpp)]
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
 
 
@@ -53,10 +56,12 @@ class _Counting:
             self.taken += 1
             yield torch.tensor([i, -i])
 
-    def wait_taken(self, k: int, timeout: float = 10.0) -> None:
-        """Until the producer has taken ``k`` elements (it prefetches them): the mechanism, not a sleep."""
+    def wait_taken(self, k: int, timeout: float = 60.0) -> None:
+        """Until the producer has taken ``k`` elements (it prefetches them): the mechanism, not a sleep. The timeout
+        only guards against a hang; reaching it fails the test."""
         deadline = time.monotonic() + timeout
-        while self.taken < k and time.monotonic() < deadline:
+        while self.taken < k:
+            assert time.monotonic() < deadline, f"the producer took {self.taken} elements, not {k}"
             time.sleep(0.005)
 
 
@@ -64,10 +69,10 @@ class _Counting:
 # re-iterable sources: each iter() its own pass
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_zip_of_a_loader_with_itself_gives_every_pair(backend):
+@pytest.mark.parametrize("mode", MODES)
+def test_zip_of_a_loader_with_itself_gives_every_pair(mode):
     src = [torch.tensor([i]) for i in range(5)]
-    loader = PrefetchLoader(src, device="cpu", copy_backend=backend)
+    loader = PrefetchLoader(src, device="cpu", **mode)
     pairs = [(int(a), int(b)) for a, b in zip(loader, loader)]
     assert pairs == [(i, i) for i in range(5)]
     st = loader.stats()
@@ -87,7 +92,7 @@ def test_concurrent_passes_have_their_own_ring_and_keep_values():
     overwritten by the other pass's producer)."""
     g = torch.Generator().manual_seed(0)
     src = [torch.randn(int(n), generator=g) for n in torch.randint(1, 5000, (12,), generator=g)]
-    loader = PrefetchLoader(src, device="cpu", depth=2)
+    loader = PrefetchLoader(src, device="cpu", depth=2, stage=True)
     kept = [(a, b) for a, b in zip(loader, loader)]
     for (a, b), ref in zip(kept, src, strict=True):
         assert torch.equal(a, ref) and torch.equal(b, ref)
@@ -141,11 +146,11 @@ def test_second_pass_over_a_persistent_workers_dataloader_is_a_clear_error():
 
 
 @pytest.mark.parametrize("depth", [1, 2, 4])
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_break_then_continue_over_a_generator_loses_nothing(depth, backend):
+@pytest.mark.parametrize("mode", MODES)
+def test_break_then_continue_over_a_generator_loses_nothing(depth, mode):
     n = 23
     src = _Counting(n)
-    loader = PrefetchLoader(src.gen, device="cpu", depth=depth, copy_backend=backend)
+    loader = PrefetchLoader(src.gen, device="cpu", depth=depth, **mode)
     got, stops = [], [1, 2, 5, 6, 11, 17]
     for stop in stops:
         for b in loader:
@@ -232,18 +237,19 @@ def _nested(layout):
 
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
 @pytest.mark.parametrize("layout", [torch.strided, torch.jagged])
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_nested_tensors_pass_through(layout, backend):
+@pytest.mark.parametrize("mode", MODES)
+def test_nested_tensors_pass_through(layout, mode):
     nt = _nested(layout)
     batch = {"nt": nt, "x": torch.arange(6.0).view(2, 3), "w": _nested(layout).requires_grad_()}
-    out = list(PrefetchLoader([batch, batch], device="cpu", copy_backend=backend))
+    out = list(PrefetchLoader([batch, batch], device="cpu", **mode))
     assert len(out) == 2
     for b in out:
         assert b["nt"].is_nested and b["nt"].layout == layout
         for got, ref in zip(b["nt"].unbind(), nt.unbind(), strict=True):
             assert torch.equal(got, ref)
         assert torch.equal(b["x"], batch["x"])
-        assert not b["w"].requires_grad  # detached, as every other tensor
+        # staged: detached, as every other tensor; pass-through: the batch itself
+        assert b["w"].requires_grad == (not mode) and (b is batch) == (not mode)
         assert all(torch.equal(a, r) for a, r in zip(b["w"].unbind(), batch["w"].unbind(), strict=True))
 
 
@@ -252,7 +258,7 @@ def test_nested_tensors_pass_through(layout, backend):
 def test_nested_tensor_device_buffers_view_its_memory(layout):
     """What the CUDA path passes to record_stream for a nested tensor: plain tensors on its memory (checked here on
     the CPU, where the same views exist)."""
-    from fastdl.data import _device_buffers
+    from fastdl._loader_pass import device_buffers as _device_buffers
 
     nt = _nested(layout)
     bufs = _device_buffers(nt)

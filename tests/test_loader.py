@@ -1,6 +1,11 @@
 """Tests of fastdl.data.PrefetchLoader (issue 5): nesting, ring reuse, DDP pass-through, resume, robustness, RSS,
 telemetry, the copy ops (fastdl/ops/loader.py: both backends, argument errors, the GIL released while copying), the
-backend choice (copy_backend=, fastdl.use_backend, FASTDL_BACKEND), and CUDA streams/pinning (skipped without a GPU).
+backend choice (copy_backend=, fastdl.use_backend, FASTDL_BACKEND), the CPU pass-through (mode "cpu": the wrapped
+loader's batches, unchanged, no copy; issue 31 item 4), and CUDA streams/pinning (skipped without a GPU).
+
+The ring's tests stage on the CPU (``stage=True``, mode "cpu-staged": the same staging code as a GPU target, without
+the device copy). No test depends on how long anything takes: the stats are checked on a virtual clock, overlap
+and prefetching by what the producer did (counters, the queue), not by durations.
 
 The C++ copy kernels come from fastdl._C (csrc/cpu/loader.cpp); without it the tests run the torch backend and skip
 the C++ ones, like every other capability's tests.
@@ -12,10 +17,12 @@ import _thread
 import collections
 import contextlib
 import ctypes
+import dataclasses
 import gc
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -30,6 +37,8 @@ from conftest import LOADER_THREAD, loader_threads, wait_no_loader_thread
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler, TensorDataset
 
 import fastdl
+from fastdl import _loader_pass as fpass
+from fastdl import _loader_ring as fring
 from fastdl import backends
 from fastdl import data as fdata
 from fastdl._distributed import finish_worker
@@ -96,13 +105,44 @@ def _assert_same(a, b):
         assert a == b
 
 
+def _wait_prefetched(it, timeout: float = 60.0) -> None:
+    """Until the pass's producer has filled its queue (``depth`` batches ahead) or finished: the mechanism, not a
+    sleep. The timeout only guards against a hang; reaching it fails the test."""
+    sh = it._sh
+    deadline = time.monotonic() + timeout
+    while not (sh.q.full() or not sh.thread.is_alive()):
+        assert time.monotonic() < deadline, "the producer did not prefetch"
+        time.sleep(0.002)
+
+
+def _wait_in(thread: threading.Thread, function: str, timeout: float = 60.0) -> None:
+    """Until ``thread`` is inside ``function`` (its current stack, read with sys._current_frames)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        frame, names = sys._current_frames().get(thread.ident), []
+        while frame is not None:
+            names.append(frame.f_code.co_name)
+            frame = frame.f_back
+        if function in names:
+            return
+        assert time.monotonic() < deadline, f"{thread.name} never reached {function}"
+        time.sleep(0.002)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # basics
 
 
 def test_mode_and_info():
     loader = PrefetchLoader([torch.ones(2)], device="cpu")
-    assert loader.mode == "cpu"
+    assert loader.mode == "cpu" and loader.stats()["ring_slots"] == 0  # a plain CPU target: pass-through, no ring
+    assert PrefetchLoader([], device="cpu", stage=True).mode == "cpu-staged"
+    assert PrefetchLoader([], device="cpu", stage=False).mode == "cpu"
+    with pytest.raises(TypeError, match="stage must be None, True or False, got 'yes'"):
+        PrefetchLoader([], device="cpu", stage="yes")
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match="stage=False needs a CPU target without pin_memory"):
+            PrefetchLoader([], device="cuda", stage=False)
     assert loader.copy_backend in ("cpp", "torch")
     assert loader.copy_backend == ("cpp" if CPP else "torch")
     info = fdata.loader_info()
@@ -121,15 +161,15 @@ def test_use_backend_and_env_reach_the_copies(monkeypatch):
     """copy_backend="auto" follows fastdl.use_backend / FASTDL_BACKEND in the thread that starts a pass, like every
     other op; the producer thread runs the pass's copies with that backend; copy_backend= fixes it per loader."""
     seen = []
-    real = fdata.loader_fill
+    real = fpass.loader_fill
 
     def spy(*args):
         seen.append((threading.current_thread().name, backends.requested()))
         return real(*args)
 
-    monkeypatch.setattr(fdata, "loader_fill", spy)
+    monkeypatch.setattr(fpass, "loader_fill", spy)  # the producer's staging (fastdl/_loader_pass.py) calls it
     src = [torch.arange(6) * i for i in range(4)]
-    loader = PrefetchLoader(src, device="cpu")
+    loader = PrefetchLoader(src, device="cpu", stage=True)
     with fastdl.use_backend("torch"):
         assert loader.copy_backend == "torch"
         assert [b.tolist() for b in loader] == [t.tolist() for t in src]
@@ -146,7 +186,7 @@ def test_use_backend_and_env_reach_the_copies(monkeypatch):
     seen.clear()
     list(loader)
     assert seen == [(THREAD, "cpp" if CPP else "torch")] * 4
-    fixed = PrefetchLoader(src, device="cpu", copy_backend="torch")
+    fixed = PrefetchLoader(src, device="cpu", copy_backend="torch", stage=True)
     with fastdl.use_backend("cpp" if CPP else "auto"):
         list(fixed)
     assert fixed.copy_backend == "torch" and seen[-1] == (THREAD, "torch")
@@ -164,8 +204,8 @@ def test_default_device_is_cpu_here():
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_nested_roundtrip(backend):
     src = _nested_batches()
-    loader = PrefetchLoader(src, device="cpu", copy_backend=backend)
-    assert loader.copy_backend == backend
+    loader = PrefetchLoader(src, device="cpu", copy_backend=backend, stage=True)
+    assert loader.copy_backend == backend and loader.mode == "cpu-staged"
     for _ in range(2):
         n = 0
         for a, b in zip(src, loader, strict=True):
@@ -177,6 +217,87 @@ def test_nested_roundtrip(backend):
         assert n == len(src)
     st = loader.stats()
     assert st["batches"] == 2 * len(src) and st["epochs"] == 2 and st["copy_backend"] == backend
+    assert st["ring_allocs"] > 0
+
+
+def _spy_fill(monkeypatch) -> list:
+    """Record the staging copies (loader_fill calls of the producer)."""
+    calls = []
+    real = fpass.loader_fill
+
+    def spy(*args):
+        calls.append(threading.current_thread().name)
+        return real(*args)
+
+    monkeypatch.setattr(fpass, "loader_fill", spy)
+    return calls
+
+
+def test_cpu_passthrough_yields_exactly_the_wrapped_batches(monkeypatch):
+    """A plain CPU target has nothing to copy: each batch is the wrapped loader's own object (values, dtypes,
+    nesting, strides, requires_grad, aliasing, even a leaf a staging pass would refuse), no copy op runs and no ring
+    is allocated; the pass still runs on the producer thread, ahead of the consumer."""
+    calls = _spy_fill(monkeypatch)
+    src = _nested_batches()
+    shared = torch.arange(6.0)
+    src.append({"a": shared, "b": shared[2:], "dc": _HoldsTensors(torch.ones(2))})  # aliasing, a dataclass leaf
+    taken_by = []
+
+    class Source:
+        def __iter__(self):
+            for b in src:
+                taken_by.append(threading.current_thread().name)
+                yield b
+
+    loader = PrefetchLoader(Source(), device="cpu")
+    assert loader.mode == "cpu"
+    for _ in range(2):
+        out = list(loader)
+        assert len(out) == len(src)
+        for a, b in zip(src, out):
+            assert b is a  # the same object: nothing rebuilt, nothing copied
+            _assert_same(a, b)
+        assert out[0]["grad"].requires_grad and out[0]["img"].is_contiguous(memory_format=torch.channels_last)
+        assert out[-1]["b"].data_ptr() == out[-1]["a"].data_ptr() + 2 * 4  # aliasing preserved
+    assert taken_by == [THREAD] * (2 * len(src))  # taken from the wrapped loader by the producer thread
+    st = loader.stats()
+    assert calls == [] and st["ring_allocs"] == 0 and st["ring_bytes"] == 0 and st["ring_slots"] == 0
+    assert st["copy_s"] == 0.0 and st["oversize_batches"] == 0
+    assert st["batches"] == 2 * len(src) and st["epochs"] == 2
+    tensor_bytes = sum(t.numel() * t.element_size() for b in src for t in _tensors(b))
+    assert st["bytes"] == 2 * tensor_bytes
+
+
+def test_cpu_passthrough_of_a_dataloader_is_the_dataloader(monkeypatch):
+    """Over a DataLoader (collated batches, a seeded shuffle): the same batches in the same order as iterating the
+    DataLoader itself, handed out by the producer thread without a copy."""
+    calls = _spy_fill(monkeypatch)
+    ds = TensorDataset(torch.randn(37, 3, dtype=torch.float64), torch.arange(37), torch.rand(37, 2).half())
+
+    def make():
+        return DataLoader(ds, batch_size=5, sampler=RandomSampler(ds, generator=torch.Generator().manual_seed(3)))
+
+    ref = list(make())
+    got = list(PrefetchLoader(make(), device="cpu"))
+    assert len(got) == len(ref) == 8
+    for a, b in zip(ref, got):
+        _assert_same(a, b)  # type (list), dtypes, shapes and values of every element
+    assert calls == []
+
+
+@dataclasses.dataclass
+class _HoldsTensors:
+    t: torch.Tensor
+
+
+def _tensors(obj) -> list:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _tensors(v)]
+    return []
 
 
 def test_plain_tensors_and_passthrough_objects():
@@ -190,7 +311,7 @@ def test_plain_tensors_and_passthrough_objects():
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_ring_reused_across_epochs(backend):
     src = [torch.randn(1000) for _ in range(12)]
-    loader = PrefetchLoader(src, device="cpu", depth=2, copy_backend=backend)
+    loader = PrefetchLoader(src, device="cpu", depth=2, copy_backend=backend, stage=True)
     for _ in range(3):
         for i, b in enumerate(loader):
             assert torch.equal(b, src[i])
@@ -204,7 +325,7 @@ def test_ring_reused_across_epochs(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_kept_batches_are_never_overwritten(backend):
     src = [torch.full((257,), float(i)) for i in range(20)]
-    loader = PrefetchLoader(src, device="cpu", depth=1, copy_backend=backend)
+    loader = PrefetchLoader(src, device="cpu", depth=1, copy_backend=backend, stage=True)
     kept = [b[3:] for b in loader]  # keep views of every batch
     for i, k in enumerate(kept):
         assert torch.equal(k, src[i][3:]), i
@@ -214,7 +335,7 @@ def test_kept_batches_are_never_overwritten(backend):
 def test_ring_grows_and_is_bounded():
     sizes = [10, 1000, 50_000, 200, 400_000, 30]
     src = [torch.randn(n) for n in sizes]
-    loader = PrefetchLoader(src, device="cpu", max_ring_bytes=4 * 300_000)
+    loader = PrefetchLoader(src, device="cpu", max_ring_bytes=4 * 300_000, stage=True)
     for a, b in zip(src, loader):
         assert torch.equal(a, b)
     st = loader.stats()
@@ -306,7 +427,7 @@ def test_resume_mid_epoch(stop_at):
     it = iter(loader)
     for _ in range(stop_at):
         got.append(next(it)[0].tolist())
-    time.sleep(0.05)  # let the producer run ahead: prefetched batches must not count as consumed
+    _wait_prefetched(it)  # the producer ran ahead: prefetched batches must not count as consumed
     state = loader.state_dict()
     assert state["batches_consumed"] == stop_at
     del it, loader
@@ -492,9 +613,21 @@ def test_keyboard_interrupt_while_waiting_for_data():
 
 
 def test_timeout():
-    loader = PrefetchLoader(_endless(delay=1.0), device="cpu", timeout=0.1, shutdown_timeout=3.0)
-    with pytest.raises(TimeoutError):
-        next(iter(loader))
+    """No batch can arrive (the source waits for a gate opened only after the check): next() raises TimeoutError
+    after `timeout`, and stops the pass (the producer, still inside the source, is left with a warning)."""
+    gate = threading.Event()
+
+    def source():
+        gate.wait(60.0)
+        yield torch.ones(4)
+
+    loader = PrefetchLoader(source(), device="cpu", timeout=0.1, shutdown_timeout=0.1)
+    try:
+        with pytest.raises(TimeoutError, match="no batch from the wrapped loader within 0.1 s"), \
+                pytest.warns(RuntimeWarning, match="still inside the wrapped loader"):
+            next(iter(loader))
+    finally:
+        gate.set()
 
 
 def _rss_bytes() -> int:
@@ -512,7 +645,7 @@ class _Heavy(Dataset):  # 24 batches of 8 MB per epoch, fresh tensors each time
 
 def _rss_over_epochs(epochs: int = 6) -> dict:
     """RSS after each epoch of a PrefetchLoader over a batch-heavy DataLoader (run in a fresh process)."""
-    loader = PrefetchLoader(DataLoader(_Heavy(), batch_size=None), device="cpu", depth=2)
+    loader = PrefetchLoader(DataLoader(_Heavy(), batch_size=None), device="cpu", depth=2, stage=True)
     rss = []
     for _ in range(epochs):
         total = 0.0
@@ -550,7 +683,7 @@ def test_rss_flat_over_epochs():
 
 
 class _Timed:
-    """Iterable whose batches take `delay` seconds to produce (sleep: no CPU contention on a shared machine)."""
+    """Iterable of ``n`` batches; ``delay`` seconds of sleep before each (0: none)."""
 
     def __init__(self, n: int, delay: float, nbytes: int = 1 << 16):
         self.n, self.delay, self.nbytes = n, delay, nbytes
@@ -560,50 +693,84 @@ class _Timed:
 
     def __iter__(self):
         for i in range(self.n):
-            time.sleep(self.delay)
+            if self.delay:
+                time.sleep(self.delay)
             yield torch.full((self.nbytes // 4,), float(i))
 
 
-def _overlap(a: list, b: list) -> float:
-    """Total time in which an interval of ``a`` and one of ``b`` (lists of (start, end)) both ran."""
-    return sum(max(0.0, min(e1, e2) - max(s1, s2)) for s1, e1 in a for s2, e2 in b)
+@pytest.mark.parametrize("stage", [False, True])
+def test_producer_runs_ahead_of_the_step(stage):
+    """The producer takes batch k+1 from the wrapped loader while the consumer is still in its step k (holding
+    batch k): production overlaps the step. Mechanism, not time: in every step the consumer waits until the source
+    has handed out the next batch, which only the producer thread can have taken."""
+    n = 8
+    cond = threading.Condition()
+    taken = []
 
-
-def test_stats_and_overlap():
-    """The producer prepares batch k+1 while the consumer's step k runs (the intervals overlap), and the stats count
-    what happened. Mechanism, not wall time: both sides sleep (no CPU contention), and the assertions compare the
-    recorded intervals, which a busy machine stretches on both sides alike."""
-    n, d = 12, 0.03
-    produced, steps = [], []
-
-    class Source(_Timed):
+    class Source:
         def __iter__(self):
-            for i in range(self.n):
-                t0 = time.perf_counter()
-                time.sleep(self.delay)
-                produced.append((t0, time.perf_counter()))
-                yield torch.full((self.nbytes // 4,), float(i))
+            for i in range(n):
+                with cond:
+                    taken.append(threading.current_thread().name)
+                    cond.notify_all()
+                yield torch.full((16,), float(i))
 
-    loader = PrefetchLoader(Source(n, d), device="cpu", depth=2)
-    for _ in loader:
-        t0 = time.perf_counter()
-        time.sleep(d)  # the "step"
-        steps.append((t0, time.perf_counter()))
-    produce_total = sum(e - s for s, e in produced)
-    # every batch after the first can be produced during a step: most of the production time is hidden
-    assert _overlap(produced, steps) > 0.5 * produce_total, (produced, steps)
+    loader = PrefetchLoader(Source(), device="cpu", depth=2, stage=stage)
+    for k, b in enumerate(loader):
+        assert int(b[0]) == k
+        if k + 1 < n:  # the step: batch k+1 is taken meanwhile
+            with cond:
+                assert cond.wait_for(lambda k=k: len(taken) >= k + 2, timeout=60.0), (k, taken)
+    assert taken == [THREAD] * n
+
+
+@pytest.mark.parametrize("stage", [False, True])
+def test_stats_count_waits_and_production_exactly(virtual_clock, stage):
+    """stats() on a virtual clock that only the source advances (``P`` seconds per batch, in the producer):
+    the consumer waits for batch 0 and batch 2 (it asks before they are produced: each wait is ``P``) and not for
+    batch 1 (produced and queued before it asks), so wait_s is exactly 2P, produce_s 3P, elapsed_s 3P."""
+    clock = virtual_clock(fring)  # the loader's one clock (_loader_ring.clock) reads that module's time
+    P, n, nbytes = 2.0, 3, 1 << 12
+    gates = [threading.Event() for _ in range(n)]
+
+    class Source:
+        def __len__(self):
+            return n
+
+        def __iter__(self):
+            for i in range(n):
+                assert gates[i].wait(60.0)
+                clock.spend(P)  # the production of batch i
+                yield torch.full((nbytes // 4,), float(i))
+
+    def open_when_waiting(i):  # opens gate i once the consumer is blocked in the loader's wait for data
+        def run():
+            _wait_in(threading.main_thread(), "_get")
+            gates[i].set()
+
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        return t
+
+    loader = PrefetchLoader(Source(), device="cpu", depth=1, stage=stage)
+    it = iter(loader)
+    opener = open_when_waiting(0)
+    assert int(next(it)[0]) == 0  # waited P
+    opener.join()
+    gates[1].set()
+    _wait_prefetched(it)  # batch 1 is queued before the consumer asks for it
+    assert int(next(it)[0]) == 1  # no wait
+    opener = open_when_waiting(2)
+    assert int(next(it)[0]) == 2  # waited P
+    opener.join()
+    assert next(it, None) is None
     st = loader.stats()
-    assert st["batches"] == n and st["bytes"] == n * (1 << 16) and st["epochs"] == 1
-    assert st["produce_s"] >= n * d  # sleeps last at least as long as asked
-    assert st["wait_s"] < produce_total  # the consumer waited for less than the production took
-    assert st["copy_s"] >= 0 and st["batches_per_s"] > 0 and 0 <= st["wait_frac"] < 1
-    assert st["h2d_s"] is None
-    # a consumer faster than the producer waits for data: exposed time is visible (it waits for every batch)
-    slow = PrefetchLoader(_Timed(6, 0.03), device="cpu")
-    list(slow)
-    assert slow.stats()["wait_s"] >= 0.5 * 6 * 0.03
-    slow.reset_stats()
-    assert slow.stats()["batches"] == 0
+    assert st["batches"] == n and st["epochs"] == 1 and st["bytes"] == n * nbytes
+    assert st["wait_s"] == pytest.approx(2 * P) and st["produce_s"] == pytest.approx(n * P)
+    assert st["elapsed_s"] == pytest.approx(n * P) and st["wait_frac"] == pytest.approx(2 / 3)
+    assert st["batches_per_s"] == pytest.approx(n / (n * P)) and st["copy_s"] == 0.0 and st["h2d_s"] is None
+    loader.reset_stats()
+    assert loader.stats()["batches"] == 0 and loader.stats()["wait_s"] == 0.0
 
 
 def test_progress_bar(capsys):
@@ -685,7 +852,7 @@ def test_fill_op_copies_every_layout(backend):
     keep = [1, 0, 1, 1, 0, 1, 1]
     offs, off = [], 0
     for t in srcs:
-        off = fdata._align(off)
+        off = fring.align(off)
         offs.append(off)
         off += t.numel() * t.element_size()
     dst = torch.zeros(off, dtype=torch.uint8)
@@ -793,7 +960,7 @@ def test_gil_watch_fails_for_a_copy_that_holds_the_gil():
 def test_producer_copies_while_the_consumer_holds_the_gil(monkeypatch, backend):
     """Through the loader: its producer thread stages a batch (the copy op into a ring slot) while the consumer holds
     the GIL, so a consumer busy in Python does not stall the staging of the next batch."""
-    real = fdata.loader_fill
+    real = fpass.loader_fill
     hook = {"staging": threading.Event()}
 
     def spy(src, dst, offsets, keep, threads):
@@ -802,14 +969,14 @@ def test_producer_copies_while_the_consumer_holds_the_gil(monkeypatch, backend):
         hook["staging"].set()
         real(src, dst, offsets, keep, threads)
 
-    monkeypatch.setattr(fdata, "loader_fill", spy)
+    monkeypatch.setattr(fpass, "loader_fill", spy)
     seen = []
     for value in range(1, _GIL_TRIES + 1):
         batch = torch.full((_GIL_BYTES,), value, dtype=torch.uint8)
         hook["staging"].clear()
         with _gil_stretches():
-            it = iter(PrefetchLoader([batch], device="cpu", depth=1, copy_backend=backend))
-            hook["staging"].wait()
+            it = iter(PrefetchLoader([batch], device="cpu", depth=1, copy_backend=backend, stage=True))
+            assert hook["staging"].wait(60.0), "the producer never staged the batch"
             seen.append(_landed_while_consumer_held_gil(hook.pop("slot"), value))
         assert torch.equal(next(it), batch) and hook["thread"] == THREAD
         del it
@@ -846,7 +1013,7 @@ def test_cuda_no_early_reuse_and_stream_ordering():
     with torch.cuda.stream(consumer):
         it = iter(loader)
         first = next(it)
-        time.sleep(0.2)  # the producer prefetches the next batches (and cycles the host ring) meanwhile
+        _wait_prefetched(it)  # the producer prefetches the next batches (and cycles the host ring) meanwhile
         kept.append(first)
         for b in it:
             torch.cuda._sleep(2_000_000)  # keep the consumer stream busy so reuse bugs would show
@@ -898,10 +1065,57 @@ def test_bench_smoke(tmp_path, capsys):
         ["--batches", "6", "--produce-ms", "1", "--step-ms", "1", "--batch-mb", "0.1", "--kinds", "torch", "python",
          "--loaders", "dl0", "fastdl", "--repeats", "1", "--csv", str(out)]
     )
-    assert [r["loader"] for r in rows] == ["dl0", "fastdl", "dl0", "fastdl"]
+    assert [r["loader"] for r in rows] == ["dl0", "fastdl", "fastest"] * 2
     for r in rows:
-        assert r["epoch_s"] > 0 and r["overlap_eff"] > 0 and r["name"].startswith("overlap/")
-    assert rows[1]["mode"] == "cpu" and rows[1]["wait_s"] >= 0
+        assert r["epoch_s"] > 0 and r["name"].startswith("overlap/") and r["x_best"] > 0
+    assert rows[0]["overlap_eff"] > 0 and "slower" not in rows[0]  # a PyTorch row is not judged
+    fd, fastest = rows[1], rows[2]
+    assert fd["mode"] == "cpu" and fd["wait_s"] >= 0 and fd["baseline"] == "dl0" and "slower" in fd
+    assert fd["x_baseline"] == pytest.approx(rows[0]["epoch_s"] / fd["epoch_s"])  # one repeat: the plain ratio
+    assert fastest["fastest_fastdl"] == "fastdl" and fastest["baseline"] == "dl0"
     text = out.read_text()
-    assert text.startswith("name,") and text.count("\n") == 5
-    assert "overlap eff" in capsys.readouterr().out
+    assert text.startswith("name,") and text.count("\n") == 7
+    printed = capsys.readouterr().out
+    assert "overlap eff" in printed and "fastest fastdl (fastdl," in printed
+
+
+def _bench_sets(epochs: dict) -> tuple[list, dict]:
+    rows = [{"loader": n, "epoch_s": sorted(e)[len(e) // 2], "mode": "cpu" if n.startswith("fastdl") else None,
+             "batches": 8, "produce_ms": 1.0, "step_ms": 1.0, "batch_mb": 1.0, "threads": 1, "repeats": len(e)}
+            for n, e in epochs.items()]  # fmt: skip
+    return rows, {n: {"epochs": e} for n, e in epochs.items()}
+
+
+def test_bench_compares_each_fastdl_row_with_the_loader_it_wraps():
+    """Issue 31 item 4: fastdl+dl2 is judged against dl2 (not dl0), fastdl against dl0, and the fastest fastdl
+    configuration against the fastest PyTorch one; ``fastdl bench all`` reports those ratios, not x dl0."""
+    from fastdl.bench import all as bench_all
+    from fastdl.bench import loader as bench
+
+    # epochs per round (3 rounds): dl2 is the fastest PyTorch loader; fastdl+dl2 is a hair slower than dl2 (0.98x)
+    # but faster than dl0; fastdl (over dl0) is faster than dl0
+    rows, sets = _bench_sets({"dl0": [2.0, 2.2, 2.1], "dl2": [1.0, 1.1, 1.0], "fastdl": [1.6, 1.7, 1.6],
+                              "fastdl+dl2": [1.02, 1.12, 1.02]})  # fmt: skip
+    rows = bench._compare(rows, sets, "torch", torch.device("cpu"))
+    r = {x["loader"]: x for x in rows}
+    assert r["fastdl+dl2"]["baseline"] == "dl2" and r["fastdl"]["baseline"] == "dl0"
+    assert r["fastdl+dl2"]["x_baseline"] == pytest.approx(statistics.median([1 / 1.02, 1.1 / 1.12, 1 / 1.02]))
+    assert r["fastdl"]["x_baseline"] == pytest.approx(statistics.median([2 / 1.6, 2.2 / 1.7, 2.1 / 1.6]))
+    assert "DataLoader(num_workers=2), the loader it wraps" in r["fastdl+dl2"]["slower"]
+    assert r["fastdl"]["slower"] == "" and r["dl2"]["best_pytorch"] == "dl2" and "slower" not in r["dl0"]
+    f = r["fastest"]
+    assert f["fastest_fastdl"] == "fastdl+dl2" and f["baseline"] == "dl2" and f["x_baseline"] < 1 and f["slower"]
+    summ = {s["what"]: s for s in bench_all.summarize({"loader": rows})}
+    assert set(summ) == {"fastdl", "fastdl+dl2", "fastest"}  # the PyTorch rows are baselines, not judged
+    assert summ["fastdl+dl2"]["x_replaced"] == r["fastdl+dl2"]["x_baseline"]  # vs dl2, not vs dl0 (~2x)
+    assert summ["fastdl"]["x_replaced"] > 1 and not summ["fastdl"]["slower"] and summ["fastest"]["slower"]
+    assert summ["fastdl+dl2"]["mode"] == "cpu" and summ["fastdl+dl2"]["best_pytorch"] == "dl2"
+    # the same configurations with fastdl+dl2 at dl2's speed: nothing is slower
+    rows, sets = _bench_sets({"dl0": [2.0, 2.2, 2.1], "dl2": [1.0, 1.1, 1.0], "fastdl": [1.6, 1.7, 1.6],
+                              "fastdl+dl2": [0.99, 1.1, 0.98]})  # fmt: skip
+    summ = bench_all.summarize({"loader": bench._compare(rows, sets, "torch", torch.device("cpu"))})
+    assert not any(s["slower"] for s in summ), summ
+    # only fastdl+dl2 measured (dl0 runs for the serial totals): its fastest row compares with dl2, not with dl0
+    rows, sets = _bench_sets({"dl0": [0.5, 0.5, 0.5], "dl2": [1.0, 1.1, 1.0], "fastdl+dl2": [0.99, 1.1, 0.98]})
+    f = bench._compare(rows, sets, "torch", torch.device("cpu"))[-1]
+    assert f["loader"] == "fastest" and f["baseline"] == "dl2" and not f["slower"] and f["best_pytorch"] == "dl0"

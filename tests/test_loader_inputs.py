@@ -1,6 +1,7 @@
 """PrefetchLoader and batches it cannot move: leaves without tensors pass through untouched (the same object),
 containers keep their type, and a leaf that holds tensors the loader cannot reach raises a TypeError naming the
-element and its type - it never silently yields something else."""
+element and its type - it never silently yields something else. The staging path is tested on the CPU with
+``stage=True`` (the same code as a GPU target's); a plain CPU target passes every batch through unchanged."""
 
 import collections
 import dataclasses
@@ -33,8 +34,8 @@ class _MyDict(dict):
 BACKENDS = ["auto", "torch"]  # auto: the C++ copy when the extension is built
 
 
-def _one(batch, backend):
-    out = list(PrefetchLoader([batch], device="cpu", copy_backend=backend))
+def _one(batch, backend, stage=True):
+    out = list(PrefetchLoader([batch], device="cpu", copy_backend=backend, stage=stage))
     assert len(out) == 1
     return out[0]
 
@@ -69,14 +70,21 @@ def test_containers_keep_their_type(backend):
     assert type(out) is type(pair) and out.y == "label"
 
 
-@pytest.mark.parametrize(
-    "batch, where, typename",
-    [
-        ({"x": torch.ones(2), "o": _HoldsTensor()}, r"batch\['o'\]", "_HoldsTensor"),
-        ([_Pair(torch.ones(2))], r"batch\[0\]", "_Pair"),
-        ({"s": {torch.ones(1)}}, r"batch\['s'\]", "set"),
-    ],
-)
+_UNREACHABLE = [
+    ({"x": torch.ones(2), "o": _HoldsTensor()}, r"batch\['o'\]", "_HoldsTensor"),
+    ([_Pair(torch.ones(2))], r"batch\[0\]", "_Pair"),
+    ({"s": {torch.ones(1)}}, r"batch\['s'\]", "set"),
+]
+
+
+@pytest.mark.parametrize("batch, where, typename", _UNREACHABLE)
 def test_a_leaf_holding_tensors_raises_naming_it(batch, where, typename):
     with pytest.raises(TypeError, match=rf"{where} is a .*{typename} that holds tensors"):
-        list(PrefetchLoader([batch], device="cpu"))
+        list(PrefetchLoader([batch], device="cpu", stage=True))
+
+
+@pytest.mark.parametrize("batch", [b for b, _, _ in _UNREACHABLE])
+def test_cpu_passthrough_hands_out_any_batch_unchanged(batch):
+    """Nothing is moved on a plain CPU target, so nothing can be missed: the batch itself, even one a staging pass
+    would refuse."""
+    assert _one(batch, "auto", stage=None) is batch

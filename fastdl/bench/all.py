@@ -33,7 +33,7 @@ REPLACED = {
     "sparse24": ("x_dense", "dense bf16 F.linear"),
     "overhead": ("x_linear", "nn.Linear + activation"),
     "model": ("x_fp32", "fp32 original model"),
-    "loader": ("speedup_vs_dl0", "DataLoader(num_workers=0)"),
+    "loader": ("x_baseline", "the DataLoader it wraps (row 'fastest': the fastest DataLoader)"),
 }
 
 
@@ -68,7 +68,7 @@ def summarize(rows_by_bench: dict[str, list[dict]]) -> list[dict]:
     for bench, rows in rows_by_bench.items():
         key, _ = REPLACED.get(bench, (None, None))
         for r in rows:
-            if bench == "loader":
+            if bench == "loader" and "slower" not in r:  # rows of a loader bench before x_baseline: vs dl0
                 if not str(r.get("loader", "")).startswith("fastdl"):
                     continue
                 ratio = r.get("speedup_vs_dl0")

@@ -3,10 +3,19 @@
 Each batch costs the producer ``--produce-ms`` of real work and the consumer step ``--step-ms`` of real work (torch
 matmuls), measured in one process on the same data:
 
-  dl0          DataLoader(num_workers=0): producer and step run one after the other (the baseline)
+  dl0          DataLoader(num_workers=0): producer and step run one after the other
   dl2          DataLoader(num_workers=2, persistent workers, + pin_memory on a GPU)
   fastdl       PrefetchLoader(DataLoader(num_workers=0)): the producer runs on fastdl's background thread
-  fastdl+dl2   PrefetchLoader(DataLoader(num_workers=2)): worker processes produce, fastdl stages and copies
+  fastdl+dl2   PrefetchLoader(DataLoader(num_workers=2)): worker processes produce, fastdl stages and copies (on a
+               CPU target it passes the batches through: nothing to copy)
+
+Like with like: each fastdl row is compared with the DataLoader it wraps (``x_baseline``: fastdl vs dl0, fastdl+dl2
+vs dl2; the wrapped loader is measured whenever its fastdl row is), and one row per producer kind, ``fastest``,
+compares the fastest fastdl configuration with the fastest PyTorch one (``baseline`` names it; among the PyTorch
+loaders that the measured fastdl configurations wrap). Ratios are paired:
+the median over the repeats of (baseline epoch / fastdl epoch) in the same round. ``x_best`` is a row's ratio to
+the fastest PyTorch loader; ``speedup_vs_dl0`` its ratio to dl0. A fastdl row is marked slower (``slower``, what
+``fastdl bench all`` reports) only against its own baseline.
 
 Producer kinds: ``torch`` (the batch is generated and transformed with torch ops, which release the GIL, so a thread
 overlaps them with the step), ``python`` (pure-Python work that holds the GIL: a thread cannot overlap it with
@@ -31,9 +40,11 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from ..data import PrefetchLoader
-from .common import activity, env_columns, over_time, print_header, print_table, say, write_csv
+from .common import activity, env_columns, mark_slower, over_time, print_header, print_table, say, write_csv
 
 LOADERS = ("dl0", "dl2", "fastdl", "fastdl+dl2")
+WRAPS = {"fastdl": "dl0", "fastdl+dl2": "dl2"}  # the PyTorch loader each fastdl configuration wraps
+LABELS = {"dl0": "DataLoader(num_workers=0)", "dl2": "DataLoader(num_workers=2)"}
 KINDS = ("torch", "python", "sleep")
 QUICK_ARGS = ["--quick", "--kinds", "torch"]
 _MM = 192  # matmul size of the calibrated work units (fp32, one core: ~0.1-0.2 ms each)
@@ -53,7 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--depth", type=int, default=2, help="PrefetchLoader depth")
     p.add_argument("--h2d-mb", type=float, default=64.0, help="GPU only: batch size of the host-to-device test (MB)")
     p.add_argument("--h2d-batches", type=int, default=40, help="GPU only: batches of the host-to-device test")
-    p.add_argument("--quick", action="store_true", help="smoke run: 40 batches, 1 repeat")
+    p.add_argument("--quick", action="store_true",
+                   help="short run: 20 batches, 3 repeats (paired rounds: the like-with-like rows are ~1.0x by "
+                        "construction, and one round of 40 batches flipped them across 1.0 with the machine's load)")
     p.add_argument("--csv", default=None, help="write rows to this CSV file")
 
 
@@ -202,8 +215,10 @@ def _shutdown(loader) -> None:
 
 def _run_overlap(args, device: torch.device, work: Work, kind: str) -> list[dict]:
     """Epoch times of every loader. The timed epochs are interleaved round-robin (dl0, dl2, fastdl, ... then
-    again), so a change in machine load during the run hits every loader alike."""
-    order = ["dl0"] + [n for n in args.loaders if n != "dl0"]
+    again), so a change in machine load during the run hits every loader alike. The loader a fastdl configuration
+    wraps runs too (its baseline), and dl0 always (the serial totals)."""
+    wanted = {"dl0", *args.loaders, *(WRAPS[n] for n in args.loaders if n in WRAPS)}
+    order = [n for n in LOADERS if n in wanted]
     sets = {}
     for name in order:
         ds = SyntheticBatches(work, kind, args.batches)
@@ -270,6 +285,52 @@ def _run_overlap(args, device: torch.device, work: Work, kind: str) -> list[dict
             row["exposed_pct_of_step"] = 100 * row["wait_s"] / max(serial[1], 1e-9)
             row["copy_s"] = statistics.median(d["copy"])
         rows.append(row)
+    return _compare(rows, sets, kind, device)
+
+
+def _paired(base: list[float], epochs: list[float]) -> float:
+    """Median over the repeats of base / epoch, each pair measured in the same round."""
+    return statistics.median(b / e for b, e in zip(base, epochs))
+
+
+def _compare(rows: list[dict], sets: dict, kind: str, device: torch.device) -> list[dict]:
+    """Like with like: each fastdl row against the DataLoader it wraps, every row against the fastest PyTorch loader,
+    and a ``fastest`` row: the fastest fastdl configuration against the fastest PyTorch one among those the measured
+    fastdl configurations wrap (with ``--loaders fastdl+dl2`` alone: dl2, not the dl0 that runs for the totals)."""
+    by_name = {r["loader"]: r for r in rows}
+    epoch = {n: r["epoch_s"] for n, r in by_name.items()}
+    best_any = min((n for n in by_name if n not in WRAPS), key=epoch.__getitem__)
+    for r in rows:
+        name = r["loader"]
+        r["x_best"] = _paired(sets[best_any]["epochs"], sets[name]["epochs"])
+        r["best_pytorch"] = best_any
+        if name in WRAPS:
+            base = WRAPS[name]
+            r["baseline"] = base
+            r["x_baseline"] = _paired(sets[base]["epochs"], sets[name]["epochs"])
+            mark_slower(r, {f"{LABELS[base]}, the loader it wraps": r["x_baseline"]})
+    fastdl = [n for n in by_name if n in WRAPS]
+    if fastdl:
+        best_fd = min(fastdl, key=epoch.__getitem__)
+        best_pt = min({WRAPS[n] for n in fastdl}, key=epoch.__getitem__)
+        ratio = _paired(sets[best_pt]["epochs"], sets[best_fd]["epochs"])
+        f = by_name[best_fd]
+        row = {
+            "name": f"overlap/{kind}/fastest",
+            "device": str(device),
+            "kind": kind,
+            "loader": "fastest",
+            "mode": f.get("mode"),
+            "fastest_fastdl": best_fd,
+            "baseline": best_pt,
+            "x_baseline": ratio,
+            "best_pytorch": best_any,
+            "x_best": _paired(sets[best_any]["epochs"], sets[best_fd]["epochs"]),
+            **{k: f[k] for k in ("batches", "produce_ms", "step_ms", "batch_mb", "threads", "repeats", "epoch_s")},
+        }
+        # no "; " in the label: it separates the comparisons of a row's note (scripts/bench_tables.py splits on it)
+        mark_slower(row, {f"{LABELS[best_pt]} (the fastest PyTorch loader, vs fastdl's fastest: {best_fd})": ratio})
+        rows.append(row)
     return rows
 
 
@@ -332,7 +393,7 @@ def _run_h2d(args, device: torch.device) -> list[dict]:
 
 def run(args) -> list[dict]:
     if args.quick:
-        args.batches, args.repeats = min(args.batches, 40), 1
+        args.batches, args.repeats = min(args.batches, 20), min(args.repeats, 3)
     device = torch.device(args.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -358,15 +419,21 @@ def run(args) -> list[dict]:
                 break
             rows += [{**r, **env} for r in _run_overlap(args, device, work, kind)]
         cols = [
-            ("kind", "producer"), ("loader", "loader"), ("epoch_s", "epoch s"), ("speedup_vs_dl0", "x dl0"),
-            ("paired_speedup_vs_dl0", "x dl0 paired"), ("overlap_eff", "overlap eff"),
-            ("wait_ms_per_batch", "exposed ms/batch"), ("exposed_pct_of_step", "exposed % step"),
-            ("epoch_s_min", "min s"), ("epoch_s_max", "max s"),
+            ("kind", "producer"), ("loader", "loader"), ("epoch_s", "epoch s"), ("baseline", "vs"),
+            ("x_baseline", "x vs"), ("x_best", "x fastest PyTorch"), ("paired_speedup_vs_dl0", "x dl0"),
+            ("overlap_eff", "overlap eff"), ("wait_ms_per_batch", "exposed ms/batch"),
+            ("exposed_pct_of_step", "exposed % step"), ("epoch_s_min", "min s"), ("epoch_s_max", "max s"),
         ]
         print_table(rows, cols)
         if rows:
             p, s = rows[0].get("producer_total_s"), rows[0].get("step_total_s")
-            print(f"(serial totals of the first kind: producer {p:.2f} s, step {s:.2f} s; ideal epoch = max)")
+            print(f"(serial totals of the first kind: producer {p:.2f} s, step {s:.2f} s; ideal epoch = max; each "
+                  "fastdl row vs the DataLoader it wraps, paired per round)")
+        for r in rows:
+            if r["loader"] == "fastest":
+                say(f"producer {r['kind']}: fastest fastdl ({r['fastest_fastdl']}, {r['epoch_s']:.3f} s/epoch) vs "
+                    f"fastest PyTorch ({LABELS[r['baseline']]}): {r['x_baseline']:.2f}x"
+                    + (f"  <<< SLOWER: {r['slower']}" if r["slower"] else ""))
         if device.type == "cuda":
             h2d = _run_h2d(args, device)
             print_table(h2d, [("name", "host-to-device"), ("gbps", "GB/s"), ("pct_of_raw_pinned", "% raw pinned")])

@@ -14,8 +14,9 @@ Ops (``torch.ops.fastdl.<name>``; every backend implements exactly this):
     but the ring holds it.
 
 Backends: ``cpp`` (csrc/cpu/loader.cpp) and ``torch`` (``Tensor.copy_``, which releases the GIL as well), chosen
-like every other op's (``FASTDL_BACKEND``, ``fastdl.use_backend``); the loader picks one when a pass starts and its
-producer thread runs the whole pass with it.
+like every other op's (``FASTDL_BACKEND``, ``fastdl.use_backend``); the loader picks one when a pass starts
+(``select_copy_backend``) and its producer thread runs the whole pass with it (``using_copy_backend``).
+``copy_backend_status`` says which one ``fastdl info`` reports, and why not C++.
 """
 
 from __future__ import annotations
