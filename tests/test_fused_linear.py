@@ -767,7 +767,7 @@ def test_info_lists_backend_per_op():
     assert "fused_linear" in d["ops"] and d["ops"]["fused_linear"]["cpu"]["backend"] in ("cpp", "torch")
     assert d["cpu_isa"] in ("avx512_bf16", "avx512", "avx2", "scalar")
     assert d["cpu"]["level"] == d["cpu_isa"] and d["cpu"]["model"]
-    assert set(d["cpu"]["kernels"]) == {"fused_linear", "int8", "sparse24"}
+    assert set(d["cpu"]["kernels"]) == {"fused_linear", "int8", "sparse24", "int4"}
     assert d["extension"]["source"] in ("aot", "jit", "missing")
 
 

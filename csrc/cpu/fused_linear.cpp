@@ -51,16 +51,10 @@
 #include <sys/mman.h>
 #endif
 
-#if AT_PARALLEL_OPENMP && !defined(_OPENMP) && defined(__linux__)
-#include <dlfcn.h>
-#define FL_OMP_SHIM 1
-#else
-#define FL_OMP_SHIM 0
-#endif
-
 #include "cpu_isa.h"
 #include "fused_linear_kernels.h"
 #include "fused_linear_onednn.h"
+#include "parallel.h"
 
 namespace fastdl {
 namespace fused_linear {
@@ -85,78 +79,6 @@ const Kernels &kernels() {
 }
 
 namespace {
-
-#if FL_OMP_SHIM
-// at::parallel_for is header code: in a file compiled without -fopenmp (the project's generic flags) it silently runs
-// serially although torch itself uses OpenMP. In that case the chunks are dispatched through the OpenMP runtime
-// torch has already loaded (libgomp's GOMP_parallel, looked up with RTLD_NOLOAD so no second runtime is ever loaded),
-// exactly as at::parallel_for's OpenMP branch would do: same thread team, same torch.set_num_threads() setting.
-struct OmpRuntime {
-    void (*parallel)(void (*)(void *), void *, unsigned, unsigned) = nullptr;
-    int (*thread_num)() = nullptr;
-    int (*num_threads)() = nullptr;
-};
-
-const OmpRuntime &omp_runtime() {
-    static const OmpRuntime rt = [] {
-        OmpRuntime r;
-        void *lib = dlopen("libgomp.so.1", RTLD_LAZY | RTLD_NOLOAD);
-        void *h = lib ? lib : RTLD_DEFAULT;
-        r.parallel = reinterpret_cast<decltype(r.parallel)>(dlsym(h, "GOMP_parallel"));
-        r.thread_num = reinterpret_cast<decltype(r.thread_num)>(dlsym(h, "omp_get_thread_num"));
-        r.num_threads = reinterpret_cast<decltype(r.num_threads)>(dlsym(h, "omp_get_num_threads"));
-        if (!r.parallel || !r.thread_num || !r.num_threads)
-            r = OmpRuntime{};
-        return r;
-    }();
-    return rt;
-}
-
-template <class F> struct OmpTask {
-    OmpTask(const F *f_, int64_t b, int64_t e, int64_t g, const OmpRuntime *r)
-        : f(f_), begin(b), end(e), grain(g), rt(r) {}
-    const F *f;
-    int64_t begin, end, grain;
-    const OmpRuntime *rt;
-    std::atomic_flag err = ATOMIC_FLAG_INIT;
-    std::exception_ptr eptr;
-
-    static void run(void *p) { // same chunking as at::internal::invoke_parallel
-        auto &t = *static_cast<OmpTask *>(p);
-        int64_t nt = t.rt->num_threads();
-        if (t.grain > 0)
-            nt = std::min<int64_t>(nt, (t.end - t.begin + t.grain - 1) / t.grain);
-        const int64_t tid = t.rt->thread_num();
-        const int64_t chunk = (t.end - t.begin + nt - 1) / nt;
-        const int64_t b = t.begin + tid * chunk;
-        if (b >= t.end)
-            return;
-        try {
-            at::internal::ThreadIdGuard guard(static_cast<int>(tid));
-            (*t.f)(b, std::min(t.end, b + chunk));
-        } catch (...) {
-            if (!t.err.test_and_set())
-                t.eptr = std::current_exception();
-        }
-    }
-};
-#endif
-
-// at::parallel_for, also parallel when this file is compiled without -fopenmp (see above).
-template <class F> void parallel_for(int64_t begin, int64_t end, int64_t grain, const F &f) {
-#if FL_OMP_SHIM
-    const OmpRuntime &rt = omp_runtime();
-    if (rt.parallel && end - begin > std::max<int64_t>(grain, 1) && at::get_num_threads() > 1 &&
-        !at::in_parallel_region()) {
-        OmpTask<F> task(&f, begin, end, grain, &rt);
-        rt.parallel(&OmpTask<F>::run, &task, 0, 0); // 0 threads = the runtime default torch has set
-        if (task.eptr)
-            std::rethrow_exception(task.eptr);
-        return;
-    }
-#endif
-    at::parallel_for(begin, end, grain, f);
-}
 
 // fp32 small-M threshold (rows of x after flattening) of the AVX-512 family: the FMA kernel beats MKL's sgemm (at::mm)
 // on the dev machine (Zen 5, 2 threads, K = N = 4096) at every M <= 64: M = 1: 0.52 vs 2.1 ms, 16: 2.4 vs 7.8, 64:

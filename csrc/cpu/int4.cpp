@@ -16,6 +16,7 @@
 
 #include "cpu_isa.h"
 #include "fused_linear_kernels.h"
+#include "parallel.h"
 
 namespace fastdl {
 namespace int4 {
@@ -128,7 +129,7 @@ at::Tensor int4_weight_only_linear(const at::Tensor &x, const at::Tensor &qweigh
     if (T == 1) {
         fn(a, 0, N);
     } else {
-        at::parallel_for(0, (N + slice - 1) / slice, 1, [&](int64_t t0, int64_t t1) {
+        parallel_for(0, (N + slice - 1) / slice, 1, [&](int64_t t0, int64_t t1) {
             for (int64_t t = t0; t < t1; ++t)
                 fn(a, t * slice, std::min(N, (t + 1) * slice));
         });

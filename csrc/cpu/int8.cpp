@@ -28,6 +28,7 @@
 #include "cpu_isa.h"
 #include "fused_linear_kernels.h"
 #include "int8_kernels.h"
+#include "parallel.h"
 
 namespace fastdl {
 namespace int8 {
@@ -58,14 +59,6 @@ const Kernels &kernels() {
     static const Kernels &k = choose();
     return k;
 }
-
-// ------------------------------------------------------------------------------------------------ threads
-// at::parallel_for is header code: with torch's OpenMP backend it is parallel only in a translation unit compiled with
-// -fopenmp (fastdl/_build.py passes it). Without it every kernel here would silently run on one core (measured: the
-// W8A8 GEMM at M = 512 took the same 17 ms with 1 and 2 threads), hence the warning.
-#if AT_PARALLEL_OPENMP && !defined(_OPENMP)
-#warning "int8.cpp compiled without -fopenmp: at::parallel_for runs serially (torch uses the OpenMP backend)"
-#endif
 
 // ------------------------------------------------------------------------------------------------ helpers
 namespace {
@@ -172,7 +165,7 @@ std::tuple<at::Tensor, at::Tensor> pack_weight(const at::Tensor &w_q) {
     p.comp = comp.data_ptr<int32_t>();
     const Kernels &kr = kernels();
     // grain: 16 blocks of 16 rows (>= 1 MiB at K = 4096) per thread at least
-    at::parallel_for(0, Np / 16, 16, [&](int64_t b, int64_t e) {
+    parallel_for(0, Np / 16, 16, [&](int64_t b, int64_t e) {
         PackB q = p;
         q.jb0 = b;
         q.jb1 = e;
@@ -296,7 +289,7 @@ void run_w8a8(W8A8 &p) {
     if (tm * tn == 1) {
         body(0, 1);
     } else {
-        at::parallel_for(0, tm * tn, 1, body);
+        parallel_for(0, tm * tn, 1, body);
     }
 }
 
@@ -378,7 +371,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_per_token(const at::Tensor &x) {
     const char *src = static_cast<const char *>(x2.data_ptr());
     int8_t *qp = q.data_ptr<int8_t>();
     float *sp = scale.data_ptr<float>();
-    at::parallel_for(0, M, std::max<int64_t>(1, 32768 / std::max<int64_t>(K, 1)), [&](int64_t b, int64_t e) {
+    parallel_for(0, M, std::max<int64_t>(1, 32768 / std::max<int64_t>(K, 1)), [&](int64_t b, int64_t e) {
         QuantRows a;
         a.src = src + b * ld * esz;
         a.ld = ld;
@@ -626,7 +619,7 @@ at::Tensor int8_weight_only_linear(const at::Tensor &x, const at::Tensor &w_q, c
     if (tm * tn == 1) {
         body(0, 1);
     } else {
-        at::parallel_for(0, tm * tn, 1, body);
+        parallel_for(0, tm * tn, 1, body);
     }
     return out;
 }

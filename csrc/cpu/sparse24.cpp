@@ -9,6 +9,7 @@
 #include "aten_dtype.h"
 #include "checked_math.h"
 #include "cpu_isa.h"
+#include "parallel.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -158,46 +159,9 @@ int64_t check_compressed(const at::Tensor &values, const at::Tensor &meta, const
     return K;
 }
 
-// Threads over [0, n). With ATen's OpenMP backend at::parallel_for is inline code around `#pragma omp parallel`, so
-// it runs serially in a translation unit compiled without -fopenmp: build with -fopenmp (compile and link). Without
-// it, fall back to std::thread (one per torch thread). Measured: correct, but only ~1x-2x of one thread, since
-// torch's OpenMP workers keep spinning on the cores for a while after each ATen op (with -fopenmp this kernel runs
-// on those same workers: 2x faster at M = 1 and M = 16).
+// Threads over [0, n) (parallel.h).
 template <class F> void parallel_range(int64_t n, int64_t grain, const F &f) {
-#if AT_PARALLEL_OPENMP && !defined(_OPENMP)
-    const int64_t tasks = (n + grain - 1) / std::max<int64_t>(grain, 1);
-    const int64_t nt = std::min<int64_t>(at::get_num_threads(), tasks);
-    if (nt <= 1 || at::in_parallel_region()) {
-        if (n > 0)
-            f(0, n);
-        return;
-    }
-    const int64_t chunk = (n + nt - 1) / nt;
-    std::exception_ptr err;
-    std::mutex mu;
-    auto run = [&](int64_t t) {
-        const int64_t b = t * chunk, e = std::min(n, b + chunk);
-        if (b >= e)
-            return;
-        try {
-            f(b, e);
-        } catch (...) {
-            std::lock_guard<std::mutex> lock(mu);
-            if (!err)
-                err = std::current_exception();
-        }
-    };
-    std::vector<std::thread> threads;
-    for (int64_t t = 1; t < nt; ++t)
-        threads.emplace_back(run, t);
-    run(0);
-    for (auto &th : threads)
-        th.join();
-    if (err)
-        std::rethrow_exception(err);
-#else
-    at::parallel_for(0, n, grain, f);
-#endif
+    parallel_for(0, n, grain, f);
 }
 
 // Rows per parallel task so that each task touches ~64K elements.
