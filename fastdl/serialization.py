@@ -56,9 +56,9 @@ __all__ = ["apply_recipe", "load", "load_pretrained", "note_conversion", "recipe
 
 # ------------------------------------------------------------------------------------------------------ recipe
 def _module_types() -> dict[str, type]:
-    from .nn import FusedActivation, FusedLinear, Int8Linear, Sparse24Linear
+    from .nn import FusedActivation, FusedLinear, Int4Linear, Int8Linear, Sparse24Linear
 
-    return {t.__name__: t for t in (FusedActivation, FusedLinear, Int8Linear, Sparse24Linear)}
+    return {t.__name__: t for t in (FusedActivation, FusedLinear, Int4Linear, Int8Linear, Sparse24Linear)}
 
 
 def recipe(model: nn.Module) -> dict:
@@ -161,7 +161,7 @@ def _build_entry(current: nn.Module, entry: dict, name: str) -> nn.Module:
         return lin
     if kind == "FusedLinear":
         return types[kind].from_linear(lin, **args)
-    if kind == "Int8Linear":
+    if kind in ("Int8Linear", "Int4Linear"):
         return types[kind].from_linear(lin, **args)
     if kind == "Sparse24Linear":
         dtype_name = args.pop("dtype")
@@ -241,7 +241,7 @@ class _HFRecipe:
         return f"_HFRecipe(quant_method={QUANT_METHOD!r}, model={type(self._model()).__name__})"
 
 
-_NEEDS_FASTDL = ("Int8Linear", "Sparse24Linear")  # stored form is not a float nn.Linear weight
+_NEEDS_FASTDL = ("Int8Linear", "Sparse24Linear", "Int4Linear")  # stored form is not a float nn.Linear weight
 
 
 def hf_quantization_config(rec: dict) -> dict:
