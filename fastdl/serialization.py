@@ -161,8 +161,10 @@ def _build_entry(current: nn.Module, entry: dict, name: str) -> nn.Module:
         return lin
     if kind == "FusedLinear":
         return types[kind].from_linear(lin, **args)
-    if kind in ("Int8Linear", "Int4Linear"):
+    if kind == "Int8Linear":
         return types[kind].from_linear(lin, **args)
+    if kind == "Int4Linear":  # round to nearest (not the scale search): the checkpoint's tensors replace it
+        return types[kind].from_recipe(lin, **args)
     if kind == "Sparse24Linear":
         dtype_name = args.pop("dtype")
         dtype = getattr(torch, dtype_name, None) if isinstance(dtype_name, str) else None

@@ -576,7 +576,7 @@ def test_convert_int4_report_and_save_load(tmp_path):
     for suffix in (".safetensors", ".pt"):
         fastdl.save(model, tmp_path / f"m{suffix}")
         again = fastdl.load(_MLP(), tmp_path / f"m{suffix}")
-        assert isinstance(again.odd, Int4Linear)
+        assert isinstance(again.odd, Int4Linear) and again.odd.recipe() == model.odd.recipe()
         with torch.no_grad():
             assert torch.equal(again(x), out)
 

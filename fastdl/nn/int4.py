@@ -130,6 +130,17 @@ class Int4Linear(RuntimeChoice, VersionedModule):
             mod.quantization_error = float(err)
         return mod.train(linear.training)
 
+    @classmethod
+    def from_recipe(cls, linear: nn.Linear, group_size: int = 128, method: str = "search",
+                    symmetric: bool = True) -> Int4Linear:  # fmt: skip
+        """The layer ``recipe()`` describes, built from ``linear`` to load a checkpoint into (``fastdl.load``,
+        ``load_pretrained``): quantized with round to nearest (one pass, instead of the scale search whose result
+        the checkpoint's tensors replace); ``method`` is kept for float checkpoints loaded later."""
+        mod = cls.from_linear(linear, group_size, "rtn", symmetric)
+        _check_config(mod.in_features, group_size, method)
+        mod.method, mod.quantization_error = method, None
+        return mod
+
     def _take_bias(self, bias) -> None:
         if bias is not None:
             self.bias = nn.Parameter(bias.detach().clone(), requires_grad=bias.requires_grad)
