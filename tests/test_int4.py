@@ -372,7 +372,7 @@ def test_gptq_v2_zero_points_and_damaged_v1():
     z[0, 0] = 0
     s = (torch.rand(K // G, N, generator=g) + 0.1).half()
     qweight, qzeros = gptq_pack(u, z, v1=False)
-    layer = Int4Linear.from_gptq(qweight, qzeros, s, format="v2")
+    layer = Int4Linear.from_gptq(qweight, qzeros, s, format="gptq_v2")  # quantize_config's name of "v2"
     assert torch.equal(layer.to_linear().weight.double(), weight_from_source(u, s, z, torch.arange(K) // G))
     with pytest.raises(ValueError, match="z = 16"):  # stored 15 in v1: the overflow of z = 0
         import_gptq(qweight, _int32(torch.full_like(qzeros, 0xF, dtype=torch.int64)), s)

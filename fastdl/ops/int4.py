@@ -433,6 +433,9 @@ def _finish_import(fn, u_nk, scales_gn, zeros_gn, src_group, K, N):
     return pack_int4(u_nk.to(torch.uint8).contiguous()), scales, zeros, G
 
 
+_GPTQ_FORMATS = {"v1": "v1", "gptq": "v1", "v2": "v2", "gptq_v2": "v2"}
+
+
 def import_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None = None,
                 *, format: str = "v1"):  # fmt: skip
     """Convert a 4-bit GPTQ layer as Hugging Face checkpoints store it (AutoGPTQ / optimum / transformers' GPTQ
@@ -446,14 +449,16 @@ def import_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tenso
       ``g_idx``   int32 ``[K]`` (optional): the group of each input feature; with act-order (``desc_act``) it is
                   not ``k // G``: the inputs are then sorted by group (``perm``) so that groups are contiguous, and the
                   layer computes ``x[..., perm] @ W.T`` (exact).
-    ``W[:, k] = (code - zero) * scale`` of group ``g_idx[k]``. ``format="v1"`` (default; what AutoGPTQ, optimum and
-    transformers write: ``qzeros`` holds ``zero - 1``, added back when unpacking) or ``"v2"`` (GPTQModel's internal
-    format: ``qzeros`` holds the zero point). (Packing facts from AutoGPTQ's ``qlinear_cuda_old.QuantLinear.pack``
-    and its torch fallback: ``zeros -= 1`` before packing, ``zeros + 1`` after unpacking.) A checkpoint group size
-    that is a multiple of 32 is supported (256, or ``-1``: one group of K, become groups of 128 with repeated
-    scales)."""
+    ``W[:, k] = (code - zero) * scale`` of group ``g_idx[k]``. ``format="v1"`` (default; ``checkpoint_format:
+    "gptq"`` in quantize_config.json, what AutoGPTQ, optimum, transformers and GPTQModel write by default: ``qzeros``
+    holds ``zero - 1``, added back when unpacking) or ``"v2"`` (``checkpoint_format: "gptq_v2"``: ``qzeros`` holds the
+    zero point); the quantize_config names ``"gptq"`` / ``"gptq_v2"`` are accepted too. (Packing facts from
+    AutoGPTQ's ``qlinear_cuda_old.QuantLinear.pack`` and its torch fallback: ``zeros -= 1`` before packing, ``zeros +
+    1`` after unpacking.) A checkpoint group size that is a multiple of 32 is supported (256, or ``-1``: one group of
+    K, become groups of 128 with repeated scales)."""
     fn = "import_gptq"
-    require(format in ("v1", "v2"), lambda: f"{fn}: format must be 'v1' or 'v2', got {format!r}")
+    require(format in _GPTQ_FORMATS, lambda: f"{fn}: format must be 'v1' ('gptq') or 'v2' ('gptq_v2'), got {format!r}")
+    format = _GPTQ_FORMATS[format]
     _check_int32_2d(fn, "qweight", qweight, "[K / 8, N]")
     K, N = qweight.shape[0] * 8, qweight.shape[1]
     require(K % BLOCK == 0, lambda: f"{fn}: in_features K = 8 * qweight.shape[0] = {K} must be a multiple of 32")
