@@ -30,14 +30,14 @@ GUARD_KEY = "transformers_weights"
 GUARD = ("this checkpoint was quantized by fastdl (config.json: quantization_config.quant_method = 'fastdl'); "
          "run `import fastdl` (pip install fastdl) before from_pretrained, transformers alone cannot load its "
          "int8 / 2:4 layers")  # fmt: skip
-_NEEDS_FASTDL = ("Int8Linear", "Sparse24Linear")  # stored form is not a float nn.Linear weight
+_NEEDS_FASTDL = ("Int8Linear", "Sparse24Linear", "Int4Linear")  # stored form is not a float nn.Linear weight
 
 
 # ------------------------------------------------------------------------------------------------------ recipe
 def _module_types() -> dict[str, type]:
-    from .nn import FusedActivation, FusedLinear, Int8Linear, Sparse24Linear
+    from .nn import FusedActivation, FusedLinear, Int4Linear, Int8Linear, Sparse24Linear
 
-    return {t.__name__: t for t in (FusedActivation, FusedLinear, Int8Linear, Sparse24Linear)}
+    return {t.__name__: t for t in (FusedActivation, FusedLinear, Int4Linear, Int8Linear, Sparse24Linear)}
 
 
 def recipe(model: nn.Module) -> dict:
@@ -139,6 +139,8 @@ def _build_entry(current: nn.Module, entry: dict, name: str) -> nn.Module:
         return types[kind].from_linear(lin, **args)
     if kind == "Int8Linear":
         return types[kind].from_linear(lin, **args)
+    if kind == "Int4Linear":  # round to nearest (not the scale search): the checkpoint's tensors replace it
+        return types[kind].from_recipe(lin, **args)
     if kind == "Sparse24Linear":
         dtype_name = args.pop("dtype")
         dtype = getattr(torch, dtype_name, None) if isinstance(dtype_name, str) else None

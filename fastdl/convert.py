@@ -7,6 +7,9 @@ Policies:
   "int8"              Int8Linear(mode="dynamic")   (W8A8, per-token activations, per-channel weights)
   "int8_weight_only"  Int8Linear(mode="weight_only")
   "sparse24"          Sparse24Linear (weights pruned to 2:4 now if they are not already)
+  "int4_weight_only"  Int4Linear (group_size 128, or 64 / 32 where in_features needs it; scale search); opt-in only:
+                      never among "auto"'s default candidates (name it in ``candidates=``, and raise ``max_error``:
+                      int4's output error is ~0.1 on Gaussian weights)
   "auto"              per layer, the candidate policy that is fastest over a *workload* of example inputs, within
                       ``max_error`` of the original layer's output and never slower than the original layer at any
                       of the workload's input shapes by more than ``noise`` (do no harm); else the original layer
@@ -46,6 +49,7 @@ from .nn.fused_linear import FusedActivation, FusedLinear
 from .ops.fused_linear import activation_fn, activation_of
 
 POLICIES = ("fused", "int8", "int8_weight_only", "sparse24", "auto")
+OPT_IN_POLICIES = ("int4_weight_only",)  # accepted by convert and as "auto" candidates, never chosen unasked
 # "auto" times each (layer shape, bucket) once, when asked: longer than a run-time decision (fastdl.runtime_choice), so
 # that one noisy timing does not reject a candidate (it must not be slower than the original at *any* bucket): at least
 # 10 ms per path until two calls agree within 3 %, at most 40 ms per path or 40 rounds.
@@ -135,6 +139,13 @@ def _candidate(kind: str, site: _Site) -> nn.Module | None:
 
         mode = "dynamic" if kind == "int8" else "weight_only"
         return int8_mod.Int8Linear.from_linear(lin, mode=mode)
+    if kind == "int4_weight_only":
+        group = next((g for g in (128, 64, 32) if lin.in_features % g == 0), None)
+        if group is None:
+            return None
+        from .nn.int4 import Int4Linear
+
+        return Int4Linear.from_linear(lin, group_size=group)
     if kind == "sparse24":
         if lin.in_features % 4 != 0:
             return None
@@ -263,8 +274,9 @@ def convert(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"fastdl.convert: model must be a torch.nn.Module, got {type(model).__name__}: {model!r:.80}")
-    if not isinstance(policy, str) or policy not in POLICIES:
-        raise ValueError(f"fastdl.convert: unknown policy {policy!r}; expected one of {', '.join(POLICIES)}")
+    if not isinstance(policy, str) or policy not in POLICIES + OPT_IN_POLICIES:
+        raise ValueError(f"fastdl.convert: unknown policy {policy!r}; expected one of "
+                         f"{', '.join(POLICIES + OPT_IN_POLICIES)}")
     if not (isinstance(noise, (int, float)) and 0 <= noise < 1):
         raise ValueError(f"fastdl.convert: noise must be a fraction in [0, 1), got {noise!r}")
     examples = make_workload(example_inputs, workload, batch_sizes)
@@ -301,6 +313,8 @@ def convert(
                 "layer": site.name, "kernel": policy if policy != "fused" else f"fused[{site.activation}]",
                 "in": site.linear.in_features, "out": site.linear.out_features,
                 "bytes_before": before, "bytes_after": _nbytes(new), "note": note,
+                **({"error": new.quantization_error, "note": "rel err: of the weight, ||W - Wq|| / ||W||"}
+                   if getattr(new, "quantization_error", None) is not None else {}),
             })
         if examples:
             with torch.no_grad():

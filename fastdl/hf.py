@@ -145,6 +145,8 @@ def _kernel_name(m) -> str:
         return "int8" if m.mode == "dynamic" else "int8_weight_only"
     if name == "Sparse24Linear":
         return "sparse24"
+    if name == "Int4Linear":
+        return "int4_weight_only"
     if name == "FusedLinear":
         return f"fused[{m.activation}]"
     return name
@@ -222,12 +224,12 @@ def dequantize(model, dtype=None):
     import torch
     from torch import nn
 
-    from .nn import FusedActivation, FusedLinear, Int8Linear, Sparse24Linear
+    from .nn import FusedActivation, FusedLinear, Int4Linear, Int8Linear, Sparse24Linear
 
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     targets = [(n, m) for n, m in model.named_modules() if isinstance(m, (Int8Linear, Sparse24Linear, FusedLinear,
-                                                                            FusedActivation))]  # fmt: skip
+                                                                            FusedActivation, Int4Linear))]  # fmt: skip
     for name, m in targets:
         if isinstance(m, FusedActivation):
             new = nn.Identity()
@@ -409,7 +411,7 @@ def _define() -> dict[str, type]:
             header = _read_headers(checkpoint_files)
             for name in rec["layers"]:
                 m = model.get_submodule(name) if name else model
-                if type(m).__name__ not in ("Int8Linear", "Sparse24Linear", "FusedLinear"):
+                if type(m).__name__ not in ("Int8Linear", "Sparse24Linear", "FusedLinear", "Int4Linear"):
                     continue
                 if header is not None:
                     _check_layer_against_checkpoint(model, name, m, header, self._where)
