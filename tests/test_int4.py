@@ -15,7 +15,7 @@ from conftest import cpu_backends, rel_err
 from torch import nn
 
 import fastdl
-from fastdl import dispatch
+from fastdl import runtime_choice as dispatch
 from fastdl.nn import CheckpointError, Int4Linear
 from fastdl.nn._base import decode_extra_state, encode_extra_state
 from fastdl.ops.int4 import (

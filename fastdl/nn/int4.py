@@ -30,7 +30,7 @@ import math
 import torch
 from torch import nn
 
-from ..dispatch import RuntimeChoice
+from ..runtime_choice import RuntimeChoice
 from ..ops import int4 as int4_ops
 from ._base import (
     FLOAT_DTYPES,
