@@ -214,6 +214,41 @@ def test_missing_cpp_kernel_falls_back_in_auto_and_is_named_when_requested():
         int4_weight_only_linear(torch.randn(1, K), pack_ref(u), s, None, None, G)
 
 
+def check_cpp_level() -> str:
+    """Run in a process capped by FASTDL_CPU_ISA (test below): the C++ int4 kernels of that level against float64 -
+    the streaming kernel (M <= 4, every row count of its register tile) and fgemm with the weight dequantized while
+    packed (M > 4) - with and without zeros, negative scales, fp32 / bf16 / fp16 x, long K. Returns the family."""
+    g = torch.Generator().manual_seed(7)
+    with fastdl.use_backend("cpp"):
+        for N, K, M in [(1, 32, 1), (7, 96, 2), (33, 256, 3), (40, 384, 4), (9, 128, 5), (65, 512, 17), (24, 2048, 64),
+                        (130, 4096, 1)]:
+            for G in groups_for(K):
+                for zeros in (False, True):
+                    u, s, z = random_int4(N, K, G, zeros, seed=N + K + M + G)
+                    W = dequant_ref(u, s, z, G)
+                    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+                        x = torch.randn(M, K, generator=g).to(dtype)
+                        bias = torch.randn(N, generator=g) if zeros else None
+                        out = int4_weight_only_linear(x, pack_ref(u), s, z, bias, G)
+                        err = rel_err(out, linear_ref(x, W, bias))
+                        assert err <= TOL[dtype], (dtype, N, K, M, G, zeros, err)
+    return fastdl.info(print_result=False)["cpu"]["kernels"]["int4"]
+
+
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512", "native"])
+def test_cpp_kernels_of_every_isa_level_match_float64(isa):
+    from conftest import native_cpu_kernels, run_at_isa
+
+    if not fastdl.backends.available("cpp", "int4_weight_only_linear", "cpu")[0]:
+        pytest.skip("no C++ int4 kernel in this build")
+    out = run_at_isa(isa, "import test_int4; print(test_int4.check_cpp_level())")
+    family = out.strip().splitlines()[-1]
+    native = native_cpu_kernels()["int4"]
+    want = {"scalar": "scalar", "avx2": "avx2" if native != "scalar" else "scalar",
+            "avx512": native if native in ("avx512", "scalar") else "avx2"}.get(isa, native)
+    assert family == want, (isa, family, native)
+
+
 # ------------------------------------------------------------------------------------------------ the layout
 def test_pack_unpack_round_trip_and_nibble_order():
     u, s, z = random_int4(5, 96, 32, True)
