@@ -10,6 +10,8 @@ Policies:
   "int4_weight_only"  Int4Linear (group_size 128, or 64 / 32 where in_features needs it; scale search); opt-in only:
                       never among "auto"'s default candidates (name it in ``candidates=``, and raise ``max_error``:
                       int4's output error is ~0.1 on Gaussian weights)
+  "int4"              Int4Linear(mode="dynamic"): the same weights, activations quantized to int8 per group (W4A8,
+                      integer products); opt-in like "int4_weight_only"
   "auto"              per layer, the candidate policy that is fastest over a *workload* of example inputs, within
                       ``max_error`` of the original layer's output and never slower than the original layer at any
                       of the workload's input shapes by more than ``noise`` (do no harm); else the original layer
@@ -49,7 +51,7 @@ from .nn.fused_linear import FusedActivation, FusedLinear
 from .ops.fused_linear import activation_fn, activation_of
 
 POLICIES = ("fused", "int8", "int8_weight_only", "sparse24", "auto")
-OPT_IN_POLICIES = ("int4_weight_only",)  # accepted by convert and as "auto" candidates, never chosen unasked
+OPT_IN_POLICIES = ("int4", "int4_weight_only")  # accepted by convert and as "auto" candidates, never chosen unasked
 # "auto" times each (layer shape, bucket) once, when asked: longer than a run-time decision (fastdl.runtime_choice), so
 # that one noisy timing does not reject a candidate (it must not be slower than the original at *any* bucket): at least
 # 10 ms per path until two calls agree within 3 %, at most 40 ms per path or 40 rounds.
@@ -139,13 +141,13 @@ def _candidate(kind: str, site: _Site) -> nn.Module | None:
 
         mode = "dynamic" if kind == "int8" else "weight_only"
         return int8_mod.Int8Linear.from_linear(lin, mode=mode)
-    if kind == "int4_weight_only":
+    if kind in ("int4", "int4_weight_only"):
         group = next((g for g in (128, 64, 32) if lin.in_features % g == 0), None)
         if group is None:
             return None
         from .nn.int4 import Int4Linear
 
-        return Int4Linear.from_linear(lin, group_size=group)
+        return Int4Linear.from_linear(lin, group_size=group, mode="dynamic" if kind == "int4" else "weight_only")
     if kind == "sparse24":
         if lin.in_features % 4 != 0:
             return None

@@ -25,7 +25,7 @@ const Kernels &kernels() {
     static const Kernels &k = [] {
         const cpu::Level level = cpu::level();
         const Kernels *f = nullptr;
-        if (level >= cpu::kAvx512)
+        if (level >= cpu::kAvx512 && cpu::features().avx512_vnni) // (its W4A8 kernel is vpdpbusd)
             f = kernels_avx512();
         if (!f && level >= cpu::kAvx2)
             f = kernels_avx2();
@@ -39,17 +39,21 @@ namespace {
 // Streaming kernel up to this many rows, fgemm above (where this family has fgemm: AVX2 and AVX-512).
 constexpr int64_t kStreamMaxRows = 4;
 
-void check_cpu(const at::Tensor &t, const char *name) {
-    TORCH_CHECK(t.device().is_cpu(), "int4_weight_only_linear: ", name, " must be a CPU tensor, got ", t.device());
+void check_cpu(const char *op, const at::Tensor &t, const char *name) {
+    TORCH_CHECK(t.device().is_cpu(), op, ": ", name, " must be a CPU tensor, got ", t.device());
 }
 
-at::Tensor int4_weight_only_linear(const at::Tensor &x, const at::Tensor &qweight, const at::Tensor &scales,
-                                   const c10::optional<at::Tensor> &zeros, const c10::optional<at::Tensor> &bias,
-                                   int64_t group_size) {
-    constexpr const char *op = "int4_weight_only_linear";
-    check_cpu(x, "x");
-    check_cpu(qweight, "qweight");
-    check_cpu(scales, "scales");
+struct Checked {
+    int64_t M = 0, K = 0, N = 0, groups = 0;
+    at::Tensor q, s, z, b, out;
+};
+
+// The arguments of both int4 ops (same schema), checked; out allocated ([..., N] in x's dtype).
+Checked check_args(const char *op, const at::Tensor &x, const at::Tensor &qweight, const at::Tensor &scales,
+                   const c10::optional<at::Tensor> &zeros, const c10::optional<at::Tensor> &bias, int64_t group_size) {
+    check_cpu(op, x, "x");
+    check_cpu(op, qweight, "qweight");
+    check_cpu(op, scales, "scales");
     TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
                      op, ": x must be float32, bfloat16 or float16, got ", x.scalar_type());
     TORCH_CHECK_VALUE(x.dim() >= 1, op, ": x must have at least 1 dimension [..., K], got a 0-D tensor");
@@ -57,42 +61,78 @@ at::Tensor int4_weight_only_linear(const at::Tensor &x, const at::Tensor &qweigh
                       ": group_size must be 32, 64 or 128, got ", group_size);
     TORCH_CHECK_TYPE(qweight.scalar_type() == at::kByte, op, ": qweight must be uint8, got ", qweight.scalar_type());
     TORCH_CHECK_VALUE(qweight.dim() == 2, op, ": qweight must be 2-D [N, K / 2], got ", qweight.sizes());
-    const int64_t K = x.size(-1), N = qweight.size(0);
+    Checked c;
+    c.K = x.size(-1);
+    c.N = qweight.size(0);
+    const int64_t K = c.K, N = c.N;
     TORCH_CHECK_VALUE(K % group_size == 0, op, ": K = x.shape[-1] = ", K,
                       " must be a multiple of group_size = ", group_size);
     TORCH_CHECK_VALUE(qweight.size(1) * 2 == K, op, ": qweight must have shape [N, K / 2] = [", N, ", ", K / 2,
                       "], got ", qweight.sizes());
-    const int64_t groups = K / group_size;
+    c.groups = K / group_size;
     TORCH_CHECK_TYPE(scales.scalar_type() == at::kHalf, op, ": scales must be float16, got ", scales.scalar_type());
-    TORCH_CHECK_VALUE(scales.dim() == 2 && scales.size(0) == N && scales.size(1) == groups, op,
-                      ": scales must have shape [N, K / group_size] = [", N, ", ", groups, "], got ", scales.sizes());
-    at::Tensor z, b;
+    TORCH_CHECK_VALUE(scales.dim() == 2 && scales.size(0) == N && scales.size(1) == c.groups, op,
+                      ": scales must have shape [N, K / group_size] = [", N, ", ", c.groups, "], got ", scales.sizes());
     if (zeros.has_value() && zeros->defined()) {
-        check_cpu(*zeros, "zeros");
+        check_cpu(op, *zeros, "zeros");
         TORCH_CHECK_TYPE(zeros->scalar_type() == at::kByte, op, ": zeros must be uint8, got ", zeros->scalar_type());
-        TORCH_CHECK_VALUE(zeros->dim() == 2 && zeros->size(0) == N && zeros->size(1) == groups, op,
-                          ": zeros must have shape [N, K / group_size] = [", N, ", ", groups, "], got ",
+        TORCH_CHECK_VALUE(zeros->dim() == 2 && zeros->size(0) == N && zeros->size(1) == c.groups, op,
+                          ": zeros must have shape [N, K / group_size] = [", N, ", ", c.groups, "], got ",
                           zeros->sizes());
-        z = zeros->contiguous();
+        c.z = zeros->contiguous();
     }
     if (bias.has_value() && bias->defined()) {
-        check_cpu(*bias, "bias");
+        check_cpu(op, *bias, "bias");
         TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == N, op, ": bias must have shape [N] = [", N, "], got ",
                           bias->sizes());
         TORCH_CHECK_TYPE(at::isFloatingType(bias->scalar_type()), op, ": bias must be a floating tensor, got ",
                          bias->scalar_type());
-        b = bias->to(at::kFloat).contiguous();
+        c.b = bias->to(at::kFloat).contiguous();
     }
     std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
     out_shape.back() = N;
-    at::Tensor out = at::empty(out_shape, x.options());
-    const int64_t M = K > 0 ? x.numel() / K : c10::multiply_integers(x.sizes().slice(0, x.dim() - 1));
-    if (out.numel() == 0)
-        return out;
-    if (K == 0) { // an empty product: the bias (or zeros)
-        return b.defined() ? out.copy_(b.expand(out_shape)) : out.zero_();
+    c.out = at::empty(out_shape, x.options());
+    c.M = K > 0 ? x.numel() / K : c10::multiply_integers(x.sizes().slice(0, x.dim() - 1));
+    c.q = qweight.contiguous();
+    c.s = scales.contiguous();
+    return c;
+}
+
+// The result of an empty product (K = 0): the bias, or zeros. True when it applies (or out is empty).
+bool trivial(Checked &c) {
+    if (c.out.numel() == 0)
+        return true;
+    if (c.K != 0)
+        return false;
+    if (c.b.defined())
+        c.out.copy_(c.b.expand(c.out.sizes()));
+    else
+        c.out.zero_();
+    return true;
+}
+
+// Threads over contiguous slices of N (each streams its own weight rows); one thread below ~256K MACs.
+template <class F> void over_columns(int64_t M, int64_t N, int64_t K, const F &fn) {
+    const int64_t T = M * N * K < (int64_t{1} << 18) ? 1 : std::max<int64_t>(1, at::get_num_threads());
+    const int64_t slice = std::max<int64_t>(kA8BlockRows, (N + T - 1) / T);
+    if (T == 1) {
+        fn(0, N);
+        return;
     }
-    const at::Tensor q = qweight.contiguous(), s = scales.contiguous();
+    parallel_for(0, (N + slice - 1) / slice, 1, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t)
+            fn(t * slice, std::min(N, (t + 1) * slice));
+    });
+}
+
+at::Tensor int4_weight_only_linear(const at::Tensor &x, const at::Tensor &qweight, const at::Tensor &scales,
+                                   const c10::optional<at::Tensor> &zeros, const c10::optional<at::Tensor> &bias,
+                                   int64_t group_size) {
+    Checked c = check_args("int4_weight_only_linear", x, qweight, scales, zeros, bias, group_size);
+    if (trivial(c))
+        return c.out;
+    const int64_t M = c.M, N = c.N, K = c.K;
+    const at::Tensor &q = c.q, &s = c.s, &z = c.z, &b = c.b, &out = c.out;
     const bool fgemm = M > kStreamMaxRows && x.scalar_type() != at::kHalf;
     if (fgemm) { // x fp32 / bf16 as it is
         namespace fl = fastdl::fused_linear;
@@ -123,20 +163,55 @@ at::Tensor int4_weight_only_linear(const at::Tensor &x, const at::Tensor &qweigh
     a.out = of.data_ptr<float>();
     a.ldo = N;
     const auto fn = kernels().stream;
-    // Threads over contiguous slices of N (each streams its own weight rows); one thread below ~256K MACs.
-    const int64_t T = M * N * K < (int64_t{1} << 18) ? 1 : std::max<int64_t>(1, at::get_num_threads());
-    const int64_t slice = std::max<int64_t>(8, (N + T - 1) / T);
-    if (T == 1) {
-        fn(a, 0, N);
-    } else {
-        parallel_for(0, (N + slice - 1) / slice, 1, [&](int64_t t0, int64_t t1) {
-            for (int64_t t = t0; t < t1; ++t)
-                fn(a, t * slice, std::min(N, (t + 1) * slice));
-        });
-    }
-    if (!of.is_same(out) && of.data_ptr() != out.data_ptr())
+    over_columns(M, N, K, [&](int64_t n0, int64_t n1) { fn(a, n0, n1); });
+    if (of.data_ptr() != out.data_ptr())
         out.view({M, N}).copy_(of);
     return out;
+}
+
+// W4A8: x quantized per row and group (threads over rows), then the integer kernel over slices of N (every M: the
+// weight rows of a block stay in cache while all row tiles run over them).
+at::Tensor int4_a8_linear(const at::Tensor &x, const at::Tensor &qweight, const at::Tensor &scales,
+                          const c10::optional<at::Tensor> &zeros, const c10::optional<at::Tensor> &bias,
+                          int64_t group_size) {
+    Checked c = check_args("int4_a8_linear", x, qweight, scales, zeros, bias, group_size);
+    if (trivial(c))
+        return c.out;
+    const int64_t M = c.M, N = c.N, K = c.K, G = c.groups;
+    const Kernels &kr = kernels();
+    const at::Tensor xf = x.reshape({M, K}).to(at::kFloat).contiguous();
+    at::Tensor qx = at::empty({M, K}, x.options().dtype(at::kChar));
+    at::Tensor sx = at::empty({M, G}, x.options().dtype(at::kFloat));
+    at::Tensor sumx = at::empty({M, G}, x.options().dtype(at::kInt));
+    QuantX qp;
+    qp.x = xf.data_ptr<float>();
+    qp.ldx = K;
+    qp.K = K;
+    qp.group = group_size;
+    qp.qx = qx.data_ptr<int8_t>();
+    qp.sx = sx.data_ptr<float>();
+    qp.sumx = sumx.data_ptr<int32_t>();
+    parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t m0, int64_t m1) { kr.quantize_x(qp, m0, m1); });
+    at::Tensor of =
+        x.scalar_type() == at::kFloat ? c.out.view({M, N}) : at::empty({M, N}, x.options().dtype(at::kFloat));
+    A8Args a;
+    a.qx = qp.qx;
+    a.sx = qp.sx;
+    a.sumx = qp.sumx;
+    a.M = M;
+    a.K = K;
+    a.N = N;
+    a.group = group_size;
+    a.q = c.q.data_ptr<uint8_t>();
+    a.scales = reinterpret_cast<const uint16_t *>(c.s.data_ptr<at::Half>());
+    a.zeros = c.z.defined() ? c.z.data_ptr<uint8_t>() : nullptr;
+    a.bias = c.b.defined() ? c.b.data_ptr<float>() : nullptr;
+    a.out = of.data_ptr<float>();
+    a.ldo = N;
+    over_columns(M, N, K, [&](int64_t n0, int64_t n1) { kr.a8(a, n0, n1); });
+    if (of.data_ptr() != c.out.data_ptr())
+        c.out.view({M, N}).copy_(of);
+    return c.out;
 }
 
 } // namespace
@@ -149,4 +224,5 @@ const char *fastdl_int4_cpu_kernels() {
 
 TORCH_LIBRARY_IMPL(fastdl_cpp, CPU, m) {
     m.impl("int4_weight_only_linear", TORCH_FN(fastdl::int4::int4_weight_only_linear));
+    m.impl("int4_a8_linear", TORCH_FN(fastdl::int4::int4_a8_linear));
 }

@@ -41,6 +41,54 @@ struct Avx2Traits {
         return _mm_cvtss_f32(s);
     }
     static I4_SIMD inline float half(uint16_t h) { return _cvtsh_ss(h); }
+    // W4A8
+    using I = __m256i;
+    static I4_SIMD inline I codes_u8(const uint8_t *p) {
+        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i *>(p));
+        const __m128i m = _mm_set1_epi8(0x0F);
+        return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
+    }
+    // vpmaddubsw: u (0..15) x q_x (-127..127), pair sums <= 3810 (no saturation); vpmaddwd with ones: 4 per lane
+    static I4_SIMD inline I dot(I acc, I u, const int8_t *x) {
+        const __m256i p = _mm256_maddubs_epi16(u, _mm256_loadu_si256(reinterpret_cast<const __m256i *>(x)));
+        return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+    }
+    static I4_SIMD inline I izero() { return _mm256_setzero_si256(); }
+    static I4_SIMD inline I sub_lane0(I acc, int32_t v) {
+        return _mm256_sub_epi32(acc, _mm256_setr_epi32(v, 0, 0, 0, 0, 0, 0, 0));
+    }
+    static I4_SIMD inline F cvt8(I v) { return _mm256_cvtepi32_ps(v); }
+    static I4_SIMD inline F abs(F v) { return _mm256_and_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF))); }
+    static I4_SIMD inline F max(F a, F b) { return _mm256_max_ps(a, b); }
+    static I4_SIMD inline float hmax(F v) {
+        __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        m = _mm_max_ss(m, _mm_movehdup_ps(m));
+        return _mm_cvtss_f32(m);
+    }
+    static I4_SIMD inline F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+    static I4_SIMD inline F roundc(F v) {
+        v = _mm256_min_ps(_mm256_max_ps(v, _mm256_set1_ps(-127.f)), _mm256_set1_ps(127.f));
+        return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    }
+    static I4_SIMD inline void store_q(int8_t *dst, F v, int) {
+        const __m256i i = _mm256_cvtps_epi32(v);
+        const __m128i h = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
+        _mm_storel_epi64(reinterpret_cast<__m128i *>(dst), _mm_packs_epi16(h, h));
+    }
+    static I4_SIMD inline int32_t qsum(const int8_t *q, int64_t n) {
+        __m256i acc = _mm256_setzero_si256();
+        for (int64_t k = 0; k < n; k += 32) // sums of 32 bytes: vpmaddubsw with ones, then pairs of words
+            acc = _mm256_add_epi32(
+                acc,
+                _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1),
+                                                       _mm256_loadu_si256(reinterpret_cast<const __m256i *>(q + k))),
+                                  _mm256_set1_epi16(1)));
+        __m128i s = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
+        s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+        s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+        return _mm_cvtsi128_si32(s);
+    }
 };
 
 #include "int4_stream.h"
@@ -49,10 +97,18 @@ I4_SIMD void stream_avx2(const Int4Args &a, int64_t n0, int64_t n1) {
     i4_stream<Avx2Traits>(a, n0, n1);
 }
 
+I4_SIMD void quantize_avx2(const QuantX &q, int64_t m0, int64_t m1) {
+    i4a8_quantize<Avx2Traits>(q, m0, m1);
+}
+
+I4_SIMD void a8_avx2(const A8Args &a, int64_t n0, int64_t n1) {
+    i4a8<Avx2Traits>(a, n0, n1);
+}
+
 } // namespace
 
 const Kernels *kernels_avx2() {
-    static const Kernels k{"avx2", &stream_avx2};
+    static const Kernels k{"avx2", &stream_avx2, &quantize_avx2, &a8_avx2};
     return &k;
 }
 

@@ -6,7 +6,7 @@
 
 #include <immintrin.h>
 
-#define I4_SIMD __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")))
+#define I4_SIMD __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c")))
 
 namespace fastdl {
 namespace int4 {
@@ -32,6 +32,39 @@ struct Avx512Traits {
     static I4_SIMD inline F add(F a, F b) { return _mm512_add_ps(a, b); }
     static I4_SIMD inline float hsum(F v) { return _mm512_reduce_add_ps(v); }
     static I4_SIMD inline float half(uint16_t h) { return _cvtsh_ss(h); }
+    // W4A8: 256-bit vpdpbusd (AVX512-VNNI + VL), u (0..15, unsigned) x q_x (signed), 4 products per lane, exact
+    using I = __m256i;
+    static I4_SIMD inline I codes_u8(const uint8_t *p) {
+        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i *>(p));
+        const __m128i m = _mm_set1_epi8(0x0F);
+        return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
+    }
+    static I4_SIMD inline I dot(I acc, I u, const int8_t *x) {
+        return _mm256_dpbusd_epi32(acc, u, _mm256_loadu_si256(reinterpret_cast<const __m256i *>(x)));
+    }
+    static I4_SIMD inline I izero() { return _mm256_setzero_si256(); }
+    static I4_SIMD inline I sub_lane0(I acc, int32_t v) {
+        return _mm256_sub_epi32(acc, _mm256_setr_epi32(v, 0, 0, 0, 0, 0, 0, 0));
+    }
+    static I4_SIMD inline F cvt8(I v) { return _mm512_cvtepi32_ps(_mm512_zextsi256_si512(v)); } // upper lanes 0
+    static I4_SIMD inline F abs(F v) { return _mm512_abs_ps(v); }
+    static I4_SIMD inline F max(F a, F b) { return _mm512_max_ps(a, b); }
+    static I4_SIMD inline float hmax(F v) { return _mm512_reduce_max_ps(v); }
+    static I4_SIMD inline F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+    static I4_SIMD inline F roundc(F v) {
+        v = _mm512_min_ps(_mm512_max_ps(v, _mm512_set1_ps(-127.f)), _mm512_set1_ps(127.f));
+        return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    }
+    static I4_SIMD inline void store_q(int8_t *dst, F v, int) {
+        _mm_storeu_si128(reinterpret_cast<__m128i *>(dst), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v)));
+    }
+    static I4_SIMD inline int32_t qsum(const int8_t *q, int64_t n) {
+        __m512i acc = _mm512_setzero_si512();
+        for (int64_t k = 0; k < n; k += 16)
+            acc =
+                _mm512_add_epi32(acc, _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(q + k))));
+        return _mm512_reduce_add_epi32(acc);
+    }
 };
 
 #include "int4_stream.h"
@@ -40,10 +73,19 @@ I4_SIMD void stream_avx512(const Int4Args &a, int64_t n0, int64_t n1) {
     i4_stream<Avx512Traits>(a, n0, n1);
 }
 
+I4_SIMD void quantize_avx512(const QuantX &q, int64_t m0, int64_t m1) {
+    i4a8_quantize<Avx512Traits>(q, m0, m1);
+}
+
+I4_SIMD void a8_avx512(const A8Args &a, int64_t n0, int64_t n1) {
+    i4a8<Avx512Traits>(a, n0, n1);
+}
+
 } // namespace
 
+// (The VNNI a8 kernel: int4.cpp takes the AVX2 family's where the CPU has AVX-512 without VNNI.)
 const Kernels *kernels_avx512() {
-    static const Kernels k{"avx512", &stream_avx512};
+    static const Kernels k{"avx512_vnni", &stream_avx512, &quantize_avx512, &a8_avx512};
     return &k;
 }
 

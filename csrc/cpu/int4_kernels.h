@@ -38,9 +38,41 @@ struct Int4Args {
 // kStreamRows at a time, re-reading the weights, which only the scalar family does).
 constexpr int64_t kStreamRows = 4;
 
+// W4A8 (int4_a8_linear): x quantized per row and per weight group (the same G input features) to int8 with its own
+// scale, s_x = amax / 127, q = round_half_even(x * (127 / amax)) (fastdl/ops/int4.py's contract, bit for bit), then
+// integer products: per group sum_k q_x (u - z) exactly in int32 (u unsigned 0..15 against s8 q_x: vpdpbusd with
+// VNNI, vpmaddubsw + vpmaddwd on AVX2 - pair sums <= 2 * 15 * 127, no int16 saturation), times s_x * s_w in fp32.
+struct A8Args {
+    const int8_t *qx = nullptr;    // [M, K] quantized x, row stride K
+    const float *sx = nullptr;     // [M, K / group]
+    const int32_t *sumx = nullptr; // [M, K / group]: sum of the group's q_x (for the zero points)
+    int64_t M = 0, K = 0, N = 0, group = 0;
+    const uint8_t *q = nullptr;
+    const uint16_t *scales = nullptr;
+    const uint8_t *zeros = nullptr;
+    const float *bias = nullptr;
+    float *out = nullptr; // [M, N] fp32, row stride ldo
+    int64_t ldo = 0;
+};
+
+// Rows [m0, m1) of x [., K] (fp32, row stride ldx) quantized per group as above.
+struct QuantX {
+    const float *x = nullptr;
+    int64_t ldx = 0, K = 0, group = 0;
+    int8_t *qx = nullptr;
+    float *sx = nullptr;
+    int32_t *sumx = nullptr;
+};
+
+// W4A8 weight rows per block: each block's packed bytes (kA8BlockRows x K / 2: 32 KB at K = 4096) stay in L1/L2 while
+// every 4-row tile of x runs over them, so the weights stream from memory once at any M.
+constexpr int64_t kA8BlockRows = 16;
+
 struct Kernels {
     const char *name = "scalar";
     void (*stream)(const Int4Args &a, int64_t n0, int64_t n1) = nullptr;
+    void (*quantize_x)(const QuantX &q, int64_t m0, int64_t m1) = nullptr;
+    void (*a8)(const A8Args &a, int64_t n0, int64_t n1) = nullptr; // all M rows, weight rows [n0, n1)
 };
 
 const Kernels *kernels_avx512(); // nullptr on non-x86 builds
