@@ -13,12 +13,12 @@ The rule, per device type:
   more) and loses precision. The level is the one ``fastdl info`` prints (cpuid + XGETBV, capped by
   ``FASTDL_CPU_ISA``), so a capped run gets the capped CPU's recipe.
   Measured (AMD EPYC Zen 4, torch 2.14.1, 1 thread, ``fastdl.convert(mlp, "fused")``, forward + backward + fused
-  AdamW; a machine shared with other jobs, so indicative), fastdl bf16 autocast step / fastdl fp32 step:
-  MLP 64-512-512-64-10 at 64 rows (the demo's): 0.68x native (avx512_bf16), 1.02x capped at avx2, 1.04x capped at
-  avx512; MLP 64-1024-1024-64-10 at 256 rows: 0.65x native, 1.01x avx2, 1.01x avx512. On an AMD EPYC Zen 3 (AVX2)
-  the demo's bf16 training ran 0.74-1.11x PyTorch fp32 (issue 31), and PyTorch's own bf16 there is its slow path
-  (7x its fp32 step at the demo's shapes, 25x at 1024 wide, capped on the Zen 4): bf16 pays only with the native
-  instruction.
+  AdamW, CPU time per step, calls interleaved, 1-3 runs each; a machine shared with other jobs, so indicative),
+  fastdl bf16 autocast step / fastdl fp32 step: at the demo's MLP 64-512-512-64-10 on 64 rows 0.68-0.75x native
+  (avx512_bf16), 0.94-1.02x capped at avx2, 1.02-1.04x capped at avx512; at 64-1024-1024-64-10 on 256 rows
+  0.59-0.65x native, 1.00-1.03x at avx2, 1.01-1.03x at avx512. Without the instruction bf16 buys nothing and costs
+  precision. On an AMD EPYC Zen 3 (AVX2) the demo's bf16 training ran 0.74-1.11x PyTorch fp32 (issue 31); PyTorch's
+  own bf16 there is its slow path (7x its fp32 step at the demo's shapes, 25x at 1024 wide, capped on the Zen 4).
 * CUDA: ``bfloat16`` where ``torch.cuda.is_bf16_supported()`` (Ampere and newer: bf16 tensor cores, fp32's
   exponent range, no loss scaling needed); ``float32`` otherwise (fp16 autocast would need a ``GradScaler``: a
   change to the training loop that a precision choice should not make silently).
@@ -80,9 +80,9 @@ def training_recipe(device=None) -> TrainingRecipe:
         capped = f" (capped by FASTDL_CPU_ISA; the CPU has {cpu.get('detected_level')})" if cpu.get("capped") else ""
         if level == NATIVE_BF16_LEVEL:
             return TrainingRecipe(torch.bfloat16, kind, f"CPU level {level}{capped}: native bf16 dot products "
-                                  "(AVX512-BF16), bf16 autocast steps ~0.65-0.7x the fp32 step")  # fmt: skip
+                                  "(AVX512-BF16), bf16 autocast steps ~0.6-0.75x the fp32 step")  # fmt: skip
         return TrainingRecipe(torch.float32, kind, f"CPU level {level}{capped}: no AVX512-BF16, bf16 products would be "
-                              "widened to fp32 in software (no faster than fp32, less precise)")  # fmt: skip
+                              "widened to fp32 in software (0.94-1.04x the fp32 step, less precise)")  # fmt: skip
     if kind == "cuda":
         if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
             return TrainingRecipe(torch.bfloat16, kind, "CUDA GPU with bf16 support: bf16 autocast")
