@@ -158,10 +158,10 @@ def _no_forward_buffer_sync() -> dict:
     return {"broadcast_buffers": False}
 
 
-def _recipe(device: torch.device, args):
+def _training_recipe(device: torch.device, args):
     """fastdl's training recipe for ``device`` (``fastdl.training_recipe``), or the precision ``--train-dtype``
     asks for."""
-    from .recipe import TrainingRecipe, training_recipe
+    from .training import TrainingRecipe, training_recipe
 
     asked = getattr(args, "train_dtype", "auto")
     if asked in (None, "auto"):
@@ -188,7 +188,7 @@ def _worker(rank: int, world: int, args, out_path: str) -> None:
     (xtr, ytr), (xte, yte) = load_digits_split()
     xte, yte = xte.to(device), yte.to(device)
     show = rank == 0 and not args.quiet
-    recipe = _recipe(device, args)
+    recipe = _training_recipe(device, args)
     results = {"backend": dist.get_backend(), "world": world, "device": str(device),
                "recipe": {"dtype": PRECISION[recipe.dtype], "reason": recipe.reason}}  # fmt: skip
 
@@ -631,7 +631,7 @@ def run(args) -> dict:
 
     for w in ctx["warnings"] + ([busy_warning()] if busy_warning() else []):
         print(f"  WARNING: {w}", flush=True)
-    recipe = _recipe(torch.device("cuda" if world and torch.cuda.is_available() and not args.cpu else "cpu"), args)
+    recipe = _training_recipe(torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu"), args)
     print(f"  training recipe: {PRECISION[recipe.dtype]} ({recipe.reason})", flush=True)
     labels = [run_label(name, dtype) for name, _, dtype, _ in dense_runs(recipe.dtype)]
     print(f"  training {len(labels)} models ({', '.join(labels)}; the bf16 PyTorch run and the fastdl run outside the "

@@ -1,6 +1,6 @@
-"""fastdl.training_dtype / training_recipe / training_autocast: bf16 only at the CPU level avx512_bf16 (capped by
-FASTDL_CPU_ISA), fp32 below it, fp32 on a device type without a rule; a user's own bf16 autocast is never changed by
-the recipe (fastdl's layers compute in bf16 under it on every level)."""
+"""fastdl.training_dtype / training_recipe / training_autocast (fastdl/training.py): bf16 only at the CPU level
+avx512_bf16 (capped by FASTDL_CPU_ISA), fp32 below it, fp32 on a device type without a rule; a user's own bf16 autocast
+is never changed by the recipe (fastdl's layers compute in bf16 under it on every level)."""
 
 import json
 

@@ -1,4 +1,5 @@
-"""The training recipe for this machine: the precision a training loop should compute in.
+"""The training recipe for this machine: the precision a training loop should compute in (not to be confused with
+the conversion recipe of ``fastdl._recipe``, which records how a model was converted).
 
     dtype = fastdl.training_dtype()              # torch.bfloat16 or torch.float32, for the default device
     with fastdl.training_autocast():             # torch.autocast(..., dtype=bfloat16), or nothing for float32
@@ -69,7 +70,7 @@ def _device_type(device) -> str:
 
 def training_recipe(device=None) -> TrainingRecipe:
     """The precision a training loop should use on ``device`` (None: CUDA when available, else the CPU), with the
-    reason; the rule and its measurements are in ``fastdl.recipe``'s docstring."""
+    reason; the rule and its measurements are in ``fastdl.training``'s docstring."""
     kind = _device_type(device)
     if kind == "cpu":
         from . import _extension
@@ -94,7 +95,7 @@ def training_recipe(device=None) -> TrainingRecipe:
 def training_dtype(device=None) -> torch.dtype:
     """``torch.bfloat16`` or ``torch.float32``: the precision a training loop should use on ``device`` (None: CUDA
     when available, else the CPU). bf16 only where the hardware multiplies bf16 natively (CPU: AVX512-BF16 at
-    fastdl's ISA level, capped by FASTDL_CPU_ISA; CUDA: ``torch.cuda.is_bf16_supported()``). See ``fastdl.recipe``."""
+    fastdl's ISA level, capped by FASTDL_CPU_ISA; CUDA: ``torch.cuda.is_bf16_supported()``). See ``fastdl.training``."""
     return training_recipe(device).dtype
 
 
