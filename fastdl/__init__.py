@@ -44,6 +44,7 @@ from .convert import convert, report  # noqa: E402
 from .nn import CheckpointError  # noqa: E402
 from .runtime_choice import clear_decisions, load_decisions, save_decisions, set_choice_mode  # noqa: E402
 from .serialization import load, load_pretrained, save  # noqa: E402
+from .training import training_autocast, training_dtype, training_recipe  # noqa: E402
 
 _extension.warn_if_untested_torch()
 _extension.warn_if_missing()
@@ -66,6 +67,7 @@ __all__ = [
     "save",
     "save_decisions",
     "set_choice_mode",
+    "training_autocast", "training_dtype", "training_recipe",
     "use_backend",
     "__version__",
 ]

@@ -2,13 +2,22 @@
 
 1. train an MLP on scikit-learn's handwritten digits (shipped with the package: nothing is downloaded) with
    DistributedDataParallel on 2 processes (gloo on the CPU; NCCL when there are GPUs), FusedLinear layers and the
-   PrefetchLoader over a DataLoader with a DistributedSampler; the same model with nn.Linear is trained alongside;
-2. prune to 2:4 and fine-tune with the masks kept (fastdl.sparsity.MaskedTraining);
+   PrefetchLoader over a DataLoader with a DistributedSampler, in the precision of fastdl's training recipe for this
+   machine (``fastdl.training_dtype()``: bf16 autocast only where the hardware multiplies bf16 natively, fp32
+   otherwise); fastdl in the other precision is timed too, and the same model with nn.Linear is trained alongside
+   (fp32, and bf16 autocast timed);
+2. prune to 2:4 and fine-tune with the masks kept (fastdl.sparsity.MaskedTraining: masked gradients, no mask pass);
 3. convert for inference with int8 (W8A8) and with 2:4 sparsity;
 4. print one table: test accuracy, training step time and inference time per stage, fastdl beside every PyTorch
    option a user could pick on this machine (fp32 and bf16 autocast/eager; PyTorch's own int8 - dynamic quantization
    with fbgemm - for the int8 stage), and a closing verdict per stage that judges speed (against the fastest of them)
-   as well as accuracy, and says plainly where fastdl is slower and the likely cause on this CPU.
+   as well as accuracy, and says plainly where fastdl is slower and the likely cause on this CPU. Each fastdl row
+   is also compared with PyTorch at its own precision (like with like).
+
+Every run uses the same optimizer: AdamW with ``fused=True`` (PyTorch's fastest CPU AdamW, for every row). Its
+for-loop implementation computes ``sqrt`` of the second moments with a call that is ~6x slower on zeros (AMD Zen 4,
+torch 2.14; see ``fastdl.sparsity.MaskedTraining``), and the pruned half of the moments is zero: the 2:4 fine-tune
+would pay it and the dense rows would not.
 """
 
 from __future__ import annotations
@@ -24,6 +33,20 @@ import time
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ._demo_verdict import (  # noqa: F401  (the verdict: pure functions of the results, re-exported)
+    ACC_MARGIN,
+    FASTDL_LABELS,
+    PROVIDER_LABELS,
+    STAGES,
+    check_bars,
+    format_table,
+    provider_label,
+    slow_reasons,
+    slower_comparisons,
+    stages,
+    verdict,
+)
 
 HIDDEN = 512
 
@@ -77,8 +100,18 @@ def _loader(x, y, batch, rank, world, device, seed=0, prefetch=True):
     return PrefetchLoader(dl, device=device) if prefetch else dl
 
 
-def _train(ddp, loader, opt, epochs, device, sync, bar_desc=None, masked=None, autocast=True):
-    """Train; returns the median step time (forward + backward + optimizer) in ms."""
+def _adamw(params, lr: float):
+    """AdamW as every run of the demo uses it: fused where this torch supports it on the parameters' device."""
+    params = list(params)
+    try:
+        return torch.optim.AdamW(params, lr=lr, weight_decay=1e-4, fused=True)
+    except (RuntimeError, ValueError, TypeError):  # no fused AdamW for this device or torch
+        return torch.optim.AdamW(params, lr=lr, weight_decay=1e-4)
+
+
+def _train(ddp, loader, opt, epochs, device, sync, bar_desc=None, dtype=torch.float32):
+    """Train (under autocast to ``dtype`` unless it is float32); returns the median step time (forward + backward +
+    optimizer) in ms."""
     steps = []
     rng = range(epochs)
     if bar_desc:
@@ -86,7 +119,7 @@ def _train(ddp, loader, opt, epochs, device, sync, bar_desc=None, masked=None, a
 
         rng = tqdm(rng, desc=bar_desc, leave=False)
     sampler = loader.sampler if hasattr(loader, "sampler") else loader.loader.sampler
-    ctx = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if autocast else contextlib.nullcontext
+    ctx = (lambda: torch.autocast(device.type, dtype=dtype)) if dtype != torch.float32 else contextlib.nullcontext
     for epoch in rng:
         sampler.set_epoch(epoch)
         ddp.train()
@@ -99,24 +132,56 @@ def _train(ddp, loader, opt, epochs, device, sync, bar_desc=None, masked=None, a
                 loss = F.cross_entropy(ddp(xb).float(), yb)
             loss.backward()
             opt.step()
-            if masked is not None:
-                masked.apply()
             sync()
             steps.append(time.perf_counter() - t0)
     return statistics.median(steps[len(steps) // 5 :]) * 1e3
 
 
-# The dense training runs: (name, FusedLinear?, autocast bf16?, trained to the end?). PyTorch's plain nn.Linear model
-# is trained in fp32 (the accuracy reference) and timed in bf16 autocast for a few epochs only: on a CPU without
-# AVX512-BF16 PyTorch's bf16 is its slow path (8x the fp32 step time, capped on the Zen 4), where training it to the end
-# would double the demo's time for a number a user would not pick.
-DENSE_RUNS = (("fastdl", True, True, True), ("pytorch_fp32", False, False, True), ("pytorch_bf16", False, True, False))
+PRECISION = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 TIMING_EPOCHS = 3
-LABELS = {
-    "fastdl": "fastdl FusedLinear, bf16 autocast",
-    "pytorch_bf16": "PyTorch nn.Linear, bf16 autocast",
-    "pytorch_fp32": "PyTorch nn.Linear, fp32",
-}
+
+
+def dense_runs(recipe_dtype: torch.dtype) -> tuple:
+    """The dense training runs: (results name, FusedLinear?, dtype, trained to the end?). fastdl trains to the end in
+    its recipe's precision (``fastdl.training_dtype()``), and is timed for a few epochs in the other one, so a reader
+    sees both; PyTorch's nn.Linear model is trained in fp32 (the accuracy reference) and timed in bf16 autocast for a
+    few epochs only: on a CPU without AVX512-BF16 PyTorch's bf16 is its slow path (7x the fp32 step time at the
+    demo's shapes, capped on the Zen 4), where training it to the end would double the demo's time for a number a
+    user would not pick."""
+    other = torch.float32 if recipe_dtype == torch.bfloat16 else torch.bfloat16
+    return (("fastdl", True, recipe_dtype, True), (f"fastdl_{PRECISION[other]}", True, other, False),
+            ("pytorch_fp32", False, torch.float32, True), ("pytorch_bf16", False, torch.bfloat16, False))
+
+
+def run_label(name: str, dtype: torch.dtype) -> str:
+    what = "fastdl FusedLinear" if name.startswith("fastdl") else "PyTorch nn.Linear"
+    prec = "bf16 autocast" if dtype == torch.bfloat16 else "fp32"
+    return f"{what}, {prec}" + (" (recipe)" if name == "fastdl" else "")
+
+
+def _no_forward_buffer_sync() -> dict:
+    """DDP's keyword for "do not broadcast the buffers before every forward": ``forward_sync_buffers=False`` where
+    this torch has it (``broadcast_buffers`` is deprecated there; it still syncs them once at init), else
+    ``broadcast_buffers=False``."""
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
+
+
+def _training_recipe(device: torch.device, args):
+    """fastdl's training recipe for ``device`` (``fastdl.training_recipe``), or the precision ``--train-dtype``
+    asks for."""
+    from .training import TrainingRecipe, training_recipe
+
+    asked = getattr(args, "train_dtype", "auto")
+    if asked in (None, "auto"):
+        return training_recipe(device)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[asked]
+    return TrainingRecipe(dtype, device.type, f"asked for with --train-dtype {asked}")
 
 
 def _worker(rank: int, world: int, args, out_path: str) -> None:
@@ -137,26 +202,27 @@ def _worker(rank: int, world: int, args, out_path: str) -> None:
     (xtr, ytr), (xte, yte) = load_digits_split()
     xte, yte = xte.to(device), yte.to(device)
     show = rank == 0 and not args.quiet
-    results = {"backend": dist.get_backend(), "world": world, "device": str(device)}
+    recipe = _training_recipe(device, args)
+    results = {"backend": dist.get_backend(), "world": world, "device": str(device),
+               "recipe": {"dtype": PRECISION[recipe.dtype], "reason": recipe.reason}}  # fmt: skip
 
-    # 1. dense training: fastdl (FusedLinear + PrefetchLoader) and plain PyTorch (bf16 autocast and fp32), same init,
-    # same data order
-    for name, fused, autocast, full in DENSE_RUNS:
+    # 1. dense training: fastdl (FusedLinear + PrefetchLoader) in its recipe's precision and the other one, plain
+    # PyTorch (fp32 and bf16 autocast), same init, same data order
+    for name, fused, dtype, full in dense_runs(recipe.dtype):
         t0 = time.perf_counter()
         model = make_model(fused).to(device)
         ddp = DDP(model, device_ids=[rank] if use_cuda else None)
-        opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr, weight_decay=1e-4)
+        opt = _adamw(ddp.parameters(), args.lr)
         loader = _loader(xtr, ytr, args.batch, rank, world, device, prefetch=fused)
         epochs = args.epochs if full else min(args.epochs, TIMING_EPOCHS)
-        step_ms = _train(ddp, loader, opt, epochs, device, sync, f"dense [{name}]" if show else None,
-                         autocast=autocast)
+        step_ms = _train(ddp, loader, opt, epochs, device, sync, f"dense [{name}]" if show else None, dtype=dtype)
         acc = accuracy(model, xte, yte) if full else None
-        results[f"dense_{name}"] = {"acc": acc, "step_ms": step_ms, "epochs": epochs}
+        results[f"dense_{name}"] = {"acc": acc, "step_ms": step_ms, "epochs": epochs, "dtype": PRECISION[dtype]}
         if rank == 0:
             what = f"test accuracy {acc:.2f}%" if full else f"timed over {epochs} epochs (not trained to the end)"
-            print(f"  [{time.perf_counter() - args.t0:5.0f} s] dense training {LABELS[name]}: {step_ms:.3f} ms/step, "
-                  f"{what} ({time.perf_counter() - t0:.0f} s)", flush=True)
-        if fused:
+            print(f"  [{time.perf_counter() - args.t0:5.0f} s] dense training {run_label(name, dtype)}: "
+                  f"{step_ms:.3f} ms/step, {what} ({time.perf_counter() - t0:.0f} s)", flush=True)
+        if name == "fastdl":
             fused_model = model
     results["dense_pytorch"] = results["dense_pytorch_fp32"]  # the name earlier versions used
 
@@ -164,26 +230,40 @@ def _worker(rank: int, world: int, args, out_path: str) -> None:
     t0 = time.perf_counter()
     pruned = copy.deepcopy(fused_model)
     prune_report = sparsity.prune(pruned)
-    ddp = DDP(pruned, device_ids=[rank] if use_cuda else None)
-    opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr / 3, weight_decay=1e-4)
+    # No buffer sync before each forward: the only buffers are the packed 2:4 masks, identical on every rank by
+    # construction (deterministic masks of identical weights; checked below) and never changed by training. DDP's
+    # default re-sends them from rank 0 before every forward, a collective the dense runs (no buffers) do not pay:
+    # 1.19x the dense step with it, 1.01-1.03x without (2 ranks, gloo, Zen 4, shared machine: indicative).
+    ddp = DDP(pruned, device_ids=[rank] if use_cuda else None, **_no_forward_buffer_sync())
+    opt = _adamw(ddp.parameters(), args.lr / 3)
     masked = sparsity.MaskedTraining(pruned, opt)
     acc_pruned = accuracy(pruned, xte, yte)
     loader = _loader(xtr, ytr, args.batch, rank, world, device, seed=1)
     step_ms = _train(ddp, loader, opt, args.finetune_epochs, device, sync, "2:4 fine-tune" if show else None,
-                     masked=masked)
+                     dtype=recipe.dtype)
+    # checked before remove() (whose last check would re-mask): kept by the masked gradients alone?
+    off_mask = sum(int(torch.count_nonzero(m.weight.detach()[~sparsity.get_mask(m)]))
+                   for m in pruned.modules() if sparsity.is_pruned(m))  # fmt: skip
+    remasked = masked.remask_every_step
+    masked.remove()
     masks = torch.cat([m.flatten().float() for m in sparsity.masks(pruned).values()])
     gathered = [torch.zeros_like(masks) for _ in range(world)]
     dist.all_gather(gathered, masks)
     results["sparse_fastdl"] = {
         "acc": accuracy(pruned, xte, yte), "acc_right_after_pruning": acc_pruned, "step_ms": step_ms,
         "masks_identical_on_all_ranks": all(torch.equal(gathered[0], g) for g in gathered),
-        "skipped_layers": getattr(prune_report, "skipped", []),
+        "skipped_layers": getattr(prune_report, "skipped", []), "dtype": PRECISION[recipe.dtype],
+        "off_mask_nonzeros": off_mask, "remasked_every_step": remasked,
+        "pattern_2_4": all(sparsity.is_2_4(m.weight) for m in pruned.modules() if sparsity.is_pruned(m)),
     }
     if rank == 0:
         print(f"  [{time.perf_counter() - args.t0:5.0f} s] 2:4 prune + fine-tune: {step_ms:.3f} ms/step, test accuracy "
               f"{results['sparse_fastdl']['acc']:.2f}% ({time.perf_counter() - t0:.0f} s)", flush=True)
 
     if rank == 0:
+        # the trained models themselves, for checks that do not trust the numbers above (tests/test_demo.py)
+        results["models"] = {"dense_fastdl": {k: v.detach().cpu().clone() for k, v in fused_model.state_dict().items()},
+                             "sparse_fastdl": {k: v.detach().cpu().clone() for k, v in pruned.state_dict().items()}}
         results.update(_inference_stage(fused_model, pruned, xte, yte, device, sync, args))
         torch.save(results, out_path)
     dist.barrier()
@@ -271,173 +351,14 @@ def _inference_stage(dense_fused, pruned, xte, yte, device, sync, args) -> dict:
     return out
 
 
-# ------------------------------------------------------------------------------------------------- verdict
-# Stage -> (title, the results key of each provider, what "ms" counts, what the fastdl kernel needs to be fast)
-STAGES = (
-    ("dense training (DDP)", "train", "step"),
-    ("2:4 prune + fine-tune (DDP)", "finetune", "step"),
-    ("inference FusedLinear bf16", "infer_fused", "call"),
-    ("inference int8 W8A8", "infer_int8", "call"),
-    ("inference 2:4 sparse bf16", "infer_sparse24", "call"),
-)
-PROVIDER_LABELS = {
-    "fastdl": "fastdl",
-    "pytorch_fp32": "PyTorch fp32",
-    "pytorch_bf16": "PyTorch bf16",
-    "pytorch_int8": "PyTorch int8 (fbgemm dynamic quant)",
-}
-FASTDL_LABELS = {
-    "train": "fastdl FusedLinear bf16 autocast",
-    "finetune": "fastdl 2:4 masked fine-tune (bf16)",
-    "infer_fused": "fastdl FusedLinear bf16",
-    "infer_int8": "fastdl Int8Linear W8A8",
-    "infer_sparse24": "fastdl Sparse24Linear bf16",
-}
-
-
-ACC_MARGIN = 1.0  # accuracy points under PyTorch fp32 beyond which a PyTorch option is not one a user would pick
-
-
-def stages(r: dict) -> list[dict]:
-    """Per stage: fastdl's accuracy and time, each PyTorch option's, the best PyTorch option and the ratio."""
-    out = []
-    for title, key, unit in STAGES:
-        if key == "train":
-            prov = {"fastdl": r["dense_fastdl"], "pytorch_fp32": r.get("dense_pytorch_fp32"),
-                    "pytorch_bf16": r.get("dense_pytorch_bf16")}  # fmt: skip
-            prov = {k: {"acc": v["acc"], "ms": v["step_ms"]} for k, v in prov.items() if v}
-        elif key == "finetune":
-            prov = {"fastdl": {"acc": r["sparse_fastdl"]["acc"], "ms": r["sparse_fastdl"]["step_ms"]}}
-            for k in ("pytorch_fp32", "pytorch_bf16"):  # PyTorch has no 2:4 training: its dense step is the baseline
-                if r.get(f"dense_{k}"):
-                    prov[k] = {"acc": r[f"dense_{k}"]["acc"], "ms": r[f"dense_{k}"]["step_ms"]}
-        elif key in r:
-            prov = {k: v for k, v in r[key].items() if isinstance(v, dict)}
-        else:
-            continue
-        # A PyTorch option counts only if a user would keep it: accuracy within ACC_MARGIN points of PyTorch fp32 on
-        # the same stage (PyTorch's int8 quantizes activations per tensor; one outlier row can wreck the others).
-        ref = (prov.get("pytorch_fp32") or prov["fastdl"])["acc"]
-        unusable = [k for k, v in prov.items()
-                    if k != "fastdl" and v["acc"] is not None and ref is not None and v["acc"] < ref - ACC_MARGIN]
-        base = {k: v for k, v in prov.items() if k != "fastdl" and k not in unusable}
-        best = min(base, key=lambda k: base[k]["ms"]) if base else None
-        ratio = base[best]["ms"] / prov["fastdl"]["ms"] if best else None
-        out.append({"stage": title, "key": key, "unit": unit, "providers": prov, "best": best, "ratio": ratio,
-                    "slower": ratio is not None and ratio < 1.0, "unusable": unusable})  # fmt: skip
-    return out
-
-
-def slow_reasons(key: str, cpu: dict, fastdl_ms: float) -> list[str]:
-    """Likely causes of a slower stage, from the CPU level, the stage and the size of the work (facts about this
-    demo's model, not measurements of the cause)."""
-    level = cpu.get("level", "")
-    capped = " (capped)" if cpu.get("capped") else ""
-    why = []
-    if key in ("train", "finetune", "infer_fused", "infer_sparse24") and level in ("scalar", "avx2", "avx512"):
-        why.append(f"{level}{capped}: no AVX512-BF16, so bf16 products are widened to fp32 in software, "
-                   "while PyTorch's fp32 runs at full speed")  # fmt: skip
-    if key == "infer_int8" and level in ("scalar", "avx2"):
-        why.append(f"{level}{capped}: no AVX512-VNNI, int8 dot products take 3 instructions (vpmaddubsw, vpmaddwd, "
-                   "vpaddd) instead of 1")  # fmt: skip
-    if key == "finetune":
-        why.append("the 2:4 fine-tune step also re-applies the masks to every weight after the optimizer step "
-                   "(MaskedTraining), work the dense PyTorch step it is compared with does not do")  # fmt: skip
-    if key == "infer_sparse24":
-        why.append("CPUs have no 2:4 sparse arithmetic: the sparse kernel saves weight traffic, which pays at a few "
-                   "rows; the demo infers 359 rows through layers of at most 512 x 512 (weights in cache), where "
-                   "the work is arithmetic")  # fmt: skip
-    if key in ("train", "finetune"):
-        why.append("a 0.6 M-parameter MLP in 2-process DDP: per-layer Python, autograd and all-reduce overhead "
-                   "weigh more than the GEMMs")  # fmt: skip
-    elif fastdl_ms < 2.0:
-        why.append(f"layers 64-512 wide on {fastdl_ms:.2f} ms calls: per-call overhead (Python, dispatcher, thread "
-                   "start) is a large share")  # fmt: skip
-    from .bench.common import busy_warning
-
-    if busy_warning():
-        why.append(busy_warning())
-    return why
-
-
-def verdict(r: dict, cpu: dict) -> list[str]:
-    """Closing lines: per stage, speed vs the fastest PyTorch option and accuracy, plainly; the last line sums up."""
-    lines = []
-    slower = []
-    for st in stages(r):
-        if st["best"] is None:
-            continue
-        fd = st["providers"]["fastdl"]
-        best = PROVIDER_LABELS[st["best"]]
-        for k in st["unusable"]:
-            ref = st["providers"].get("pytorch_fp32", fd)["acc"]
-            lines.append(f"  {st['stage']}: {PROVIDER_LABELS.get(k, k)} not counted: accuracy "
-                         f"{st['providers'][k]['acc']:.2f}% vs PyTorch fp32 {ref:.2f}%")
-        if st["slower"]:
-            why = slow_reasons(st["key"], cpu, fd["ms"])
-            noise = " (within 5%: may be noise)" if st["ratio"] >= 0.95 else ""
-            lines.append(f"  {st['stage']}: SLOWER than {best}: {st['ratio']:.2f}x{noise} ({fd['ms']:.3f} vs "
-                         f"{st['providers'][st['best']]['ms']:.3f} ms/{st['unit']}); likely cause: "
-                         + ("; ".join(why) or "unknown"))  # fmt: skip
-            slower.append(f"{st['stage']} ({st['ratio']:.2f}x {best})")
-        else:
-            lines.append(f"  {st['stage']}: faster than the best PyTorch option ({best}): {st['ratio']:.2f}x")
-    missed = check_bars(r)
-    lines.append("  accuracy bars: " + ("all met" if not missed else "MISSED: " + "; ".join(missed)))
-    where = f"{cpu.get('model', 'CPU')}, ISA {cpu.get('level', '?')}{' (capped)' if cpu.get('capped') else ''}"
-    if slower:
-        lines.append(f"verdict ({where}): fastdl is SLOWER than PyTorch in {len(slower)} of {len(stages(r))} stages: "
-                     + "; ".join(slower))  # fmt: skip
-    else:
-        lines.append(f"verdict ({where}): fastdl is at least as fast as the best PyTorch option in every stage"
-                     + ("" if not missed else ", but accuracy bars are missed"))  # fmt: skip
-    return lines
-
-
-def format_table(r: dict) -> str:
-    head = ("stage", "run", "acc %", "ms", "fastdl vs it")
-    rows = []
-    for st in stages(r):
-        fd = st["providers"]["fastdl"]
-        for k, v in st["providers"].items():
-            label = FASTDL_LABELS[st["key"]] if k == "fastdl" else PROVIDER_LABELS.get(k, k)
-            ratio = "" if k == "fastdl" else f"{v['ms'] / fd['ms']:.2f}x"
-            if k in st["unusable"]:
-                ratio += f"  (accuracy > {ACC_MARGIN:g} point under PyTorch fp32: not counted)"
-            elif k != "fastdl" and v["ms"] / fd["ms"] < 1.0:
-                ratio += "  <<< fastdl SLOWER"
-            elif k == st["best"]:
-                ratio += "  (fastest PyTorch)"
-            rows.append((st["stage"] if k == "fastdl" else "", label, "-" if v["acc"] is None else f"{v['acc']:.2f}",
-                         f"{v['ms']:.3f}/{st['unit']}", ratio))  # fmt: skip
-    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths))]
-    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in rows]
-    return "\n".join(lines)
-
-
-def check_bars(r: dict) -> list[str]:
-    """The demo's accuracy bars; returns the ones missed (empty when all hold)."""
-    missed = []
-    dense = r["dense_fastdl"]["acc"]
-    if dense < 95:
-        missed.append(f"dense test accuracy {dense:.2f}% < 95%")
-    if r["sparse_fastdl"]["acc"] < dense - 1:
-        missed.append(f"2:4 accuracy {r['sparse_fastdl']['acc']:.2f}% is more than 1 point under dense {dense:.2f}%")
-    i8 = r["infer_int8"]
-    if i8["fastdl"]["acc"] < i8["pytorch_fp32"]["acc"] - 0.5:
-        missed.append(f"int8 accuracy {i8['fastdl']['acc']:.2f}% is more than 0.5 point under its float model "
-                      f"{i8['pytorch_fp32']['acc']:.2f}%")  # fmt: skip
-    if not r["sparse_fastdl"]["masks_identical_on_all_ranks"]:
-        missed.append("2:4 masks differ between DDP ranks")
-    return missed
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--epochs", type=int, default=30)
     p.add_argument("--finetune-epochs", type=int, default=10)
     p.add_argument("--batch", type=int, default=64, help="per-rank batch size")
     p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--train-dtype", choices=("auto", "fp32", "bf16"), default="auto",
+                   help="precision of fastdl's training runs (auto: fastdl.training_dtype(), the recipe for this "
+                        "machine); the other one is timed too")  # fmt: skip
     p.add_argument("--world", type=int, default=2, help="DDP processes")
     p.add_argument("--cpu", action="store_true", help="stay on the CPU even with GPUs")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -467,8 +388,12 @@ def run(args) -> dict:
 
     for w in ctx["warnings"] + ([busy_warning()] if busy_warning() else []):
         print(f"  WARNING: {w}", flush=True)
-    print(f"  training 3 models ({', '.join(LABELS.values())}) for {args.epochs} epochs with DDP x{world}, 2:4 "
-          f"fine-tuning for {args.finetune_epochs} epochs, then timing inference; each stage prints when done",
+    recipe = _training_recipe(torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu"), args)
+    print(f"  training recipe: {PRECISION[recipe.dtype]} ({recipe.reason})", flush=True)
+    labels = [run_label(name, dtype) for name, _, dtype, _ in dense_runs(recipe.dtype)]
+    print(f"  training {len(labels)} models ({', '.join(labels)}; the bf16 PyTorch run and the fastdl run outside the "
+          f"recipe are timed over {TIMING_EPOCHS} epochs) for {args.epochs} epochs with DDP x{world}, 2:4 fine-tuning "
+          f"for {args.finetune_epochs} epochs, then timing inference; each stage prints when done",
           flush=True)  # fmt: skip
     activity("fastdl demo (DDP workers)")
     with tempfile.TemporaryDirectory() as d:
@@ -479,8 +404,10 @@ def run(args) -> dict:
           f"{results['device'].split(':')[0]}, {args.epochs} epochs + {args.finetune_epochs} 2:4 fine-tune epochs")
     print(format_table(results))
     sp = results["sparse_fastdl"]
-    print(f"2:4 masks identical on all ranks: {sp['masks_identical_on_all_ranks']}; accuracy right after pruning "
-          f"{sp['acc_right_after_pruning']:.2f}%, after fine-tuning {sp['acc']:.2f}%")
+    print(f"2:4 masks identical on all ranks: {sp['masks_identical_on_all_ranks']}; still 2:4 after fine-tuning: "
+          f"{sp['pattern_2_4']}, pruned weights off zero before the last check: {sp['off_mask_nonzeros']} (gradients "
+          f"masked{', weights re-masked after every step' if sp['remasked_every_step'] else ', no mask pass'}); "
+          f"accuracy right after pruning {sp['acc_right_after_pruning']:.2f}%, after fine-tuning {sp['acc']:.2f}%")
     missed = check_bars(results)
     cpu = _cpu()
     lines = verdict(results, cpu)
@@ -488,7 +415,7 @@ def run(args) -> dict:
     print("\n".join(lines))
     results["missed"] = missed
     results["stages"] = stages(results)
-    results["slower"] = [st["stage"] for st in results["stages"] if st["slower"]]
+    results["slower"] = slower_comparisons(results["stages"])
     results["verdict"] = lines
     results["cpu"] = {k: cpu.get(k) for k in ("model", "level", "detected_level", "capped", "kernels")}
     results["seconds"] = time.perf_counter() - t0
@@ -498,7 +425,7 @@ def run(args) -> dict:
 
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump(results, f, indent=1, default=str)
+            json.dump({k: v for k, v in results.items() if k != "models"}, f, indent=1, default=str)
     return results
 
 
