@@ -36,8 +36,8 @@ import math
 import torch
 from torch import nn
 
-from ..runtime_choice import RuntimeChoice
 from ..ops import int4 as int4_ops
+from ..runtime_choice import RuntimeChoice
 from ._base import (
     FLOAT_DTYPES,
     VersionedModule,
