@@ -247,7 +247,7 @@ def test_cpp_kernels_of_every_isa_level_match_float64(isa):
     family = out.strip().splitlines()[-1]
     native = native_cpu_kernels()["int4"]
     want = {"scalar": "scalar", "avx2": "avx2" if native != "scalar" else "scalar",
-            "avx512": native if native in ("avx512", "scalar") else "avx2"}.get(isa, native)
+            "avx512": native if native in ("avx512_vnni", "scalar") else "avx2"}.get(isa, native)
     assert family == want, (isa, family, native)
 
 

@@ -181,8 +181,9 @@ at::Tensor int4_a8_linear(const at::Tensor &x, const at::Tensor &qweight, const 
     const Kernels &kr = kernels();
     const at::Tensor xf = x.reshape({M, K}).to(at::kFloat).contiguous();
     at::Tensor qx = at::empty({M, K}, x.options().dtype(at::kChar));
-    at::Tensor sx = at::empty({M, G}, x.options().dtype(at::kFloat));
-    at::Tensor sumx = at::empty({M, G}, x.options().dtype(at::kInt));
+    const int64_t ldg = (G + 7) / 8 * 8; // padded with zeros: the kernels read 8 groups at once
+    at::Tensor sx = at::zeros({M, ldg}, x.options().dtype(at::kFloat));
+    at::Tensor sumx = at::zeros({M, ldg}, x.options().dtype(at::kInt));
     QuantX qp;
     qp.x = xf.data_ptr<float>();
     qp.ldx = K;

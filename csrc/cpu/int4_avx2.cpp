@@ -54,10 +54,6 @@ struct Avx2Traits {
         return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
     }
     static I4_SIMD inline I izero() { return _mm256_setzero_si256(); }
-    static I4_SIMD inline I sub_lane0(I acc, int32_t v) {
-        return _mm256_sub_epi32(acc, _mm256_setr_epi32(v, 0, 0, 0, 0, 0, 0, 0));
-    }
-    static I4_SIMD inline F cvt8(I v) { return _mm256_cvtepi32_ps(v); }
     static I4_SIMD inline F abs(F v) { return _mm256_and_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF))); }
     static I4_SIMD inline F max(F a, F b) { return _mm256_max_ps(a, b); }
     static I4_SIMD inline float hmax(F v) {
@@ -75,19 +71,6 @@ struct Avx2Traits {
         const __m256i i = _mm256_cvtps_epi32(v);
         const __m128i h = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
         _mm_storel_epi64(reinterpret_cast<__m128i *>(dst), _mm_packs_epi16(h, h));
-    }
-    static I4_SIMD inline int32_t qsum(const int8_t *q, int64_t n) {
-        __m256i acc = _mm256_setzero_si256();
-        for (int64_t k = 0; k < n; k += 32) // sums of 32 bytes: vpmaddubsw with ones, then pairs of words
-            acc = _mm256_add_epi32(
-                acc,
-                _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1),
-                                                       _mm256_loadu_si256(reinterpret_cast<const __m256i *>(q + k))),
-                                  _mm256_set1_epi16(1)));
-        __m128i s = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
-        s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-        s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-        return _mm_cvtsi128_si32(s);
     }
 };
 

@@ -43,10 +43,6 @@ struct Avx512Traits {
         return _mm256_dpbusd_epi32(acc, u, _mm256_loadu_si256(reinterpret_cast<const __m256i *>(x)));
     }
     static I4_SIMD inline I izero() { return _mm256_setzero_si256(); }
-    static I4_SIMD inline I sub_lane0(I acc, int32_t v) {
-        return _mm256_sub_epi32(acc, _mm256_setr_epi32(v, 0, 0, 0, 0, 0, 0, 0));
-    }
-    static I4_SIMD inline F cvt8(I v) { return _mm512_cvtepi32_ps(_mm512_zextsi256_si512(v)); } // upper lanes 0
     static I4_SIMD inline F abs(F v) { return _mm512_abs_ps(v); }
     static I4_SIMD inline F max(F a, F b) { return _mm512_max_ps(a, b); }
     static I4_SIMD inline float hmax(F v) { return _mm512_reduce_max_ps(v); }
@@ -57,13 +53,6 @@ struct Avx512Traits {
     }
     static I4_SIMD inline void store_q(int8_t *dst, F v, int) {
         _mm_storeu_si128(reinterpret_cast<__m128i *>(dst), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v)));
-    }
-    static I4_SIMD inline int32_t qsum(const int8_t *q, int64_t n) {
-        __m512i acc = _mm512_setzero_si512();
-        for (int64_t k = 0; k < n; k += 16)
-            acc =
-                _mm512_add_epi32(acc, _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(q + k))));
-        return _mm512_reduce_add_epi32(acc);
     }
 };
 

@@ -43,9 +43,11 @@ constexpr int64_t kStreamRows = 4;
 // integer products: per group sum_k q_x (u - z) exactly in int32 (u unsigned 0..15 against s8 q_x: vpdpbusd with
 // VNNI, vpmaddubsw + vpmaddwd on AVX2 - pair sums <= 2 * 15 * 127, no int16 saturation), times s_x * s_w in fp32.
 struct A8Args {
-    const int8_t *qx = nullptr;    // [M, K] quantized x, row stride K
-    const float *sx = nullptr;     // [M, K / group]
-    const int32_t *sumx = nullptr; // [M, K / group]: sum of the group's q_x (for the zero points)
+    // x's codes [M, K] (row stride K); its scales and the sums of its codes (for the zero points) per row and group,
+    // [M, ldg] with ldg = K / group rounded up to a multiple of 8 (the padding is 0: the kernels read 8 groups at once)
+    const int8_t *qx = nullptr;
+    const float *sx = nullptr;
+    const int32_t *sumx = nullptr;
     int64_t M = 0, K = 0, N = 0, group = 0;
     const uint8_t *q = nullptr;
     const uint16_t *scales = nullptr;
@@ -60,8 +62,8 @@ struct QuantX {
     const float *x = nullptr;
     int64_t ldx = 0, K = 0, group = 0;
     int8_t *qx = nullptr;
-    float *sx = nullptr;
-    int32_t *sumx = nullptr;
+    float *sx = nullptr;     // [M, ldg] (A8Args), the padding left as the caller set it
+    int32_t *sumx = nullptr; // [M, ldg]
 };
 
 // W4A8 weight rows per block: each block's packed bytes (kA8BlockRows x K / 2: 32 KB at K = 4096) stay in L1/L2 while

@@ -33,12 +33,12 @@ void stream_scalar(const Int4Args &a, int64_t n0, int64_t n1) {
 }
 
 void quantize_scalar(const QuantX &p, int64_t m0, int64_t m1) {
-    const int64_t groups = p.K / p.group;
+    const int64_t groups = p.K / p.group, ldg = (groups + 7) / 8 * 8; // (rows of sx / sumx padded, int4_kernels.h)
     for (int64_t m = m0; m < m1; ++m)
         for (int64_t g = 0; g < groups; ++g) {
             const float *xg = p.x + m * p.ldx + g * p.group;
             int8_t *qg = p.qx + m * p.K + g * p.group;
-            const int64_t mg = m * groups + g;
+            const int64_t mg = m * ldg + g;
             float amax = 0.f;
             bool finite = true;
             for (int64_t k = 0; k < p.group; ++k) {
@@ -58,7 +58,7 @@ void quantize_scalar(const QuantX &p, int64_t m0, int64_t m1) {
 }
 
 void a8_scalar(const A8Args &a, int64_t n0, int64_t n1) {
-    const int64_t groups = a.K / a.group, rowb = a.K / 2;
+    const int64_t groups = a.K / a.group, rowb = a.K / 2, ldg = (groups + 7) / 8 * 8;
     for (int64_t m = 0; m < a.M; ++m)
         for (int64_t n = n0; n < n1; ++n) {
             const uint8_t *q = a.q + n * rowb;
@@ -70,8 +70,8 @@ void a8_scalar(const A8Args &a, int64_t n0, int64_t n1) {
                     const uint8_t byte = q[(k / 32) * 16 + (k % 32 & 15)];
                     acc += static_cast<int32_t>(k % 32 < 16 ? (byte & 0x0F) : (byte >> 4)) * a.qx[m * a.K + k];
                 }
-                acc -= z * a.sumx[m * groups + g];
-                tot += static_cast<float>(acc) * (half_to_float(a.scales[n * groups + g]) * a.sx[m * groups + g]);
+                acc -= z * a.sumx[m * ldg + g];
+                tot += static_cast<float>(acc) * (half_to_float(a.scales[n * groups + g]) * a.sx[m * ldg + g]);
             }
             a.out[m * a.ldo + n] = tot + (a.bias ? a.bias[n] : 0.f);
         }

@@ -70,45 +70,212 @@ template <class V> I4_SIMD void i4_stream(const Int4Args &a, int64_t n0, int64_t
 
 // ---------------------------------------------------------------------------------------------------------------
 // W4A8 (int4_kernels.h, A8Args). V also provides, for these:
-//   I                          the int32 vector of one 32-byte register (8 lanes)
+//   I (= __m256i)              the int32 vector of one 32-byte register (8 lanes)
 //   I codes_u8(const uint8_t *p)   16 packed bytes -> the 32 codes u (unsigned bytes) in k order
 //   I dot(I acc, I u, const int8_t *x)  acc + the sums of 4 adjacent u * x products per lane (exact)
-//   I izero(), I sub_lane0(I acc, int32_t v) (acc with v subtracted from lane 0), F cvt8(I) (8 lanes as fp32, widened
-//   to F's lanes with zeros), float hsum8(F)
+//   I izero()
 //   F abs(F), F max(F, F), float hmax(F), F mul(F, F), void store_q(int8_t *dst, F rounded, int n), F roundc(F)
-//   (clamp to [-127, 127] then round half to even), int32_t qsum(const int8_t *q, int64_t n)
+//   (clamp to [-127, 127] then round half to even)
+// The rest is 256-bit AVX2 code, which every family that includes this has.
 
-template <class V, int MR> I4_SIMD inline void i4a8_tile(const A8Args &a, int64_t m0, int64_t n0, int64_t n1) {
+// The 8 lanes of v summed, for 8 vectors at once: lane j of the result is the sum of v[j] (6 vphaddd, 2 permutes).
+I4_SIMD inline __m256i i4_hsum8(const __m256i (&v)[8]) {
+    const __m256i s0 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    const __m256i s1 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(s0, s1, 0x20), _mm256_permute2x128_si256(s0, s1, 0x31));
+}
+
+// The group epilogue of 8 groups [gc, gc + ng) of weight row (s, zr) for MR rows of x: sum[m] lane j is row m's
+// sum q_x u over group gc + j; tot[m] += (sum - z sum_x) * s_w * s_x, vectorised over the 8 groups.
+template <int MR>
+I4_SIMD inline void i4a8_epilogue(const A8Args &a, int64_t m0, int64_t ldg, int64_t gc, int64_t ng, const uint16_t *s,
+                                  const uint8_t *zr, const __m256i (&sum)[MR], __m256 (&tot)[MR]) {
+    __m128i sh;
+    __m256i z;
+    if (ng == 8) {
+        sh = _mm_loadu_si128(reinterpret_cast<const __m128i *>(s + gc));
+        z = zr ? _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(zr + gc)))
+               : _mm256_set1_epi32(8);
+    } else {
+        alignas(16) uint16_t hs[8] = {};
+        alignas(32) int32_t zz[8] = {8, 8, 8, 8, 8, 8, 8, 8};
+        for (int64_t j = 0; j < ng; ++j) {
+            hs[j] = s[gc + j];
+            if (zr)
+                zz[j] = zr[gc + j];
+        }
+        sh = _mm_load_si128(reinterpret_cast<const __m128i *>(hs));
+        z = _mm256_load_si256(reinterpret_cast<const __m256i *>(zz));
+    }
+    const __m256 sw = _mm256_cvtph_ps(sh);
+    for (int m = 0; m < MR; ++m) {
+        const int64_t row = (m0 + m) * ldg + gc;
+        const __m256i sumx = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(a.sumx + row));
+        const __m256i exact = _mm256_sub_epi32(sum[m], _mm256_mullo_epi32(z, sumx));
+        const __m256 scale = _mm256_mul_ps(sw, _mm256_loadu_ps(a.sx + row));
+        tot[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), scale, tot[m]);
+    }
+}
+
+template <int MR> I4_SIMD inline void i4a8_store(const A8Args &a, int64_t m0, int64_t n, const __m256 (&tot)[MR]) {
+    const float b = a.bias ? a.bias[n] : 0.f;
+    for (int m = 0; m < MR; ++m) {
+        __m128 t = _mm_add_ps(_mm256_castps256_ps128(tot[m]), _mm256_extractf128_ps(tot[m], 1));
+        t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+        t = _mm_add_ss(t, _mm_movehdup_ps(t));
+        a.out[(m0 + m) * a.ldo + n] = _mm_cvtss_f32(t) + b;
+    }
+}
+
+// One weight row n against MR rows of x. Groups are taken 8 at a time: each group's int32 products stay in a vector
+// (vpdpbusd / vpmaddubsw lanes) until 8 groups are done, then the 8 are reduced together (lane j = group j) and the
+// group epilogue runs once for the 8, vectorised: (sum - z * sum_x) exactly in int32, to fp32, times s_w * s_x. (A
+// per-group horizontal sum and scalar epilogue cost ~12 instructions per group, as much as the products of a
+// 32-weight group: groups of 32 ran at 0.6x the speed of groups of 128.) The sums of x's codes and its scales are
+// padded to a multiple of 8 groups per row by the caller (zeros), so their 8-wide loads stay in bounds.
+template <class V, int MR> I4_SIMD inline void i4a8_row(const A8Args &a, int64_t m0, int64_t n, int64_t ldg) {
     using I = typename V::I;
-    const int64_t groups = a.K / a.group, blocks = a.group / 32, rowb = a.K / 2;
-    for (int64_t n = n0; n < n1; ++n) {
-        const uint8_t *q = a.q + n * rowb;
-        const uint16_t *s = a.scales + n * groups;
-        const uint8_t *zr = a.zeros ? a.zeros + n * groups : nullptr;
-        typename V::F tot[MR];
-        for (int m = 0; m < MR; ++m)
-            tot[m] = V::zero();
-        for (int64_t g = 0; g < groups; ++g) {
-            I acc[MR];
+    const int64_t groups = a.K / a.group, blocks = a.group / 32;
+    const uint8_t *q = a.q + n * (a.K / 2);
+    const uint16_t *s = a.scales + n * groups;
+    const uint8_t *zr = a.zeros ? a.zeros + n * groups : nullptr;
+    __m256 tot[MR];
+    for (int m = 0; m < MR; ++m)
+        tot[m] = _mm256_setzero_ps();
+    for (int64_t gc = 0; gc < groups; gc += 8) {
+        const int64_t ng = groups - gc < 8 ? groups - gc : 8;
+        I acc[MR][8];
+        for (int j = 0; j < 8; ++j)
             for (int m = 0; m < MR; ++m)
-                acc[m] = V::izero();
-            for (int64_t b = 0; b < blocks; ++b) {
-                const int64_t k = (g * blocks + b) * 32;
-                const I u = V::codes_u8(q + k / 2);
-                for (int m = 0; m < MR; ++m)
-                    acc[m] = V::dot(acc[m], u, a.qx + (m0 + m) * a.K + k);
-            }
-            const int32_t z = zr ? zr[g] : 8;
-            const float sw = V::half(s[g]);
-            for (int m = 0; m < MR; ++m) {
-                const int64_t mg = (m0 + m) * groups + g;
-                const I exact = V::sub_lane0(acc[m], z * a.sumx[mg]); // sum q_x (u - z), exact
-                tot[m] = V::fma(V::cvt8(exact), V::set1(sw * a.sx[mg]), tot[m]);
+                acc[m][j] = V::izero();
+        // blocks outer, groups inner: 8 x MR independent accumulation chains (a group's blocks in a row would wait
+        // on vpdpbusd's latency: 0.36 ms at 4096 x 4096, M = 1, groups of 128, was ~6 weights per cycle)
+        for (int64_t b = 0; b < blocks; ++b) {
+            if (ng == 8) {
+#pragma GCC unroll 8
+                for (int j = 0; j < 8; ++j) {
+                    const int64_t k = ((gc + j) * blocks + b) * 32;
+                    const I u = V::codes_u8(q + k / 2);
+                    for (int m = 0; m < MR; ++m)
+                        acc[m][j] = V::dot(acc[m][j], u, a.qx + (m0 + m) * a.K + k);
+                }
+            } else {
+                for (int j = 0; j < ng; ++j) {
+                    const int64_t k = ((gc + j) * blocks + b) * 32;
+                    const I u = V::codes_u8(q + k / 2);
+                    for (int m = 0; m < MR; ++m)
+                        acc[m][j] = V::dot(acc[m][j], u, a.qx + (m0 + m) * a.K + k);
+                }
             }
         }
-        const float b = a.bias ? a.bias[n] : 0.f;
+        __m256i sum[MR];
         for (int m = 0; m < MR; ++m)
-            a.out[(m0 + m) * a.ldo + n] = V::hsum(tot[m]) + b;
+            sum[m] = i4_hsum8(acc[m]);
+        i4a8_epilogue<MR>(a, m0, ldg, gc, ng, s, zr, sum, tot);
+    }
+    i4a8_store<MR>(a, m0, n, tot);
+}
+
+// 32 packed bytes (two 32-k blocks, 64 codes) against x in the paired order (see i4a8_quantize): the low nibbles are
+// the blocks' k 0..15 and the high nibbles their k 16..31, so two dots and no shuffle.
+template <class V> I4_SIMD inline typename V::I i4a8_pair(typename V::I acc, const uint8_t *qb, const int8_t *x) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(qb));
+    const __m256i m = _mm256_set1_epi8(0x0F);
+    acc = V::dot(acc, _mm256_and_si256(v, m), x);
+    return V::dot(acc, _mm256_and_si256(_mm256_srli_epi16(v, 4), m), x + 32);
+}
+
+// i4a8_row for K % 64 == 0 (x's codes in the paired order): 64 weights per step, 6 instructions with VNNI instead of
+// 2 x 6. G (the group size) is a template argument so that every offset in the unrolled loops is a constant (with a
+// run-time G the compiler kept recomputing addresses and reloading pointers: 2.3x slower at M = 1). Groups of 32: a
+// pair is two groups (low / high 128-bit lanes), reduced 4 pairs at a time.
+template <class V, int MR, int G>
+I4_SIMD inline void i4a8_row_paired(const A8Args &a, int64_t m0, int64_t n, int64_t ldg, const uint8_t *ahead) {
+    using I = typename V::I;
+    constexpr int kPairs = G / 64, kHalf = G / 2;
+    const int64_t groups = a.K / G;
+    const uint8_t *q = a.q + n * (a.K / 2);
+    const uint16_t *s = a.scales + n * groups;
+    const uint8_t *zr = a.zeros ? a.zeros + n * groups : nullptr;
+    const int8_t *xr[MR];
+    __m256 tot[MR];
+    for (int m = 0; m < MR; ++m) {
+        xr[m] = a.qx + (m0 + m) * a.K;
+        tot[m] = _mm256_setzero_ps();
+    }
+    for (int64_t gc = 0; gc < groups; gc += 8) {
+        const int64_t ng = groups - gc < 8 ? groups - gc : 8;
+        const uint8_t *qg = q + gc * kHalf;
+        if (ahead) // the same 8 groups of a row further on, into L2 (the hardware prefetcher alone reached ~70 % of
+                   // the DRAM bandwidth the int8 kernel reaches with its software prefetch)
+            for (int l = 0; l < 4 * G; l += 64)
+                __builtin_prefetch(ahead + gc * kHalf + l, 0, 2);
+        __m256i sum[MR];
+        if constexpr (G == 32) { // groups gc + 2p (low lanes) and gc + 2p + 1 (high lanes) in acc[p]
+            I acc[MR][4];
+            for (int p = 0; p < 4; ++p)
+                for (int m = 0; m < MR; ++m)
+                    acc[m][p] = V::izero();
+            if (ng == 8) {
+#pragma GCC unroll 4
+                for (int p = 0; p < 4; ++p)
+                    for (int m = 0; m < MR; ++m)
+                        acc[m][p] = i4a8_pair<V>(acc[m][p], qg + p * 32, xr[m] + gc * 32 + p * 64);
+            } else {
+                for (int p = 0; p < (ng + 1) / 2; ++p)
+                    for (int m = 0; m < MR; ++m)
+                        acc[m][p] = i4a8_pair<V>(acc[m][p], qg + p * 32, xr[m] + gc * 32 + p * 64);
+            }
+            const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7); // [g0 g2 g4 g6 g1 g3 g5 g7] -> g0..g7
+            for (int m = 0; m < MR; ++m)
+                sum[m] = _mm256_permutevar8x32_epi32(
+                    _mm256_hadd_epi32(_mm256_hadd_epi32(acc[m][0], acc[m][1]), _mm256_hadd_epi32(acc[m][2], acc[m][3])),
+                    order);
+        } else {
+            I acc[MR][8];
+            for (int j = 0; j < 8; ++j)
+                for (int m = 0; m < MR; ++m)
+                    acc[m][j] = V::izero();
+            if (ng == 8) {
+                for (int c = 0; c < kPairs; ++c) // pairs outer: 8 x MR independent chains
+#pragma GCC unroll 8
+                    for (int j = 0; j < 8; ++j)
+                        for (int m = 0; m < MR; ++m)
+                            acc[m][j] =
+                                i4a8_pair<V>(acc[m][j], qg + j * kHalf + c * 32, xr[m] + gc * G + j * G + c * 64);
+            } else {
+                for (int c = 0; c < kPairs; ++c)
+                    for (int j = 0; j < ng; ++j)
+                        for (int m = 0; m < MR; ++m)
+                            acc[m][j] =
+                                i4a8_pair<V>(acc[m][j], qg + j * kHalf + c * 32, xr[m] + gc * G + j * G + c * 64);
+            }
+            for (int m = 0; m < MR; ++m)
+                sum[m] = i4_hsum8(acc[m]);
+        }
+        i4a8_epilogue<MR>(a, m0, ldg, gc, ng, s, zr, sum, tot);
+    }
+    i4a8_store<MR>(a, m0, n, tot);
+}
+
+template <class V, int MR, int G>
+I4_SIMD inline void i4a8_rows_paired(const A8Args &a, int64_t m0, int64_t n0, int64_t n1, int64_t ldg) {
+    constexpr int64_t kAhead = 3; // rows (6 KB at K = 4096)
+    for (int64_t n = n0; n < n1; ++n)
+        i4a8_row_paired<V, MR, G>(a, m0, n, ldg, n + kAhead < n1 ? a.q + (n + kAhead) * (a.K / 2) : nullptr);
+}
+
+template <class V, int MR> I4_SIMD inline void i4a8_tile(const A8Args &a, int64_t m0, int64_t n0, int64_t n1) {
+    const int64_t ldg = (a.K / a.group + 7) / 8 * 8;
+    if (a.K % 64 == 0 && a.group == 32) {
+        i4a8_rows_paired<V, MR, 32>(a, m0, n0, n1, ldg);
+    } else if (a.K % 64 == 0 && a.group == 64) {
+        i4a8_rows_paired<V, MR, 64>(a, m0, n0, n1, ldg);
+    } else if (a.K % 64 == 0 && a.group == 128) {
+        i4a8_rows_paired<V, MR, 128>(a, m0, n0, n1, ldg);
+    } else {
+        for (int64_t n = n0; n < n1; ++n)
+            i4a8_row<V, MR>(a, m0, n, ldg);
     }
 }
 
@@ -134,11 +301,19 @@ template <class V> I4_SIMD void i4a8(const A8Args &a, int64_t n0, int64_t n1) {
     }
 }
 
+// The paired order of x's codes (K % 64 == 0): in every 64-k chunk, k 16..31 and k 32..47 trade places, so that the
+// low nibbles of two packed blocks (their k 0..15) meet x's codes [0, 32) and the high nibbles (k 16..31) x's [32, 64).
+inline int64_t i4a8_paired_pos(int64_t k) {
+    const int64_t c = k % 64;
+    return c >= 16 && c < 32 ? k + 16 : c >= 32 && c < 48 ? k - 16 : k;
+}
+
 // Per (row, group): amax, then q = round_half_even(clamp(x * (127 / amax))) (one IEEE division per group, one fp32
 // multiply per element, as the reference); amax 0 gives q 0 and s 0; a NaN or infinity makes s NaN (the row's output
 // is NaN, not a silently wrong number).
 template <class V> I4_SIMD void i4a8_quantize(const QuantX &p, int64_t m0, int64_t m1) {
-    const int64_t groups = p.K / p.group;
+    const int64_t groups = p.K / p.group, ldg = (groups + 7) / 8 * 8; // (sx / sumx rows padded with zeros)
+    const bool paired = p.K % 64 == 0; // x's codes in the paired order (i4a8_row_paired reads them so)
     for (int64_t m = m0; m < m1; ++m) {
         const float *x = p.x + m * p.ldx;
         for (int64_t g = 0; g < groups; ++g) {
@@ -151,7 +326,7 @@ template <class V> I4_SIMD void i4a8_quantize(const QuantX &p, int64_t m0, int64
             for (int64_t k = 0; k < p.group && finite; ++k)
                 finite = xg[k] - xg[k] == 0.f; // false for NaN and +-inf (the max above may drop a NaN)
             int8_t *qg = p.qx + m * p.K + g * p.group;
-            const int64_t mg = m * groups + g;
+            const int64_t mg = m * ldg + g;
             if (!finite || !(amax > 0.f)) {
                 for (int64_t k = 0; k < p.group; ++k)
                     qg[k] = 0;
@@ -160,10 +335,14 @@ template <class V> I4_SIMD void i4a8_quantize(const QuantX &p, int64_t m0, int64
                 continue;
             }
             const typename V::F inv = V::set1(127.f / amax);
-            for (int64_t k = 0; k < p.group; k += V::kLanes)
-                V::store_q(qg + k, V::roundc(V::mul(V::loadx(xg + k), inv)), V::kLanes);
+            typename V::F qs = V::zero();
+            for (int64_t k = 0; k < p.group; k += V::kLanes) {
+                const typename V::F r = V::roundc(V::mul(V::loadx(xg + k), inv));
+                qs = V::add(qs, r); // integers below 2^24: exact
+                V::store_q(qg + (paired ? i4a8_paired_pos(g * p.group + k) - g * p.group : k), r, V::kLanes);
+            }
             p.sx[mg] = amax / 127.f;
-            p.sumx[mg] = V::qsum(qg, p.group);
+            p.sumx[mg] = static_cast<int32_t>(V::hsum(qs));
         }
     }
 }

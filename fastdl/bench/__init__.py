@@ -9,6 +9,7 @@ baselines in the same process. ``--isa`` (every benchmark) runs it in a subproce
 BENCHMARKS = {
     "fused_linear": "fastdl.bench.fused_linear",
     "int8": "fastdl.bench.int8",
+    "int4": "fastdl.bench.int4",
     "sparse24": "fastdl.bench.sparse24",
     "overhead": "fastdl.bench.overhead",
     "model": "fastdl.bench.model",
