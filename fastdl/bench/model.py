@@ -298,7 +298,7 @@ def convert_in_place(policy: str, m: nn.Module, example_inputs=None, decoder: bo
             m.forward = torch.compile(m.forward)  # generate() calls self(...): compile the forward it runs
             return m, False
         return torch.compile(m), False
-    if policy in ("fused", "int8", "int8_weight_only"):
+    if policy in ("fused", "int8", "int8_weight_only", "int4", "int4_weight_only"):
         return fastdl.convert(m, policy), False
     if policy == "sparse24":
         sparsity.prune(m, filter_fn=lambda name, mod: not name.endswith("lm_head"))

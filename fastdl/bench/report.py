@@ -49,6 +49,9 @@ def summary_lines(demo: dict | None, bench: dict | None, elapsed: float | None =
             lines.append(f"  {st['stage']:<30} {st['ratio']:5.2f}x {best:<14} {mark}")
             if st["slower"]:
                 slower_stages.append(f"{st['stage']} ({st['ratio']:.2f}x {best})")
+            for row in st.get("slower_same_precision", []):  # a fastdl row slower than PyTorch at its own precision
+                lines.append(f"  {'':<30} SLOWER at the same precision: {row}")
+                slower_stages.append(f"{st['stage']}: {row}")
         missed = demo.get("missed") or []
         lines.append("  accuracy bars: " + ("all met" if not missed else "MISSED: " + "; ".join(missed)))
     else:
