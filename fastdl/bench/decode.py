@@ -56,8 +56,8 @@ from .common import LiveTable, activity, dram_read_bandwidth, mark_slower, over_
 
 TINYLLAMA = {"vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22,
              "num_attention_heads": 32, "num_key_value_heads": 4}  # fmt: skip
-POLICIES = ("fp32", "bf16", "int8_weight_only", "int8", "sparse24")  # the default rows
-SUPPORTED = POLICIES + ("bf16_autocast", "fused")
+POLICIES = ("fp32", "bf16", "int8_weight_only", "int8", "int4", "sparse24")  # the default rows
+SUPPORTED = POLICIES + ("bf16_autocast", "fused", "int4_weight_only")
 TORCH_POLICIES = ("fp32", "bf16", "bf16_autocast")
 DEFAULT_NEW_TOKENS = 32
 DEFAULT_REPS = 3
