@@ -16,7 +16,7 @@ from fastdl.bench import common, isa, report
 
 def test_isa_argument_on_every_benchmark_and_demo():
     parser = cli.build_parser()
-    for name in ("fused_linear", "int8", "sparse24", "overhead", "model", "loader", "all"):
+    for name in ("fused_linear", "int8", "int4", "sparse24", "overhead", "model", "loader", "all"):
         args = parser.parse_args(["bench", name, "--isa", "avx2"])
         assert args.isa == "avx2"
     assert parser.parse_args(["demo", "--isa", "native"]).isa == "native"
@@ -407,6 +407,94 @@ def test_dram_read_bandwidth_is_a_positive_finite_rate():
         common.dram_read_bandwidth(1 << 10, passes=0)
     llc = common.llc_bytes()
     assert llc is None or llc >= 1 << 10
+
+
+def test_int4_bench_copies_exceed_the_cache_within_the_cap():
+    from fastdl.bench import int4 as bench_int4
+
+    n = bench_int4.copies_for(100, 1000, 3.0, cap_bytes=1e6)
+    assert n * 100 > 3000 and (n - 1) * 100 <= 3000  # just enough copies to exceed 3x the cache
+    assert bench_int4.copies_for(600, 1000, 3.0, cap_bytes=1000) == 2  # the cap, but never fewer than 2
+    assert bench_int4.copies_for(400, 1000, 3.0, cap_bytes=2000) == 5
+    seen = []
+    pos = [0]
+    a = bench_int4.Rotation(lambda c: seen.append(("a", c)), [(0,), (1,), (2,)], pos)
+    b = bench_int4.Rotation(lambda c: seen.append(("b", c)), [(0,), (1,), (2,)], pos)
+    for f in (a, a, b, a):
+        f()
+    assert seen == [("a", 0), ("a", 1), ("b", 2), ("a", 0)]  # rotations over shared copies share the position
+
+
+def test_int4_bench_providers_compute_the_same_product():
+    """Every provider of ``bench int4`` computes x @ W.T of one weight: ATen's int4 op (its packing and its
+    scales_and_zeros made by the bench) gives fastdl's dequantized int4 product."""
+    import argparse
+
+    from fastdl.bench import int4 as bench_int4
+    from fastdl.ops import dequantize_int4
+
+    p = argparse.ArgumentParser()
+    bench_int4.add_arguments(p)
+    w = bench_int4.Weights(256, 64, p.parse_args([]), 1 << 16, set())
+    w.set_x(3, 256)
+    x = w.x[torch.float32]
+    ref = {g: x @ dequantize_int4(*w.providers[f"fastdl_int4_g{g}"]["rot"].copies[0], g).T for g in (32, 128)}
+    ref[None] = x @ w.providers["fp32"]["rot"].copies[0][0].T  # the float weight (int4: ~10 % away from it)
+    for name, prov in w.providers.items():
+        if prov["rot"] is not None:
+            g = int(name.rsplit("_g", 1)[1]) if "_g" in name else None
+            tol = 1e-4 if name.startswith("fastdl_int4") else 0.03  # bf16, int8, int8 activations (w4a8)
+            out = prov["rot"]().float()
+            assert (out - ref[g]).norm() / ref[g].norm() < tol, name
+    if bench_int4._aten_available() is None:
+        for dt, tol in (("float32", 1e-5), ("bfloat16", 2e-2)):
+            out = w.aten[dt]().float()
+            assert (out - ref[128]).norm() / ref[128].norm() < tol, dt
+
+
+def test_int4_bench_runs_on_tiny_shapes(tmp_path):
+    """``fastdl bench int4`` on K x N = 256 x 512 with a 1 MiB "cache" and a 1.1 MB cap per provider: every provider
+    at both M, bytes per call as the formats say, GB/s and % of the given bandwidth, the ratios, the copies (the fp32
+    ones capped below the cache: marked not cold) and issue 29's bars on the int4 rows."""
+    import argparse
+
+    from fastdl.bench import int4 as bench_int4
+
+    p = argparse.ArgumentParser()
+    bench_int4.add_arguments(p)
+    csv_path = tmp_path / "int4.csv"
+    rows = bench_int4.run(p.parse_args(["--m", "1", "4", "--kn", "256", "512", "--budget", "0.01", "--min-rounds", "3",
+                                        "--llc-mb", "1", "--max-mb", "1.1", "--bandwidth", "20",
+                                        "--csv", str(csv_path)]))  # fmt: skip
+    K, N, llc = 256, 512, 1 << 20
+    expected = {"fp32": 4 * N * K, "bf16": 2 * N * K, "fastdl_int8_wo": N * K + 4 * N}
+    for g in (32, 128):
+        expected[f"fastdl_int4_g{g}"] = expected[f"fastdl_w4a8_g{g}"] = N * K // 2 + 2 * N * K // g
+    if bench_int4._aten_available() is None:
+        expected["aten_int4_g128"] = None  # its scales_and_zeros in its activation dtype (checked below)
+    by = {(r["M"], r["provider"]): r for r in rows}
+    assert set(by) == {(m, name) for m in (1, 4) for name in expected}
+    for r in rows:
+        M, name = r["M"], r["provider"]
+        nbytes = expected[name]
+        if name.startswith("aten"):
+            assert r["x_dtype"] in ("fp32", "bf16") and ("x float32" in r["note"] or "x bfloat16" in r["note"])
+            nbytes = N * K // 2 + (K // 128) * N * 2 * (4 if r["x_dtype"] == "fp32" else 2)
+        assert r["bytes_per_call"] == nbytes, name
+        assert r["ms"] > 0 and r["dram_gbps"] == 20
+        assert r["gbps"] == pytest.approx(nbytes / (r["ms"] / 1e3) / 1e9)
+        assert r["pct_dram"] == pytest.approx(5 * r["gbps"])
+        assert r["copies"] >= 2 and r["copies"] * nbytes <= 1.1e6 or r["copies"] == 2
+        assert r["cold"] == (r["copies"] * nbytes > llc) and ("not cold" in r["note"]) == (not r["cold"])
+        assert r["x_replaced"] == pytest.approx(by[(M, "fp32")]["ms"] / r["ms"])
+        assert r["x_int8"] == pytest.approx(by[(M, "fastdl_int8_wo")]["ms"] / r["ms"])
+        judged = name.startswith(("fastdl_int4", "fastdl_w4a8"))
+        assert ("slower" in r) == judged and ("bar" in r) == judged
+        if judged:
+            assert r["group_size"] == int(name.rsplit("g", 1)[1]) and r["bar"] in ("met", "MISSED")
+            assert (r["bar"] == "MISSED") == bool(r["bar_missed"])
+    assert not by[(1, "fp32")]["cold"] and by[(1, "fastdl_int8_wo")]["cold"]  # the cap vs the cache, both ways
+    assert "pct_dram" in csv_path.read_text().splitlines()[0]
 
 
 # A LLaMA of the TinyLlama layout (GQA: 4 heads, 2 KV heads; untied lm_head), small enough for a test

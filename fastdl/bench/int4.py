@@ -156,7 +156,9 @@ class Weights:
         torch.manual_seed(0)
         w = torch.randn(N, K) / K**0.5
         self.providers: dict[str, dict] = {}
-        self.x: dict = {}  # dtype -> x, set per M (set_x); the providers read it at call time
+        # dtype -> x, set per M (set_x) and read by the providers at call time; they hold this dict, not self (no
+        # reference cycle: the copies are freed as soon as the benchmark drops this object)
+        self.x = xs = {}
 
         def add(name, fn, ts, xdtype):
             per = _nbytes(*ts)
@@ -164,17 +166,17 @@ class Weights:
             self.providers[name] = {"rot": Rotation(fn, _clones(ts, n)), "bytes": per, "copies": n, "x": xdtype}
 
         xd = getattr(torch, args.x_dtype)
-        add("fp32", lambda wt: F.linear(self.x[torch.float32], wt), (w,), torch.float32)
-        add("bf16", lambda wt: F.linear(self.x[torch.bfloat16], wt), (w.to(torch.bfloat16),), torch.bfloat16)
+        add("fp32", lambda wt: F.linear(xs[torch.float32], wt), (w,), torch.float32)
+        add("bf16", lambda wt: F.linear(xs[torch.bfloat16], wt), (w.to(torch.bfloat16),), torch.bfloat16)
         w_q, w_s = ops.quantize_per_channel(w)
-        add("fastdl_int8_wo", lambda q, s: ops.int8_weight_only_linear(self.x[xd], q, s, None, None), (w_q, w_s), xd)
+        add("fastdl_int8_wo", lambda q, s: ops.int8_weight_only_linear(xs[xd], q, s, None, None), (w_q, w_s), xd)
         self.aten: dict[str, Rotation] = {}
         why = _aten_available()
         for g in GROUPS:
             qw, sc, zp = ops.quantize_int4(w, g, "rtn")
-            add(f"fastdl_int4_g{g}", lambda q, s, z, g=g: ops.int4_weight_only_linear(self.x[xd], q, s, z, None, g),
+            add(f"fastdl_int4_g{g}", lambda q, s, z, g=g: ops.int4_weight_only_linear(xs[xd], q, s, z, None, g),
                 (qw, sc, zp), xd)  # fmt: skip
-            add(f"fastdl_w4a8_g{g}", lambda q, s, z, g=g: ops.int4_a8_linear(self.x[xd], q, s, z, None, g),
+            add(f"fastdl_w4a8_g{g}", lambda q, s, z, g=g: ops.int4_a8_linear(xs[xd], q, s, z, None, g),
                 (qw, sc, zp), xd)  # fmt: skip
             if g == ATEN_GROUP and why is None:
                 try:
@@ -196,17 +198,18 @@ class Weights:
         per = _nbytes(packed, sz[torch.bfloat16])
         n = copies_for(per, llc, args.llc_multiple, cap)
         copies = _clones((packed, sz[torch.float32], sz[torch.bfloat16]), n)
-        mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+        mm, xs = torch.ops.aten._weight_int4pack_mm_for_cpu, self.x
         pos = [0]  # one rotation for both dtypes (the packed codes are shared)
         for i, dt in ((2, torch.bfloat16), (1, torch.float32)):  # bf16 first: the cheaper probe on most CPUs
-            self.aten[_NAMES[dt]] = Rotation(lambda *c, dt=dt, i=i: mm(self.x[dt], c[0], g, c[i]), copies, pos)
+            self.aten[_NAMES[dt]] = Rotation(lambda *c, dt=dt, i=i: mm(xs[dt], c[0], g, c[i]), copies, pos)
         name = f"aten_int4_g{g}"
         self.providers[name] = {"rot": None, "bytes": per, "copies": n, "x": None,
                                 "bytes_by_dtype": {dt: _nbytes(packed, sz[dt]) for dt in sz}}  # fmt: skip
 
     def set_x(self, M: int, K: int) -> None:
         x = torch.randn(M, K)
-        self.x = {torch.float32: x, torch.bfloat16: x.to(torch.bfloat16)}
+        self.x.clear()
+        self.x.update({torch.float32: x, torch.bfloat16: x.to(torch.bfloat16)})
 
 
 # ---------------------------------------------------------------------------------------------------- ATen dtype
@@ -322,7 +325,7 @@ def run(args) -> list[dict]:
         activity("measuring the DRAM read bandwidth")
         dram, how = dram_read_bandwidth(), f"torch.sum of a buffer >> the cache, {torch.get_num_threads()} threads"
     say(f"   DRAM read bandwidth {dram:.1f} GB/s ({how}); last-level cache {llc / (1 << 20):.3g} MiB; weights cold: "
-        f"each provider rotates over copies > {args.llc_multiple:g}x the cache (at most {args.max_mb:.0f} MB, at "
+        f"each provider rotates over copies > {args.llc_multiple:g}x the cache (at most {args.max_mb:.4g} MB, at "
         f"least 2 copies); x {args.x_dtype} for the fastdl rows")  # fmt: skip
     table = LiveTable(COLUMNS)
     predictor = CallPredictor(max_call_s)
