@@ -82,7 +82,7 @@ ALL_ARGS = ["--layers", "2", "--max-call", "1.0", "--budget", "1.0"]
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--models", nargs="+", default=None, choices=["encoder", "decoder"],
                    help="default: encoder decoder; with --decoder tinyllama: decoder")
-    p.add_argument("--policies", nargs="+", default=None, choices=POLICIES + ("bf16",),
+    p.add_argument("--policies", nargs="+", default=None, choices=POLICIES + ("bf16", "int4", "int4_weight_only"),
                    help="default: " + " ".join(POLICIES) + "; with --decoder tinyllama: " + " ".join(DECODE_POLICIES)
                    + " (bf16: the weights cast to bfloat16; TinyLlama decoder only)")
     p.add_argument("--batch", type=int, nargs="+", default=None, help="encoder batch sizes (default 1 8 32)")
@@ -518,8 +518,8 @@ def plot(rows: list[dict], path: str) -> str | None:
         groups = list(dict.fromkeys((r["batch"], r.get("seq")) for r in rs))
         width = 0.8 / max(1, len(groups))
         for gi, grp in enumerate(groups):
-            vals = [next((r["x_fp32"] for r in rs if r["policy"] == p and (r["batch"], r.get("seq")) == grp), 0)
-                    for p in pols]  # fmt: skip
+            vals = [next((r["x_fp32"] for r in rs if r["policy"] == p and (r["batch"], r.get("seq")) == grp), 0) or 0
+                    for p in pols]  # fmt: skip (no fp32 row in the run: no ratio, a zero bar)
             label = f"batch {grp[0]}" + (f", seq {grp[1]}" if grp[1] else "")
             ax.bar([i + gi * width for i in range(len(pols))], vals, width, label=label)
         ax.axhline(1.0, color="gray", lw=1, ls="--")
