@@ -52,6 +52,7 @@
 #endif
 
 #include "cpu_isa.h"
+#include "fused_linear_api.h"
 #include "fused_linear_kernels.h"
 #include "fused_linear_onednn.h"
 #include "parallel.h"
@@ -962,6 +963,10 @@ fused_linear_backward_cpu(const at::Tensor &grad_out, const at::Tensor &x, const
 }
 
 } // namespace
+
+at::Tensor linear_forward(const at::Tensor &x2, const at::Tensor &w, const std::optional<at::Tensor> &bias) {
+    return std::get<0>(fused_linear_cpu(x2, w, bias, "none", std::nullopt, false));
+}
 
 bool fgemm_quantized_weight(const void *x, DType x_dtype, int64_t ldx, int64_t M, const Int8Weight &w8,
                             const Int4Weight &w4, int64_t N, int64_t K, const float *bias, void *out, DType out_dtype) {

@@ -9,6 +9,7 @@
 #include "aten_dtype.h"
 #include "checked_math.h"
 #include "cpu_isa.h"
+#include "fused_linear_api.h"
 #include "parallel.h"
 
 #include <ATen/ATen.h>
@@ -283,19 +284,21 @@ at::Tensor decompress_2_4(const at::Tensor &values_in, const at::Tensor &meta_in
 }
 
 // ------------------------------------------------------------------------------------------- dense route
-// From dense_route_min_rows(...) rows of x on, sparse24_linear decompresses the weight to fp32 (in 16 MiB blocks of
-// rows) and calls at::mm (MKL / oneDNN sgemm) instead of running the sparse kernel. The decompression is paid on every
-// call (the op keeps no state), so the route only pays where the sparse kernel is much slower than a tuned sgemm.
-// Measured (AMD EPYC Zen 4 dev machine, K = N = 4096, medians of alternating calls, 1 thread: the shared machine's
-// load made 2-thread timings meaningless; ms sparse kernel / dense route / F.linear fp32 on a dense fp32 weight):
-//  * scalar (portable kernels; also what a non-x86 CPU runs): M = 1: 21-31 / 12 / 4.5, M = 4: 30-52 / 39-47 / 18,
-//    M = 16: 122-200 / 39-51 / 30-35. The route wins from M = 1 (the per-call decompression is a fraction of the
-//    scalar kernel's time), so every scalar call takes it.
-//  * avx2 (capped, fp32 x with bf16 values / bf16 x): M = 128: 219 / - / 245, M = 512: 716-813 / 898 / 716 (the
-//    broadcast kernel runs the dense GEMM's multiply-adds at ~84% of the FMA peak, like sgemm, and reads half the
-//    weight): never.
-//  * avx512 / avx512_bf16: never (the pair kernels do half the dense multiply-adds; fastdl.nn.Sparse24Linear keeps
-//    a cached dense weight for the sizes where dense bf16 F.linear is faster).
+// From dense_route_min_rows(...) rows of x on, sparse24_linear decompresses the weight in blocks of rows (at most 16
+// MiB of it in x's dtype at a time: a bounded workspace, freed with the call; never a kept copy) and multiplies each
+// block with fused_linear's CPU forward (fused_linear_api.h: oneDNN where it wins, fastdl's kernels elsewhere). The
+// decompression is paid on every call (the op keeps no state), so the route only pays where the sparse kernel is
+// much slower than a tuned dense GEMM. Measured (AMD EPYC Zen 4, 2 threads, medians of alternating calls, ms: sparse
+// kernel / dense GEMM on a kept dense copy (Sparse24Linear's former cached path) / this route):
+//  * avx512 / avx512_bf16 from 128 rows, weights of 8M elements and more (the pair kernels do half the dense
+//    multiply-adds but run well below the FMA peak): TinyLlama 5632 -> 2048 M = 256 fp32 46.8 / 29.8 / 36.8, bf16
+//    23.1 / 15.1 / 18.1; 2048 -> 5632 M = 256 fp32 35.7 / 29.7 / 32.7, bf16 19.7 / 15.1 / 17.5 (the per-call
+//    decompression costs 10-20 % of the GEMM; kept: 2048 x 2048, 12.8 / 11.3 / 14.7). At M = 16 the sparse kernel is
+//    0.9-1.46x the kept copy and stays.
+//  * scalar (portable kernels; also what a non-x86 CPU runs): from 1 row (the per-call decompression is a fraction
+//    of the scalar kernel's time).
+//  * avx2 (capped, fp32 x with bf16 values / bf16 x): M = 512: 716-813 (sparse) / 716 (F.linear fp32): never (the
+//    broadcast kernel runs the dense GEMM's multiply-adds at ~84% of the FMA peak and reads half the weight).
 // FASTDL_SPARSE24_DENSE_ROWS=<rows> overrides it (read once per process: the tests run both routes at every level,
 // and benchmarks measure the crossover with it).
 int64_t dense_route_min_rows(int level, at::ScalarType xdt, int64_t N, int64_t K) {
@@ -306,47 +309,47 @@ int64_t dense_route_min_rows(int level, at::ScalarType xdt, int64_t N, int64_t K
     if (forced)
         return forced;
     (void)xdt;
-    (void)N;
-    (void)K;
-    return level == Scalar ? 1 : INT64_MAX;
+    if (level == Scalar)
+        return 1;
+    return level >= Avx512 && N * K >= (int64_t{8} << 20) ? 128 : INT64_MAX;
 }
 
-// out = x @ decompress(values, meta).T + bias through fp32 at::mm, the weight decompressed in blocks of rows (at most
-// 16 MiB of fp32 at a time) straight into fp32; one rounding to x's dtype at the end.
+// out = x @ decompress(values, meta).T + bias, the weight decompressed in blocks of rows (at most 16 MiB in x's dtype)
+// and each block multiplied by fused_linear's forward (fp32 accumulation, bias in its epilogue, one rounding).
 at::Tensor dense_route(int level, const at::Tensor &x, const at::Tensor &values_in, const at::Tensor &meta_in,
                        const at::Tensor &bias, at::Tensor &out) {
     // W is rounded to x's dtype (the contract): fp32 values for bf16 x become bf16 first
-    const at::Tensor values = (x.scalar_type() == at::kBFloat16 ? values_in.to(at::kBFloat16) : values_in).contiguous();
+    const bool bf16 = x.scalar_type() == at::kBFloat16;
+    const at::Tensor values = (bf16 ? values_in.to(at::kBFloat16) : values_in).contiguous();
     const at::Tensor meta = meta_in.contiguous();
     const int64_t M = x.size(0), K = x.size(1), N = values.size(0);
     const DType vdt = values.scalar_type() == at::kFloat ? DType::F32 : DType::BF16;
-    const at::Tensor xf = x.to(at::kFloat);
-    at::Tensor res =
-        x.scalar_type() == at::kFloat ? out.view({M, N}) : at::empty({M, N}, x.options().dtype(at::kFloat));
-    const int64_t nb = std::max<int64_t>(1, std::min<int64_t>(N, (int64_t(16) << 20) / (4 * K)));
-    at::Tensor wblock = at::empty({std::min(nb, N), K}, x.options().dtype(at::kFloat));
+    const int64_t es = bf16 ? 2 : 4;
+    const int64_t nb = std::max<int64_t>(1, std::min<int64_t>(N, (int64_t(4) << 20) / (es * K)));
+    at::Tensor wblock = at::empty({std::min(nb, N), K}, x.options());
+    const at::Tensor res = out.view({M, N});
     const void *vp = values.data_ptr();
     const uint8_t *mp = meta.data_ptr<uint8_t>();
+    const int64_t vstride = (K / 2) * static_cast<int64_t>(values.element_size());
     for (int64_t n0 = 0; n0 < N; n0 += nb) {
         const int64_t rows = std::min(nb, N - n0);
-        const int64_t vstride = (K / 2) * static_cast<int64_t>(values.element_size());
         const void *vb = static_cast<const char *>(vp) + n0 * vstride;
         const uint8_t *mb = mp + n0 * ((K + 7) / 8);
-        float *wp = wblock.data_ptr<float>();
+        void *wp = wblock.data_ptr();
         std::atomic<bool> bad{false};
         parallel_range(rows, row_grain(K), [&](int64_t r0, int64_t r1) {
-            if (!decompress_rows_f32(level, vdt, vb, mb, K, r0, r1, wp))
+            const bool ok = bf16 ? decompress_rows(level, vdt, vb, mb, K, r0, r1, wp)
+                                 : decompress_rows_f32(level, vdt, vb, mb, K, r0, r1, static_cast<float *>(wp));
+            if (!ok)
                 bad.store(true, std::memory_order_relaxed);
         });
         if (bad.load())
             raise_bad_meta(meta, N, K, "sparse24_linear");
-        at::Tensor dst = res.narrow(1, n0, rows);
-        at::mm_out(dst, xf, wblock.narrow(0, 0, rows).t());
+        std::optional<at::Tensor> b;
+        if (bias.defined())
+            b = bias.narrow(0, n0, rows);
+        res.narrow(1, n0, rows).copy_(fused_linear::linear_forward(x, wblock.narrow(0, 0, rows), b));
     }
-    if (bias.defined())
-        res.add_(bias);
-    if (x.scalar_type() != at::kFloat)
-        out.view({M, N}).copy_(res);
     return out;
 }
 

@@ -1,0 +1,18 @@
+// What other capabilities' ATen glue may call of the fused linear layer (torch headers allowed: glue only).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+
+namespace fastdl {
+namespace fused_linear {
+
+// out = x2 @ w^T (+ bias) for x2 [M, K] and w [N, K] of the same float dtype (fp32 / bf16), fp32 accumulation, one
+// rounding: the CPU forward of fastdl::fused_linear with its routes (oneDNN where it wins, fastdl's kernels
+// elsewhere). For the dense-by-blocks routes of weights held compressed (sparse24.cpp): a block of rows decompressed
+// into a bounded buffer, multiplied, dropped.
+at::Tensor linear_forward(const at::Tensor &x2, const at::Tensor &w, const std::optional<at::Tensor> &bias);
+
+} // namespace fused_linear
+} // namespace fastdl
