@@ -76,22 +76,10 @@ struct Avx2Traits {
 
 #include "int4_stream.h"
 
-I4_SIMD void stream_avx2(const Int4Args &a, int64_t n0, int64_t n1) {
-    i4_stream<Avx2Traits>(a, n0, n1);
-}
-
-I4_SIMD void quantize_avx2(const QuantX &q, int64_t m0, int64_t m1) {
-    i4a8_quantize<Avx2Traits>(q, m0, m1);
-}
-
-I4_SIMD void a8_avx2(const A8Args &a, int64_t n0, int64_t n1) {
-    i4a8<Avx2Traits>(a, n0, n1);
-}
-
 } // namespace
 
 const Kernels *kernels_avx2() {
-    static const Kernels k{"avx2", &stream_avx2, &quantize_avx2, &a8_avx2};
+    static const Kernels k{"avx2", &i4_stream<Avx2Traits>, &i4a8_quantize<Avx2Traits>, &i4a8<Avx2Traits>};
     return &k;
 }
 

@@ -58,23 +58,10 @@ struct Avx512Traits {
 
 #include "int4_stream.h"
 
-I4_SIMD void stream_avx512(const Int4Args &a, int64_t n0, int64_t n1) {
-    i4_stream<Avx512Traits>(a, n0, n1);
-}
-
-I4_SIMD void quantize_avx512(const QuantX &q, int64_t m0, int64_t m1) {
-    i4a8_quantize<Avx512Traits>(q, m0, m1);
-}
-
-I4_SIMD void a8_avx512(const A8Args &a, int64_t n0, int64_t n1) {
-    i4a8<Avx512Traits>(a, n0, n1);
-}
-
 } // namespace
 
-// (The VNNI a8 kernel: int4.cpp takes the AVX2 family's where the CPU has AVX-512 without VNNI.)
 const Kernels *kernels_avx512() {
-    static const Kernels k{"avx512_vnni", &stream_avx512, &quantize_avx512, &a8_avx512};
+    static const Kernels k{"avx512_vnni", &i4_stream<Avx512Traits>, &i4a8_quantize<Avx512Traits>, &i4a8<Avx512Traits>};
     return &k;
 }
 
