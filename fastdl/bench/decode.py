@@ -271,7 +271,7 @@ def _median(xs: list[float]) -> float:
 # ---------------------------------------------------------------------------------------------- one policy
 def run_policy(spec: dict, log=say) -> dict:
     """Build, convert, generate and measure one policy in this process (see the module docstring); the row."""
-    from .model import convert_in_place
+    from .policies import convert_in_place
 
     _quiet_transformers()
     policy, config = spec["policy"], llama_config(spec.get("config"))

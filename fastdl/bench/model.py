@@ -67,6 +67,7 @@ from .common import (
 from .decode import POLICIES as DECODE_POLICIES
 from .decode import SUPPORTED as DECODE_SUPPORTED
 from .decode import run_tinyllama
+from .policies import convert_in_place
 
 # Measured in this order (a time box cuts the last ones): the PyTorch policies first (every fastdl row is judged
 # against the best of them), then "auto", the policy that must never lose to the original.
@@ -281,31 +282,6 @@ def apply_policy(policy: str, original: nn.Module, example_inputs=None, decoder:
     if policy in ("fp32", "bf16_autocast"):
         return original, policy == "bf16_autocast"
     return convert_in_place(policy, copy.deepcopy(original), example_inputs, decoder)
-
-
-def convert_in_place(policy: str, m: nn.Module, example_inputs=None, decoder: bool = False):
-    """(model, autocast?) for ``policy``, converting ``m`` itself (no copy; fp32 and bf16_autocast return it as is,
-    bf16 casts its weights to bfloat16)."""
-    import fastdl
-    from fastdl import sparsity
-
-    if policy in ("fp32", "bf16_autocast"):
-        return m, policy == "bf16_autocast"
-    if policy == "bf16":
-        return m.to(torch.bfloat16), False
-    if policy == "compile":
-        if decoder:
-            m.forward = torch.compile(m.forward)  # generate() calls self(...): compile the forward it runs
-            return m, False
-        return torch.compile(m), False
-    if policy in ("fused", "int8", "int8_weight_only", "int4", "int4_weight_only"):
-        return fastdl.convert(m, policy), False
-    if policy == "sparse24":
-        sparsity.prune(m, filter_fn=lambda name, mod: not name.endswith("lm_head"))
-        return sparsity.sparsify(m), False
-    if policy == "auto":
-        return fastdl.convert(m, "auto", workload=example_inputs), False
-    raise ValueError(f"unknown policy {policy!r}")
 
 
 def _ctx(autocast: bool):
