@@ -31,7 +31,7 @@ cat <<EOF
   2. fastdl info: versions, the CPU, its ISA level and the kernel family of each capability
   3. fastdl demo (~1 min): train an MLP with DDP (fastdl FusedLinear vs PyTorch fp32 and bf16), prune to 2:4 and
      fine-tune, int8 and 2:4 inference vs PyTorch fp32 / bf16 / int8 (fbgemm); a verdict per stage
-  4. fastdl bench all --quick (~3 min, time-boxed at 170 s): fused_linear, int8, sparse24, call overhead, whole
+  4. fastdl bench all --quick (~3.5 min, time-boxed at 210 s): fused_linear, int8, int4, sparse24, call overhead, whole
      models (BERT-style encoder, LLaMA-style decoder), loader; every row printed as it is measured
   5. summary: the CPU and, per stage, fastdl vs the fastest PyTorch option; the last line says if fastdl was slower
   After setup: about 4-5 minutes (at most 6). Results: $OUT/
