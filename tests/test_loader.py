@@ -115,18 +115,32 @@ def _wait_prefetched(it, timeout: float = 60.0) -> None:
         time.sleep(0.002)
 
 
-def _wait_in(thread: threading.Thread, function: str, timeout: float = 60.0) -> None:
-    """Until ``thread`` is inside ``function`` (its current stack, read with sys._current_frames)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        frame, names = sys._current_frames().get(thread.ident), []
-        while frame is not None:
-            names.append(frame.f_code.co_name)
-            frame = frame.f_back
-        if function in names:
-            return
-        assert time.monotonic() < deadline, f"{thread.name} never reached {function}"
-        time.sleep(0.002)
+class _ConsumerWaits:
+    """One-shot events set when the consumer asks the pass's queue for a batch it does not hold yet (the queue is
+    empty): the mechanism, read from the queue itself. Walking the consumer's frames from another thread
+    (sys._current_frames) races with that thread on Python 3.11: a frame's f_back can be read while it is being
+    popped, and come back as an unrelated object."""
+
+    def __init__(self, it):
+        q = it._sh.q
+        get, self._pending, self._lock = q.get, [], threading.Lock()
+
+        def watched_get(*args, **kwargs):
+            if q.empty():
+                with self._lock:
+                    pending, self._pending = self._pending, []
+                for event in pending:
+                    event.set()
+            return get(*args, **kwargs)
+
+        q.get = watched_get
+
+    def next_wait(self) -> threading.Event:
+        """An event set at the consumer's next wait for data (register it before the consumer asks)."""
+        event = threading.Event()
+        with self._lock:
+            self._pending.append(event)
+        return event
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -573,19 +587,9 @@ def test_keyboard_interrupt_while_waiting_for_data():
         gate.wait(30.0)
         yield torch.ones(4)
 
-    def interrupt_when_both_wait():
+    def interrupt_when_both_wait(consumer_waits: threading.Event):
         # The mechanism, not a delay: the producer is inside source() and the main thread waits on the loader's queue.
-        entered.wait(30.0)
-        main = threading.main_thread().ident
-        deadline = time.monotonic() + 30.0
-        while time.monotonic() < deadline:
-            frame, names = sys._current_frames().get(main), []
-            while frame is not None:
-                names.append(frame.f_code.co_name)
-                frame = frame.f_back
-            if "_get" in names:
-                break
-            time.sleep(0.01)
+        assert entered.wait(30.0) and consumer_waits.wait(30.0)
         _thread.interrupt_main()
 
     # the producer is still inside the wrapped loader when the interrupt stops the pass: close() waits
@@ -593,7 +597,7 @@ def test_keyboard_interrupt_while_waiting_for_data():
     loader = PrefetchLoader(source(), device="cpu", shutdown_timeout=0.2)
     it = iter(loader)
     got = []
-    timer = threading.Thread(target=interrupt_when_both_wait, daemon=True)
+    timer = threading.Thread(target=interrupt_when_both_wait, args=(_ConsumerWaits(it).next_wait(),), daemon=True)
     # interrupt_main() does nothing where SIGINT is ignored, as in a job a non-interactive shell starts in the
     # background (`pytest ... &`): Python's own handler, for this test only
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -743,17 +747,21 @@ def test_stats_count_waits_and_production_exactly(virtual_clock, stage):
                 clock.spend(P)  # the production of batch i
                 yield torch.full((nbytes // 4,), float(i))
 
+    loader = PrefetchLoader(Source(), device="cpu", depth=1, stage=stage)
+    it = iter(loader)
+    waits = _ConsumerWaits(it)
+
     def open_when_waiting(i):  # opens gate i once the consumer is blocked in the loader's wait for data
+        consumer_waits = waits.next_wait()
+
         def run():
-            _wait_in(threading.main_thread(), "_get")
+            assert consumer_waits.wait(60.0)
             gates[i].set()
 
         t = threading.Thread(target=run, daemon=True)
         t.start()
         return t
 
-    loader = PrefetchLoader(Source(), device="cpu", depth=1, stage=stage)
-    it = iter(loader)
     opener = open_when_waiting(0)
     assert int(next(it)[0]) == 0  # waited P
     opener.join()
