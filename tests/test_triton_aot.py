@@ -14,13 +14,15 @@ llir, ptx, then ptxas to a cubin) without a driver. For each target (sm_80: A100
 4. fails on a compile error, a register spill, shared memory above the target's per-block limit, or a
    ``@triton.jit`` function in kernels/ that is neither launched by a recorded launcher call nor called by one.
 
-The full (variant x config) product is too large to compile in CI (3,265 compiles for both targets with triton 3.8,
+The full (variant x config) product is too large to compile in CI (5,567 compiles for both targets with triton 3.8,
 ~2.5 s of CPU each for a GEMM: over an hour on 2 cores), so it is reduced, per kernel and target, to a cover (see
-``_plan``, 203 compiles, ~125-165 s of CPU, ~1.5-2.5 min on 2 idle cores): every tile the launchers can pick is
-compiled with the heaviest variant that picks it, per dot class (most features on: activation, bias, residual,
-pre-activation store, group scales; then the widest operands), and every value of every argument type and constexpr
-is compiled at least once. ptxas is not monotonic (a relu variant can spill a few bytes where gelu does not), so the
-cover can miss a spill that only the full product shows: ``python tests/test_triton_aot.py --full`` compiles it.
+``_plan``, 323 compiles, ~215-245 s of CPU, ~2-4.5 min on 2 cores; 120 of them the int4 kernels'): every tile the
+launchers can pick is compiled with the heaviest variant that picks it, per dot class (most features on: activation,
+bias, residual, pre-activation store, group scales; then the widest operands), and every value of every argument
+type and constexpr is compiled at least once. A tile is every BLOCK_* constexpr: the int4 kernels whose tile shape
+follows the group size name it BLOCK_G (GEMV) / BLOCK_K (W4A8 GEMM), so each group size is compiled with each
+tile. ptxas is not monotonic (a relu variant can spill a few bytes where gelu does not), so the cover can miss a
+spill that only the full product shows: ``python tests/test_triton_aot.py --full`` compiles it.
 
 Run it by hand: ``python tests/test_triton_aot.py [--cc 80,90] [--jobs 2] [--full] [--json out.json]``.
 The pytest test runs it in a subprocess without TRITON_INTERPRET (conftest sets that for the test session, and the
@@ -47,7 +49,7 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 KERNEL_DIR = ROOT / "kernels"
-KERNEL_MODULES = ("fused_linear", "int8", "sparse24")
+KERNEL_MODULES = ("fused_linear", "int8", "sparse24", "int4")
 
 # Shared memory a block may opt in to, and SM count (the launchers size split-K and grids with it).
 # cudaDevAttrMaxSharedMemoryPerBlockOptin: A100 163 KB, H100/H200 227 KB (CUDA C programming guide, compute
@@ -196,6 +198,34 @@ def _scenarios(mods):
             sp.compress_2_4(t(N, K, dtype=c))
 
         out.append((("compress_2_4", c), f, False))
+    if "int4" in mods:
+        out += _int4_scenarios(mods["int4"], t, floats)
+    return out
+
+
+def _int4_scenarios(i4, t, floats):
+    """int4 weight-only and W4A8: activation dtype (tf32 for fp32 weight-only), bias, zero points, every group size,
+    M over the GEMV's accumulator rows (1, 4, 8, 16; K slices and the summing kernel at 4096x4096, one slice at
+    K = 512) and the GEMM bands (64, 256, 4096)."""
+    import torch
+
+    out = []
+    for op in ("int4_weight_only_linear", "int4_a8_linear"):
+        fn = getattr(i4, op)
+        for c in floats:
+            for tf32 in (False, True) if c == torch.float32 and op == "int4_weight_only_linear" else (False,):
+                for has_b, zeros in itertools.product((False, True), repeat=2):
+                    for G in i4.GROUP_SIZES:
+                        for m, n, k in [(1, 4096, 4096), (3, 4096, 4096), (8, 4096, 4096),
+                                        (16, 4096, 4096), (1, 4096, 512), (64, 4096, 4096), (256, 4096, 4096),
+                                        (4096, 4096, 4096)]:  # fmt: skip
+
+                            def f(fn=fn, c=c, has_b=has_b, zeros=zeros, G=G, m=m, n=n, k=k):
+                                z = t(n, k // G, dtype=torch.uint8) if zeros else None
+                                fn(t(m, k, dtype=c), t(n, k // 2, dtype=torch.uint8), t(n, k // G, dtype=torch.float16),
+                                   z, t(n, dtype=c) if has_b else None, G)  # fmt: skip
+
+                            out.append(((op, c, tf32, has_b, zeros, G, m, n, k), f, tf32))
     return out
 
 

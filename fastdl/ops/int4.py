@@ -19,8 +19,8 @@ Op ``int4_weight_only_linear(x, qweight, scales, zeros, bias, group_size) -> out
 (x: float32 / bfloat16 / float16, and float64 on the reference path, which accumulates in fp64). Inference op:
 differentiable in x and bias (``grad_x = g @ W``, ``grad_bias = sum g``, like ``int8_weight_only_linear``), no
 gradient for the weight. Backends: the C++ CPU kernel (``fastdl_cpp::int4_weight_only_linear``, registered by the
-extension) where the extension has it, else this module's PyTorch reference; no Triton kernel yet (CUDA runs the
-reference until one is added: ``triton=`` below).
+extension) where the extension has it, else this module's PyTorch reference; on CUDA the Triton kernels of
+kernels/int4.py (``fastdl.kernels.int4``: a split-K GEMV for M <= 16, a tiled GEMM above).
 
 Plain PyTorch helpers (run once per model, not ops): ``pack_int4`` / ``unpack_int4`` (the nibble order above),
 ``dequantize_int4`` (the formula above, exact, fp32), ``quantize_int4`` (round-to-nearest or a per-group scale
@@ -213,9 +213,9 @@ int4_weight_only_linear_op = define(
     reference=_reference,
     fake=_fake,
     # cpp: the extension's CPU kernel once it registers one (until then backends.available() reports "fastdl._C has
-    # no CPU kernel" and auto takes torch). No Triton kernel yet: CUDA runs the reference.
+    # no CPU kernel" and auto takes torch). triton: kernels/int4.py (split-K GEMV for M <= 16, tiled GEMM above).
     prefer={"cpu": ("cpp", "torch"), "cuda": ("triton", "torch")},
-    triton=None,
+    triton="int4:int4_weight_only_linear",
     supports=_supports,
     check=check_int4_linear,
 )
@@ -316,7 +316,9 @@ int4_a8_linear_op = define(
     reference=_a8_reference,
     fake=_a8_fake,
     prefer={"cpu": ("cpp", "torch"), "cuda": ("triton", "torch")},
-    triton=None,
+    # triton: kernels/int4.py (the quantization in the split-K GEMV's registers for M <= 16; else a quantization
+    # kernel and an int8 tl.dot GEMM)
+    triton="int4:int4_a8_linear",
     supports=_supports,
     check=check_int4_a8_linear,
 )
