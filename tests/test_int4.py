@@ -218,12 +218,13 @@ def test_missing_cpp_kernel_falls_back_in_auto_and_is_named_when_requested():
 
 def check_cpp_level() -> str:
     """Run in a process capped by FASTDL_CPU_ISA (test below): the C++ int4 kernels of that level against float64 -
-    the streaming kernel (M <= 4, every row count of its register tile) and fgemm with the weight dequantized while
-    packed (M > 4) - with and without zeros, negative scales, fp32 / bf16 / fp16 x, long K. Returns the family."""
+    the streaming kernel (small M, every row count of its register tile), the tile kernel (every remainder of its
+    row and weight-row tiles, x in two chunks at K = 4096, M = 67) and fgemm with the weight dequantized while packed
+    (M > 64 on AVX2) - with and without zeros, negative scales, fp32 / bf16 / fp16 x, long K. Returns the family."""
     g = torch.Generator().manual_seed(7)
     with fastdl.use_backend("cpp"):
-        for N, K, M in [(1, 32, 1), (7, 96, 2), (33, 256, 3), (40, 384, 4), (9, 128, 5), (65, 512, 17), (24, 2048, 64),
-                        (130, 4096, 1)]:
+        for N, K, M in [(1, 32, 1), (7, 96, 2), (33, 256, 3), (40, 384, 4), (9, 128, 5), (11, 64, 6), (13, 96, 7),
+                        (65, 512, 17), (24, 2048, 64), (70, 4096, 67), (130, 4096, 1)]:
             for G in groups_for(K):
                 for zeros in (False, True):
                     u, s, z = random_int4(N, K, G, zeros, seed=N + K + M + G)

@@ -1,10 +1,12 @@
-// CPU glue of the int4 weight-only capability: fastdl_cpp::int4_weight_only_linear (schema in fastdl/ops/int4.py,
-// format in int4_kernels.h). Argument checks, then one route:
-//   M <= kStreamMaxRows (or no fgemm in this family): the streaming kernel (int4_stream.h: each packed byte read once
-//     per call, the rows' FMAs share each dequantized vector), threads over contiguous slices of N;
-//   more rows: fused_linear's fgemm with the int4 weight dequantized strip by strip while it is packed (no dense
-//     copy of the weight, at any M), x fp32 or bf16 read as it is.
-// The rule's numbers are at kStreamMaxRows.
+// CPU glue of the int4 weight-only capability: fastdl_cpp::int4_weight_only_linear and int4_a8_linear (schemas in
+// fastdl/ops/int4.py, format in int4_kernels.h). Argument checks, then one route per op:
+//   float x: up to the family's stream_max_rows rows, the streaming kernel (int4_stream.h: each packed byte read once
+//     per call, the rows' FMAs share each dequantized vector); up to tiles_max_rows, the tile kernel (the weight rows
+//     dequantized once per x chunk into a small buffer, register tiles of x rows x weight rows); above, fused_linear's
+//     fgemm with the int4 weight dequantized strip by strip while it is packed. No dense copy of the weight at any M.
+//     The numbers behind each family's limits are beside its table (int4_avx512.cpp, int4_avx2.cpp).
+//   W4A8: x quantized per row and group, then the integer kernel, at every M.
+// Threads split N in both.
 #include "int4_kernels.h"
 
 #include <ATen/ATen.h>
@@ -37,7 +39,6 @@ const Kernels &kernels() {
 namespace {
 
 // Streaming kernel up to this many rows, fgemm above (where this family has fgemm: AVX2 and AVX-512).
-constexpr int64_t kStreamMaxRows = 4;
 
 void check_cpu(const char *op, const at::Tensor &t, const char *name) {
     TORCH_CHECK(t.device().is_cpu(), op, ": ", name, " must be a CPU tensor, got ", t.device());
@@ -133,7 +134,9 @@ at::Tensor int4_weight_only_linear(const at::Tensor &x, const at::Tensor &qweigh
         return c.out;
     const int64_t M = c.M, N = c.N, K = c.K;
     const at::Tensor &q = c.q, &s = c.s, &z = c.z, &b = c.b, &out = c.out;
-    const bool fgemm = M > kStreamMaxRows && x.scalar_type() != at::kHalf;
+    const Kernels &kr = kernels();
+    const bool tiles = M > kr.stream_max_rows && M <= kr.tiles_max_rows && kr.tiles;
+    const bool fgemm = M > kr.stream_max_rows && !tiles && x.scalar_type() != at::kHalf;
     if (fgemm) { // x fp32 / bf16 as it is
         namespace fl = fastdl::fused_linear;
         const at::Tensor x2 = x.reshape({M, K}).contiguous();
@@ -162,7 +165,7 @@ at::Tensor int4_weight_only_linear(const at::Tensor &x, const at::Tensor &qweigh
     a.bias = b.defined() ? b.data_ptr<float>() : nullptr;
     a.out = of.data_ptr<float>();
     a.ldo = N;
-    const auto fn = kernels().stream;
+    const auto fn = tiles ? kr.tiles : kr.stream;
     over_columns(M, N, K, [&](int64_t n0, int64_t n1) { fn(a, n0, n1); });
     if (of.data_ptr() != out.data_ptr())
         out.view({M, N}).copy_(of);

@@ -6,27 +6,36 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
+#include <memory>
+
 #define I4_SIMD __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c")))
 
 namespace fastdl {
 namespace int4 {
 namespace {
 
+// 16 packed bytes -> 32 values u - z with one table lookup per 16 weights: the bytes widened to 32-bit lanes
+// (vpmovzxbd), then vpermps picks table[u] = u - z from a 16-float register, reading only the low 4 bits of each lane
+// (the low nibble as it is, the high one after a 4-bit shift). 4 zmm instructions per 32 weights instead of 4 zmm
+// (sign-extend + convert) and 6 xmm (mask, shift, subtract): the float kernel at M = 1 is bound by this step.
 struct Avx512Traits {
     using F = __m512;
-    using Z = __m128i;
+    using Z = __m512; // the table u -> u - z (exact small integers)
     static constexpr int kLanes = 16;
-    static I4_SIMD inline Z zp(int z) { return _mm_set1_epi8(static_cast<char>(z)); }
-    static I4_SIMD inline void codes(const uint8_t *p, Z z, F (&w)[2]) {
-        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i *>(p));
-        const __m128i m = _mm_set1_epi8(0x0F);
-        const __m128i lo = _mm_sub_epi8(_mm_and_si128(v, m), z);
-        const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), m), z);
-        w[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo));
-        w[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi));
+    static I4_SIMD inline Z zp(int z) {
+        const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        return _mm512_sub_ps(iota, _mm512_set1_ps(static_cast<float>(z)));
+    }
+    static I4_SIMD inline void codes(const uint8_t *p, Z table, F (&w)[2]) {
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p)));
+        w[0] = _mm512_permutexvar_ps(v, table);
+        w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
     }
     static I4_SIMD inline F zero() { return _mm512_setzero_ps(); }
     static I4_SIMD inline F set1(float v) { return _mm512_set1_ps(v); }
+    static constexpr int kTileM = 4, kTileN = 6; // i4_tiles' register tile (24 accumulators)
+    static I4_SIMD inline void store(float *p, F v) { _mm512_storeu_ps(p, v); }
     static I4_SIMD inline F loadx(const float *p) { return _mm512_loadu_ps(p); }
     static I4_SIMD inline F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
     static I4_SIMD inline F add(F a, F b) { return _mm512_add_ps(a, b); }
@@ -60,8 +69,17 @@ struct Avx512Traits {
 
 } // namespace
 
+// Route (thread CPU time, one Zen 4 core, 4096 x 4096, groups of 128, fp32 x, ms): stream / tiles at M = 1 1.40 /
+// 2.13, 2 1.94 / 2.31, 3 3.07 / 2.77, 4 3.68 / 2.76; tiles / fgemm at M = 8 4.39 / 13.6, 16 7.31 / 16.5, 128 42.1 /
+// 51.0, 512 179 / 246, 1024 362 / 417. Tiles from 3 rows, at every M.
 const Kernels *kernels_avx512() {
-    static const Kernels k{"avx512_vnni", &i4_stream<Avx512Traits>, &i4a8_quantize<Avx512Traits>, &i4a8<Avx512Traits>};
+    static const Kernels k{"avx512_vnni",
+                           &i4_stream<Avx512Traits>,
+                           &i4a8_quantize<Avx512Traits>,
+                           &i4a8<Avx512Traits>,
+                           &i4_tiles<Avx512Traits>,
+                           2,
+                           INT64_MAX};
     return &k;
 }
 

@@ -75,6 +75,11 @@ struct Kernels {
     void (*stream)(const Int4Args &a, int64_t n0, int64_t n1) = nullptr;
     void (*quantize_x)(const QuantX &q, int64_t m0, int64_t m1) = nullptr;
     void (*a8)(const A8Args &a, int64_t n0, int64_t n1) = nullptr; // all M rows, weight rows [n0, n1)
+    // the float kernel for more rows (int4_stream.h's i4_tiles): all M rows, weight rows [n0, n1); null: stream
+    void (*tiles)(const Int4Args &a, int64_t n0, int64_t n1) = nullptr;
+    // The float route of this family (int4.cpp): stream up to stream_max_rows rows of x, tiles up to tiles_max_rows,
+    // fused_linear's fgemm above (measured per family: the numbers are in each family's file)
+    int64_t stream_max_rows = INT64_MAX, tiles_max_rows = 0;
 };
 
 const Kernels *kernels_avx512(); // nullptr on non-x86 builds
