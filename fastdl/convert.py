@@ -21,6 +21,8 @@ an ``Int8Linear`` runs ``F.linear`` on its dequantized weight where that beats i
 a shape" is the time of the path it chooses there. "auto" times, per layer and per bucket of the workload, the
 original layer and every path of every candidate on the layer's real input (captured with hooks while the workload
 runs through the unconverted model), interleaved, and records the paths it chose as the layers' run-time decisions.
+When the layers' weights together exceed the CPU's last-level cache, each timed call starts with the caches evicted:
+in such a model a layer's weights come from memory at every forward pass (decoding a language model, M = 1).
 
 The workload: ``example_inputs`` (one example: a tensor, a tuple of positional arguments or a dict of keyword
 arguments), or ``workload=[example, ...]`` (several, e.g. batches of 1, 8 and 32 sequences), or
@@ -57,7 +59,7 @@ OPT_IN_POLICIES = ("int4", "int4_weight_only")  # accepted by convert and as "au
 # 10 ms per path until two calls agree within 3 %, at most 40 ms per path or 40 rounds.
 CONVERT_TIMING = {"budget_s": 10e-3, "max_budget_s": 40e-3, "max_reps": 40}
 ORIGINAL_TWIN = "original#2"
-_DECISIONS: dict[tuple, dict] = {}  # timings of "auto": (machine, device, dtype, layer, calls, bucket) -> seconds
+_DECISIONS: dict[tuple, dict] = {}  # timings of "auto": (machine, device, dtype, layer, calls, bucket, cold) -> seconds
 
 
 @dataclass
@@ -369,13 +371,14 @@ def _convert_auto(model, sites, examples, max_error, noise, kinds, runtime_choic
                 return  # this bucket is measured already (an earlier example, or a second call)
             if entry["cands"] is None:
                 entry["cands"] = build(entry)
-            entry["buckets"][(b, x.dtype)] = _measure_bucket(entry["site"], entry["cands"], x, out.detach())
+            entry["buckets"][(b, x.dtype)] = _measure_bucket(entry["site"], entry["cands"], x, out.detach(), cold)
             for mod in entry["cands"].values():  # derived weights made for the timing (dequantized, decompressed)
                 release = getattr(mod, "release_caches", None)  # are rebuilt on first use by the layer kept
                 if release is not None:
                     release()
         return hook
 
+    cold = _weights_exceed_cache(sites)
     hooks = [e["site"].linear.register_forward_hook(hook_for(e)) for e in state.values()]
     try:
         with torch.no_grad():
@@ -405,9 +408,23 @@ def _convert_auto(model, sites, examples, max_error, noise, kinds, runtime_choic
     return model, rows
 
 
-def _measure_bucket(site: _Site, cands: dict, x: torch.Tensor, lin_out: torch.Tensor) -> dict:
-    """Time the original layer and every path of every candidate on x (one interleaved run, or cached times); the
-    error of each against the original's output; each candidate's chosen path. Returns the bucket's result."""
+def _weights_exceed_cache(sites) -> bool:
+    """Whether the layers' weights together exceed the CPU's last-level cache: then a forward pass reads each layer's
+    weights from memory (the other layers evicted them), and "auto" times the layers with their weights cold. Timed
+    warm, a TinyLlama-shaped decoder's 2048 x 2048 projections at M = 1 read their 16 MB fp32 weight from the 32 MB L3
+    and int8 lost its memory-bound lead: "auto" chose fp32 kernels that decoded at 0.68x the int8 policy."""
+    weights = {id(s.linear.weight): s.linear.weight for s in sites}
+    if not any(w.device.type == "cpu" for w in weights.values()):
+        return False
+    from ._machine import llc_bytes
+
+    return sum(w.numel() * w.element_size() for w in weights.values()) > (llc_bytes() or (32 << 20))
+
+
+def _measure_bucket(site: _Site, cands: dict, x: torch.Tensor, lin_out: torch.Tensor, cold: bool = False) -> dict:
+    """Time the original layer and every path of every candidate on x (one interleaved run, or cached times; weights
+    cold with ``cold``: see _weights_exceed_cache); the error of each against the original's output; each candidate's
+    chosen path. Returns the bucket's result."""
     act = _act_fn(site.activation)
     lin = site.linear
     ref = act(lin_out)
@@ -425,12 +442,12 @@ def _measure_bucket(site: _Site, cands: dict, x: torch.Tensor, lin_out: torch.Te
             else:
                 calls[f"{kind}/{p}"] = lambda m=mod, p=p: act(m._run_path(p, x))
     key = (choice.machine_key(x.device), x.device.type, str(x.dtype), lin.in_features, lin.out_features,
-           lin.bias is not None, site.activation, tuple(sorted(calls)), b)
+           lin.bias is not None, site.activation, tuple(sorted(calls)), b, cold)
     times = _DECISIONS.get(key)
     was_cached = times is not None
     if times is None:
         info = {"rows": rows, "bucket": b, "layer": site.name, "purpose": "convert"}
-        times = _DECISIONS[key] = choice.time_calls(calls, x.device, info, **CONVERT_TIMING)
+        times = _DECISIONS[key] = choice.time_calls(calls, x.device, info, cold=cold, **CONVERT_TIMING)
     with torch.no_grad():
         errors = {name: _rel_err(fn(), ref) for name, fn in calls.items() if not name.startswith("original")}
     t1, t2 = times["original"], times.get(ORIGINAL_TWIN, times["original"])

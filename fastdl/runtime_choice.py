@@ -348,20 +348,26 @@ def set_timer(fn: Callable | None) -> Callable | None:
 
 def time_calls(calls: dict[str, Callable[[], object]], device: torch.device, info: dict | None = None, *,
                budget_s: float = BUDGET_S, max_budget_s: float = MAX_BUDGET_S, max_reps: int = MAX_REPS,
-               long_call_s: float = math.inf) -> dict:
+               long_call_s: float = math.inf, cold: bool = False) -> dict:
     """Seconds per call of each callable (the fastest of its timed calls), calls interleaved (a slow spell of the
     machine hits all of them), bounded as the module docstring says (``fastdl.convert`` passes larger bounds: it runs
     once, when asked). With ``long_call_s`` (the run-time choice uses LONG_CALL_S), a first timed round in which a
-    call took that long ends the timing. Uses the replacement timer when one is set."""
-    return _time_calls(calls, device, info, budget_s, max_budget_s, max_reps, long_call_s)[0]
+    call took that long ends the timing. ``cold`` (CPU): the caches are evicted before each timed call (outside the
+    timing and the budget), so each call reads its weights from memory, as in a model whose weights together exceed
+    the last-level cache. Uses the replacement timer when one is set (``info["cold"]`` tells it)."""
+    return _time_calls(calls, device, info, budget_s, max_budget_s, max_reps, long_call_s, cold)[0]
 
 
 def _time_calls(calls, device, info, budget_s=BUDGET_S, max_budget_s=MAX_BUDGET_S, max_reps=MAX_REPS,
-                long_call_s=LONG_CALL_S):
+                long_call_s=LONG_CALL_S, cold=False):
     """(seconds per call of each callable, settled?): ``time_calls``, and whether two calls of each path agreed on
     its fastest time (always True for a replacement timer, and for long calls: see LONG_CALL_S)."""
+    cold = cold and device.type == "cpu"
     if _STATE.timer is not None:
-        return dict(_STATE.timer(calls, device, info or {})), True
+        return dict(_STATE.timer(calls, device, {**(info or {}), "cold": cold})), True
+    evict = None
+    if cold:
+        from ._machine import evict_cpu_caches as evict
     sync = torch.cuda.synchronize if device.type == "cuda" else None
     names = list(calls)
     times: dict[str, list[float]] = {n: [] for n in names}
@@ -373,9 +379,13 @@ def _time_calls(calls, device, info, budget_s=BUDGET_S, max_budget_s=MAX_BUDGET_
             if sync:
                 sync()
             warm[n] = time.perf_counter() - t0
-        start = time.perf_counter()
+        start, evicting = time.perf_counter(), 0.0
         for rep in range(max_reps):
             for n in names:
+                if evict is not None:
+                    t0 = time.perf_counter()
+                    evict()
+                    evicting += time.perf_counter() - t0
                 t0 = time.perf_counter()
                 calls[n]()
                 if sync:
@@ -388,7 +398,7 @@ def _time_calls(calls, device, info, budget_s=BUDGET_S, max_budget_s=MAX_BUDGET_
                 return {n: min(v[0], warm[n]) for n, v in times.items()}, True
             if rep + 1 < MIN_REPS:
                 continue
-            spent = time.perf_counter() - start
+            spent = time.perf_counter() - start - evicting
             if spent >= max_budget_s * len(names) or (spent >= budget_s * len(names) and _settled(times)):
                 break
     # The minimum, not the median: interference from other processes only ever adds time, and on a busy 2-core

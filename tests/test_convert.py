@@ -103,6 +103,41 @@ def test_auto_takes_faster_candidate_within_error_and_caches(timer):
     assert all(r["note"] == "cached timings" for r in fastdl.report(model2))
 
 
+@pytest.mark.parametrize("llc, cold", [(1 << 30, False), (1 << 10, True)])
+def test_auto_times_weights_cold_when_they_exceed_the_cache(timer, monkeypatch, llc, cold):
+    """The model's weights (4 x 64 x 64 fp32 = 64 KiB) against a last-level cache of 1 GiB (they stay cached: timed
+    warm) or of 1 KiB (a forward pass reads them from memory: every timing of "auto" asks for cold weights); the
+    timings of the two are cached apart."""
+    from fastdl import _machine
+
+    monkeypatch.setattr(_machine, "llc_bytes", lambda: llc)
+    seen = []
+    timer.set(lambda name, info: seen.append(info["cold"]) or (1.0 if name.startswith("original") else 0.5))
+    fastdl.convert(_model(), "auto", example_inputs=(torch.randn(8, 64),), candidates=("fused",))
+    assert seen and all(c is cold for c in seen)
+    assert all(key[-1] is cold for key in convert_mod._DECISIONS)
+
+
+def test_cold_timing_evicts_before_each_timed_call(monkeypatch):
+    """time_calls(cold=True) evicts the caches once before every timed call of every path (not before the warm-up),
+    and not at all when warm or on a device other than the CPU's."""
+    from fastdl import _machine, runtime_choice
+
+    log = []
+    monkeypatch.setattr(_machine, "evict_cpu_caches", lambda: log.append("evict"))
+    calls = {"a": lambda: log.append("a"), "b": lambda: log.append("b")}
+    runtime_choice.time_calls(calls, torch.device("cpu"), max_reps=3, budget_s=0.0, max_budget_s=0.0, cold=True)
+    timed = log[2:]  # after the warm-up calls a, b
+    assert log[:2] == ["a", "b"] and timed and len(timed) % 4 == 0
+    assert timed == ["evict", "a", "evict", "b"] * (len(timed) // 4)
+    log.clear()
+    runtime_choice.time_calls(calls, torch.device("cpu"), max_reps=3, budget_s=0.0, max_budget_s=0.0)
+    assert "evict" not in log
+    log.clear()
+    runtime_choice.time_calls(calls, torch.device("meta"), max_reps=3, budget_s=0.0, max_budget_s=0.0, cold=True)
+    assert "evict" not in log
+
+
 def test_auto_rejects_candidates_over_the_error_bound(timer, monkeypatch):
     model = _model()
     x = torch.randn(8, 64)
@@ -258,3 +293,12 @@ def test_report_returns_a_table_that_shows_itself():
     rep = fastdl.report(model)
     assert isinstance(rep, list) and rep and rep[0]["layer"] == "0"
     assert repr(rep) == str(rep) and "layer" in str(rep) and "fused[relu]" in str(rep)
+
+
+def test_evict_cpu_caches_reads_a_buffer_beyond_the_cache():
+    from fastdl import _machine
+
+    llc = _machine.llc_bytes()
+    assert llc is None or llc > 0
+    _machine.evict_cpu_caches()
+    assert _machine._EVICT["cpu"].numel() * 4 == 2 * (llc or (32 << 20))

@@ -18,6 +18,8 @@ from collections.abc import Callable
 
 import torch
 
+from .._machine import llc_bytes  # noqa: F401  (the benchmarks import it from here)
+
 # LLaMA-7B MLP: gate/up projections 4096 -> 11008, down projection 11008 -> 4096
 LLAMA_SHAPES = ((4096, 11008), (11008, 4096))
 DEFAULT_M = (1, 16, 128, 512)
@@ -290,42 +292,6 @@ def measured_matmul_peak(device: str, dtype: torch.dtype = torch.bfloat16) -> fl
         t = time_fn(lambda: torch.mm(a, b), device, warmup=2, min_reps=5, budget_s=1.0)
         _PEAK_CACHE[key] = 2 * n**3 / t
     return _PEAK_CACHE[key]
-
-
-def llc_bytes() -> int | None:
-    """Bytes of last-level cache of all the CPUs together (Linux sysfs: the highest cache level's size times the number
-    of distinct groups of CPUs sharing one, e.g. 8 x 32 MiB on a 64-core EPYC with 8 CCDs); None when unknown."""
-    base = "/sys/devices/system/cpu"
-    found: dict[tuple, int] = {}  # (level, shared cpu list) -> bytes
-    try:
-        cpus = [d for d in os.listdir(base) if d.startswith("cpu") and d[3:].isdigit()]
-    except OSError:
-        return None
-    for cpu in cpus:
-        cache = os.path.join(base, cpu, "cache")
-        try:
-            entries = [e for e in os.listdir(cache) if e.startswith("index")]
-        except OSError:
-            continue
-        for e in entries:
-            try:
-                with open(os.path.join(cache, e, "level")) as f:
-                    level = int(f.read())
-                with open(os.path.join(cache, e, "size")) as f:
-                    size = f.read().strip()
-                with open(os.path.join(cache, e, "shared_cpu_list")) as f:
-                    shared = f.read().strip()
-            except (OSError, ValueError):
-                continue
-            mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1:].upper(), 1)
-            try:
-                found[(level, shared)] = int(size.rstrip("KMGkmg")) * mult
-            except ValueError:
-                continue
-    if not found:
-        return None
-    top = max(level for level, _ in found)
-    return sum(b for (level, _), b in found.items() if level == top)
 
 
 def dram_read_bandwidth(nbytes: int | None = None, passes: int = 7, max_s: float = 1.5) -> float:
