@@ -112,6 +112,24 @@ bool trivial(Checked &c) {
     return true;
 }
 
+// The kernels' fp32 [M, N] output: the op's output itself when it is fp32, else a scratch buffer that finish() copies
+// into it (rounding once to x's dtype).
+class F32Out {
+public:
+    F32Out(const at::Tensor &out, int64_t M, int64_t N)
+        : out_(out), buf_(out.scalar_type() == at::kFloat ? out.view({M, N})
+                                                          : at::empty({M, N}, out.options().dtype(at::kFloat))) {}
+    float *ptr() const { return buf_.data_ptr<float>(); }
+    const at::Tensor &finish() const {
+        if (buf_.data_ptr() != out_.data_ptr())
+            out_.view(buf_.sizes()).copy_(buf_);
+        return out_;
+    }
+
+private:
+    at::Tensor out_, buf_;
+};
+
 // Threads over contiguous slices of N (each streams its own weight rows); one thread below ~256K MACs.
 template <class F> void over_columns(int64_t M, int64_t N, int64_t K, const F &fn) {
     const int64_t T = M * N * K < (int64_t{1} << 18) ? 1 : std::max<int64_t>(1, at::get_num_threads());
@@ -151,7 +169,7 @@ at::Tensor int4_weight_only_linear(const at::Tensor &x, const at::Tensor &qweigh
             return out;
     }
     const at::Tensor xf = x.reshape({M, K}).to(at::kFloat).contiguous();
-    at::Tensor of = x.scalar_type() == at::kFloat ? out.view({M, N}) : at::empty({M, N}, x.options().dtype(at::kFloat));
+    F32Out of(out, M, N);
     Int4Args a;
     a.x = xf.data_ptr<float>();
     a.ldx = K;
@@ -163,13 +181,11 @@ at::Tensor int4_weight_only_linear(const at::Tensor &x, const at::Tensor &qweigh
     a.scales = reinterpret_cast<const uint16_t *>(s.data_ptr<at::Half>());
     a.zeros = z.defined() ? z.data_ptr<uint8_t>() : nullptr;
     a.bias = b.defined() ? b.data_ptr<float>() : nullptr;
-    a.out = of.data_ptr<float>();
+    a.out = of.ptr();
     a.ldo = N;
     const auto fn = tiles ? kr.tiles : kr.stream;
     over_columns(M, N, K, [&](int64_t n0, int64_t n1) { fn(a, n0, n1); });
-    if (of.data_ptr() != out.data_ptr())
-        out.view({M, N}).copy_(of);
-    return out;
+    return of.finish();
 }
 
 // W4A8: x quantized per row and group (threads over rows), then the integer kernel over slices of N (every M: the
@@ -196,8 +212,7 @@ at::Tensor int4_a8_linear(const at::Tensor &x, const at::Tensor &qweight, const 
     qp.sx = sx.data_ptr<float>();
     qp.sumx = sumx.data_ptr<int32_t>();
     parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t m0, int64_t m1) { kr.quantize_x(qp, m0, m1); });
-    at::Tensor of =
-        x.scalar_type() == at::kFloat ? c.out.view({M, N}) : at::empty({M, N}, x.options().dtype(at::kFloat));
+    F32Out of(c.out, M, N);
     A8Args a;
     a.qx = qp.qx;
     a.sx = qp.sx;
@@ -210,12 +225,10 @@ at::Tensor int4_a8_linear(const at::Tensor &x, const at::Tensor &qweight, const 
     a.scales = reinterpret_cast<const uint16_t *>(c.s.data_ptr<at::Half>());
     a.zeros = c.z.defined() ? c.z.data_ptr<uint8_t>() : nullptr;
     a.bias = c.b.defined() ? c.b.data_ptr<float>() : nullptr;
-    a.out = of.data_ptr<float>();
+    a.out = of.ptr();
     a.ldo = N;
     over_columns(M, N, K, [&](int64_t n0, int64_t n1) { kr.a8(a, n0, n1); });
-    if (of.data_ptr() != c.out.data_ptr())
-        c.out.view({M, N}).copy_(of);
-    return c.out;
+    return of.finish();
 }
 
 } // namespace

@@ -11,13 +11,15 @@
 
 #define I4_SIMD __attribute__((target("avx2,fma,f16c")))
 
+#include "int4_simd_common.h"
+
 namespace fastdl {
 namespace int4 {
 namespace {
 
 // 16 packed bytes -> 32 values u - z: low nibbles are k 0..15, high nibbles k 16..31 (int4_kernels.h); the byte
 // subtraction is exact (|u - z| <= 15), then 8 bytes at a time are sign-extended and converted (exact).
-struct Avx2Traits {
+struct Avx2Traits : I4Common256 {
     using F = __m256;
     using Z = __m128i;
     static constexpr int kLanes = 8;
@@ -39,33 +41,25 @@ struct Avx2Traits {
     static I4_SIMD inline F loadx(const float *p) { return _mm256_loadu_ps(p); }
     static I4_SIMD inline F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
     static I4_SIMD inline F add(F a, F b) { return _mm256_add_ps(a, b); }
+    // the 8 lanes reduced by op (add or max), halving the width three times
+    template <class Op> static I4_SIMD inline float reduce(F v, Op op) {
+        __m128 r = op(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        r = op(r, _mm_movehl_ps(r, r));
+        return _mm_cvtss_f32(op(r, _mm_movehdup_ps(r)));
+    }
     static I4_SIMD inline float hsum(F v) {
-        __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-        s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        s = _mm_add_ss(s, _mm_movehdup_ps(s));
-        return _mm_cvtss_f32(s);
+        return reduce(v, [](__m128 a, __m128 b) I4_SIMD { return _mm_add_ps(a, b); });
     }
-    static I4_SIMD inline float half(uint16_t h) { return _cvtsh_ss(h); }
     // W4A8
-    using I = __m256i;
-    static I4_SIMD inline I codes_u8(const uint8_t *p) {
-        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i *>(p));
-        const __m128i m = _mm_set1_epi8(0x0F);
-        return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
-    }
     // vpmaddubsw: u (0..15) x q_x (-127..127), pair sums <= 3810 (no saturation); vpmaddwd with ones: 4 per lane
     static I4_SIMD inline I dot(I acc, I u, const int8_t *x) {
         const __m256i p = _mm256_maddubs_epi16(u, _mm256_loadu_si256(reinterpret_cast<const __m256i *>(x)));
         return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
     }
-    static I4_SIMD inline I izero() { return _mm256_setzero_si256(); }
     static I4_SIMD inline F abs(F v) { return _mm256_and_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF))); }
     static I4_SIMD inline F max(F a, F b) { return _mm256_max_ps(a, b); }
     static I4_SIMD inline float hmax(F v) {
-        __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-        m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-        m = _mm_max_ss(m, _mm_movehdup_ps(m));
-        return _mm_cvtss_f32(m);
+        return reduce(v, [](__m128 a, __m128 b) I4_SIMD { return _mm_max_ps(a, b); });
     }
     static I4_SIMD inline F mul(F a, F b) { return _mm256_mul_ps(a, b); }
     static I4_SIMD inline F roundc(F v) {
@@ -93,16 +87,6 @@ const Kernels *kernels_avx2() {
     return &k;
 }
 
-} // namespace int4
-} // namespace fastdl
-
-#else
-
-namespace fastdl {
-namespace int4 {
-const Kernels *kernels_avx2() {
-    return nullptr;
-}
 } // namespace int4
 } // namespace fastdl
 

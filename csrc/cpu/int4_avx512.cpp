@@ -11,6 +11,8 @@
 
 #define I4_SIMD __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c")))
 
+#include "int4_simd_common.h"
+
 namespace fastdl {
 namespace int4 {
 namespace {
@@ -19,7 +21,7 @@ namespace {
 // (vpmovzxbd), then vpermps picks table[u] = u - z from a 16-float register, reading only the low 4 bits of each lane
 // (the low nibble as it is, the high one after a 4-bit shift). 4 zmm instructions per 32 weights instead of 4 zmm
 // (sign-extend + convert) and 6 xmm (mask, shift, subtract): the float kernel at M = 1 is bound by this step.
-struct Avx512Traits {
+struct Avx512Traits : I4Common256 {
     using F = __m512;
     using Z = __m512; // the table u -> u - z (exact small integers)
     static constexpr int kLanes = 16;
@@ -40,18 +42,10 @@ struct Avx512Traits {
     static I4_SIMD inline F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
     static I4_SIMD inline F add(F a, F b) { return _mm512_add_ps(a, b); }
     static I4_SIMD inline float hsum(F v) { return _mm512_reduce_add_ps(v); }
-    static I4_SIMD inline float half(uint16_t h) { return _cvtsh_ss(h); }
     // W4A8: 256-bit vpdpbusd (AVX512-VNNI + VL), u (0..15, unsigned) x q_x (signed), 4 products per lane, exact
-    using I = __m256i;
-    static I4_SIMD inline I codes_u8(const uint8_t *p) {
-        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i *>(p));
-        const __m128i m = _mm_set1_epi8(0x0F);
-        return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
-    }
     static I4_SIMD inline I dot(I acc, I u, const int8_t *x) {
         return _mm256_dpbusd_epi32(acc, u, _mm256_loadu_si256(reinterpret_cast<const __m256i *>(x)));
     }
-    static I4_SIMD inline I izero() { return _mm256_setzero_si256(); }
     static I4_SIMD inline F abs(F v) { return _mm512_abs_ps(v); }
     static I4_SIMD inline F max(F a, F b) { return _mm512_max_ps(a, b); }
     static I4_SIMD inline float hmax(F v) { return _mm512_reduce_max_ps(v); }
@@ -83,16 +77,6 @@ const Kernels *kernels_avx512() {
     return &k;
 }
 
-} // namespace int4
-} // namespace fastdl
-
-#else
-
-namespace fastdl {
-namespace int4 {
-const Kernels *kernels_avx512() {
-    return nullptr;
-}
 } // namespace int4
 } // namespace fastdl
 

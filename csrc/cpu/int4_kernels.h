@@ -82,8 +82,17 @@ struct Kernels {
     int64_t stream_max_rows = INT64_MAX, tiles_max_rows = 0;
 };
 
-const Kernels *kernels_avx512(); // nullptr on non-x86 builds
-const Kernels *kernels_avx2();   // nullptr on non-x86 builds
+#if defined(__x86_64__) || defined(_M_X64)
+const Kernels *kernels_avx512();
+const Kernels *kernels_avx2();
+#else // the SIMD families are x86 code: their files compile to nothing elsewhere
+inline const Kernels *kernels_avx512() {
+    return nullptr;
+}
+inline const Kernels *kernels_avx2() {
+    return nullptr;
+}
+#endif
 const Kernels *kernels_scalar();
 const Kernels &kernels(); // this process's family (cpu_isa.h level, decided once)
 

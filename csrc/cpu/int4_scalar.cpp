@@ -9,27 +9,34 @@ namespace fastdl {
 namespace int4 {
 namespace {
 
-void stream_scalar(const Int4Args &a, int64_t n0, int64_t n1) {
-    const int64_t groups = a.K / a.group, rowb = a.K / 2;
-    for (int64_t m = 0; m < a.M; ++m) {
-        const float *x = a.x + m * a.ldx;
+// Code u of input feature k in a packed weight row (int4_kernels.h: 32-k blocks, low nibbles first).
+inline int code_at(const uint8_t *row, int64_t k) {
+    const uint8_t byte = row[(k / 32) * 16 + (k % 32 & 15)];
+    return k % 32 < 16 ? (byte & 0x0F) : (byte >> 4);
+}
+
+// out[m][n] = sum over groups g of group(m, n, g, z, s) + bias[n], for every row m of x and weight row n in [n0, n1):
+// the loop nest both ops share (Args: Int4Args or A8Args).
+template <class Args, class Group> void rows_scalar(const Args &a, int64_t n0, int64_t n1, const Group &group) {
+    const int64_t groups = a.K / a.group;
+    for (int64_t m = 0; m < a.M; ++m)
         for (int64_t n = n0; n < n1; ++n) {
-            const uint8_t *q = a.q + n * rowb;
+            const uint8_t *q = a.q + n * (a.K / 2);
             float tot = 0.f;
-            for (int64_t g = 0; g < groups; ++g) {
-                const int z = a.zeros ? a.zeros[n * groups + g] : 8;
-                float acc = 0.f;
-                for (int64_t k = g * a.group; k < (g + 1) * a.group; ++k) {
-                    const int64_t b = k / 32, i = k % 32;
-                    const uint8_t byte = q[b * 16 + (i & 15)];
-                    const int u = i < 16 ? (byte & 0x0F) : (byte >> 4);
-                    acc += x[k] * static_cast<float>(u - z);
-                }
-                tot += acc * half_to_float(a.scales[n * groups + g]);
-            }
+            for (int64_t g = 0; g < groups; ++g)
+                tot += group(m, q, g, a.zeros ? a.zeros[n * groups + g] : 8, half_to_float(a.scales[n * groups + g]));
             a.out[m * a.ldo + n] = tot + (a.bias ? a.bias[n] : 0.f);
         }
-    }
+}
+
+void stream_scalar(const Int4Args &a, int64_t n0, int64_t n1) {
+    rows_scalar(a, n0, n1, [&](int64_t m, const uint8_t *q, int64_t g, int z, float s) {
+        const float *x = a.x + m * a.ldx;
+        float acc = 0.f;
+        for (int64_t k = g * a.group; k < (g + 1) * a.group; ++k)
+            acc += x[k] * static_cast<float>(code_at(q, k) - z);
+        return acc * s;
+    });
 }
 
 void quantize_scalar(const QuantX &p, int64_t m0, int64_t m1) {
@@ -58,23 +65,14 @@ void quantize_scalar(const QuantX &p, int64_t m0, int64_t m1) {
 }
 
 void a8_scalar(const A8Args &a, int64_t n0, int64_t n1) {
-    const int64_t groups = a.K / a.group, rowb = a.K / 2, ldg = (groups + 7) / 8 * 8;
-    for (int64_t m = 0; m < a.M; ++m)
-        for (int64_t n = n0; n < n1; ++n) {
-            const uint8_t *q = a.q + n * rowb;
-            float tot = 0.f;
-            for (int64_t g = 0; g < groups; ++g) {
-                const int32_t z = a.zeros ? a.zeros[n * groups + g] : 8;
-                int32_t acc = 0;
-                for (int64_t k = g * a.group; k < (g + 1) * a.group; ++k) {
-                    const uint8_t byte = q[(k / 32) * 16 + (k % 32 & 15)];
-                    acc += static_cast<int32_t>(k % 32 < 16 ? (byte & 0x0F) : (byte >> 4)) * a.qx[m * a.K + k];
-                }
-                acc -= z * a.sumx[m * ldg + g];
-                tot += static_cast<float>(acc) * (half_to_float(a.scales[n * groups + g]) * a.sx[m * ldg + g]);
-            }
-            a.out[m * a.ldo + n] = tot + (a.bias ? a.bias[n] : 0.f);
-        }
+    const int64_t ldg = (a.K / a.group + 7) / 8 * 8;
+    rows_scalar(a, n0, n1, [&](int64_t m, const uint8_t *q, int64_t g, int z, float s) {
+        int32_t acc = 0;
+        for (int64_t k = g * a.group; k < (g + 1) * a.group; ++k)
+            acc += code_at(q, k) * a.qx[m * a.K + k];
+        acc -= z * a.sumx[m * ldg + g];
+        return static_cast<float>(acc) * (s * a.sx[m * ldg + g]);
+    });
 }
 
 } // namespace

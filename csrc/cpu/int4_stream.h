@@ -49,23 +49,28 @@ template <class V, int MR> I4_SIMD inline void i4_rows(const Int4Args &a, int64_
     }
 }
 
-template <class V> I4_SIMD void i4_stream(const Int4Args &a, int64_t n0, int64_t n1) {
-    for (int64_t m0 = 0; m0 < a.M; m0 += kStreamRows) {
-        switch (a.M - m0 >= kStreamRows ? kStreamRows : a.M - m0) {
-        case 1:
-            i4_rows<V, 1>(a, m0, n0, n1);
-            break;
-        case 2:
-            i4_rows<V, 2>(a, m0, n0, n1);
-            break;
-        case 3:
-            i4_rows<V, 3>(a, m0, n0, n1);
-            break;
-        default:
-            i4_rows<V, 4>(a, m0, n0, n1);
-            break;
+// Kern<R>::run(args...) with R = rows, for 1 <= rows <= MaxR: a register tile's row count as a template argument.
+template <template <int> class Kern, int MaxR, class... A> I4_SIMD inline void by_rows(int64_t rows, const A &...args) {
+    if constexpr (MaxR > 1) {
+        if (rows < MaxR) {
+            by_rows<Kern, MaxR - 1>(rows, args...);
+            return;
         }
     }
+    Kern<MaxR>::run(args...);
+}
+
+template <class V> struct StreamRows {
+    template <int MR> struct K {
+        static I4_SIMD inline void run(const Int4Args &a, int64_t m0, int64_t n0, int64_t n1) {
+            i4_rows<V, MR>(a, m0, n0, n1);
+        }
+    };
+};
+
+template <class V> I4_SIMD void i4_stream(const Int4Args &a, int64_t n0, int64_t n1) {
+    for (int64_t m0 = 0; m0 < a.M; m0 += kStreamRows)
+        by_rows<StreamRows<V>::template K, kStreamRows>(a.M - m0, a, m0, n0, n1);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -123,16 +128,13 @@ I4_SIMD inline void i4_tile(const Int4Args &a, int64_t m0, const float *wb, int6
             a.out[(m0 + m) * a.ldo + n0 + j] = V::hsum(acc[m][j]) + (a.bias ? a.bias[n0 + j] : 0.f);
 }
 
-// The last rows < kTileM of x: the tile of that height.
-template <class V, int R, int NR>
-I4_SIMD inline void i4_tile_rest(const Int4Args &a, int64_t m0, int rows, const float *wb, int64_t n0, int nv) {
-    if constexpr (R > 0) {
-        if (rows == R)
-            i4_tile<V, R, NR>(a, m0, wb, n0, nv);
-        else
-            i4_tile_rest<V, R - 1, NR>(a, m0, rows, wb, n0, nv);
-    }
-}
+template <class V, int NR> struct TileRows {
+    template <int MR> struct K {
+        static I4_SIMD inline void run(const Int4Args &a, int64_t m0, const float *wb, int64_t n0, int nv) {
+            i4_tile<V, MR, NR>(a, m0, wb, n0, nv);
+        }
+    };
+};
 
 template <class V> I4_SIMD void i4_tiles(const Int4Args &a, int64_t n0, int64_t n1) {
     constexpr int MR = V::kTileM, NR = V::kTileN;
@@ -153,10 +155,8 @@ template <class V> I4_SIMD void i4_tiles(const Int4Args &a, int64_t n0, int64_t 
                 else
                     std::fill(wb + j * a.K, wb + (j + 1) * a.K, 0.f);
             }
-            int64_t m0 = c0;
-            for (; m0 + MR <= c1; m0 += MR)
-                i4_tile<V, MR, NR>(a, m0, wb, n, nv);
-            i4_tile_rest<V, MR - 1, NR>(a, m0, static_cast<int>(c1 - m0), wb, n, nv);
+            for (int64_t m0 = c0; m0 < c1; m0 += MR)
+                by_rows<TileRows<V, NR>::template K, MR>(c1 - m0, a, m0, static_cast<const float *>(wb), n, nv);
         }
     }
 }
@@ -372,25 +372,19 @@ template <class V, int MR> I4_SIMD inline void i4a8_tile(const A8Args &a, int64_
     }
 }
 
+template <class V> struct A8Rows {
+    template <int MR> struct K {
+        static I4_SIMD inline void run(const A8Args &a, int64_t m0, int64_t n0, int64_t n1) {
+            i4a8_tile<V, MR>(a, m0, n0, n1);
+        }
+    };
+};
+
 template <class V> I4_SIMD void i4a8(const A8Args &a, int64_t n0, int64_t n1) {
     for (int64_t nb = n0; nb < n1; nb += kA8BlockRows) {
         const int64_t ne = nb + kA8BlockRows < n1 ? nb + kA8BlockRows : n1;
-        for (int64_t m0 = 0; m0 < a.M; m0 += 4) {
-            switch (a.M - m0 >= 4 ? 4 : a.M - m0) {
-            case 1:
-                i4a8_tile<V, 1>(a, m0, nb, ne);
-                break;
-            case 2:
-                i4a8_tile<V, 2>(a, m0, nb, ne);
-                break;
-            case 3:
-                i4a8_tile<V, 3>(a, m0, nb, ne);
-                break;
-            default:
-                i4a8_tile<V, 4>(a, m0, nb, ne);
-                break;
-            }
-        }
+        for (int64_t m0 = 0; m0 < a.M; m0 += 4)
+            by_rows<A8Rows<V>::template K, 4>(a.M - m0, a, m0, nb, ne);
     }
 }
 
