@@ -22,8 +22,10 @@ registry (``transformers.quantizers.auto``) is already imported, else right afte
 Quantize while loading (``quantization_config=FastdlConfig(policy=...)``): transformers builds the model on the meta
 device; each ``nn.Linear`` (and GPT-2's ``Conv1D``) that is converted is replaced by the fastdl layer as soon as its
 weight has been read (one layer in full precision at a time, never the whole model); policies ``fused``, ``int8``,
-``int8_weight_only`` (``group_size``: ``"auto"``, 16 or None, as ``Int8Linear``) and ``sparse24`` (weights that are
-2:4 already; other weights raise, naming the layers). Kept in full precision, as with bitsandbytes / torchao:
+``int8_weight_only`` (``group_size``: ``"auto"``, 16 or None, as ``Int8Linear``), ``int4`` (W4A8) and
+``int4_weight_only`` (``Int4Linear`` with its scale search; ``group_size``: ``"auto"`` = 128, 32 or 64; layers whose
+in_features is not a multiple of it raise, naming them) and ``sparse24`` (weights that are 2:4 already; other weights
+raise, naming the layers). Kept in full precision, as with bitsandbytes / torchao:
 ``modules_to_not_convert`` (default: transformers' ``get_keys_to_not_convert``: the output embeddings ``lm_head``,
 layers tied to the input embeddings, the last layer), layers whose weight is tied to another parameter, embeddings
 and norms (not Linear layers); ``fastdl.report(model)`` lists what was converted and what was kept, and why.
@@ -55,9 +57,9 @@ from . import _recipe as recipes
 from ._hf_checkpoint import _check_layer_against_checkpoint, _finish_loaded_layer, _read_headers
 from ._recipe import GUARD, GUARD_KEY, QUANT_METHOD, install_save_guard
 
-POLICIES = ("fused", "int8", "int8_weight_only", "sparse24")
-NOT_YET = {"int4": "int4 is not available in this fastdl yet"}
-GROUP_SIZES = ("auto", 16, None)
+POLICIES = ("fused", "int8", "int8_weight_only", "sparse24", "int4", "int4_weight_only")
+GROUP_SIZES = ("auto", 16, None)  # the int8 policies' (Int8Linear)
+INT4_GROUP_SIZES = ("auto", 32, 64, 128)  # the int4 policies' (Int4Linear; "auto": 128)
 _REGISTRY = "transformers.quantizers.auto"
 
 __all__ = ["GUARD", "POLICIES", "QUANT_METHOD", "FastdlConfig", "FastdlHfQuantizer", "dequantize",  # noqa: F822
@@ -147,7 +149,7 @@ def _kernel_name(m) -> str:
     if name == "Sparse24Linear":
         return "sparse24"
     if name == "Int4Linear":
-        return "int4_weight_only"
+        return "int4" if m.mode == "dynamic" else "int4_weight_only"
     if name == "FusedLinear":
         return f"fused[{m.activation}]"
     return name
@@ -266,20 +268,24 @@ def _define() -> dict[str, type]:
 
     class FastdlConfig(QuantizationConfigMixin):
         """How ``from_pretrained`` converts the model's Linear layers: ``policy`` (``"fused"``, ``"int8"``,
-        ``"int8_weight_only"``, ``"sparse24"``), ``group_size`` (int8 policies: ``"auto"``, 16 or None, as
-        ``fastdl.nn.Int8Linear``) and ``modules_to_not_convert`` (names or patterns, as bitsandbytes' and
-        torchao's; None: transformers' default, which keeps ``lm_head`` and tied layers). Read back from
-        ``config.json`` it also carries the conversion recipe (``layers``) of a saved model."""
+        ``"int8_weight_only"``, ``"sparse24"``, ``"int4"``, ``"int4_weight_only"``), ``group_size`` (int8 policies:
+        ``"auto"``, 16 or None, as ``fastdl.nn.Int8Linear``; int4 policies: ``"auto"`` (128), 32 or 64) and
+        ``modules_to_not_convert`` (names or patterns, as bitsandbytes' and torchao's; None: transformers' default,
+        which keeps ``lm_head`` and tied layers). Read back from ``config.json`` it also carries the conversion recipe
+        (``layers``) of a saved model."""
 
         def __init__(self, policy: str | None = None, group_size="auto", modules_to_not_convert=None,
                      **kwargs) -> None:  # fmt: skip
             self.quant_method = QUANT_METHOD
             kwargs.pop("quant_method", None)
             if policy is not None and (not isinstance(policy, str) or policy not in POLICIES):
-                hint = f" ({NOT_YET[policy]})" if isinstance(policy, str) and policy in NOT_YET else ""
-                raise ValueError(f"FastdlConfig: unknown policy {policy!r}{hint}; known policies: "
+                raise ValueError(f"FastdlConfig: unknown policy {policy!r}; known policies: "
                                  f"{', '.join(POLICIES)}")  # fmt: skip
-            if group_size not in GROUP_SIZES:
+            if isinstance(policy, str) and policy.startswith("int4"):
+                if isinstance(group_size, bool) or group_size not in INT4_GROUP_SIZES:
+                    raise ValueError(f"FastdlConfig(policy={policy!r}): group_size must be 'auto' (128), 32, 64 or "
+                                     f"128, got {group_size!r}")  # fmt: skip
+            elif isinstance(group_size, bool) or group_size not in GROUP_SIZES:
                 raise ValueError(f"FastdlConfig: group_size must be 'auto', 16 or None, got {group_size!r}")
             if policy == "int8" and group_size == 16:
                 raise ValueError("FastdlConfig: group_size=16 needs policy='int8_weight_only' (W8A8 uses one scale "
@@ -383,6 +389,9 @@ def _define() -> dict[str, type]:
             qc = self.quantization_config
             skip = self.get_modules_to_not_convert(model, qc.modules_to_not_convert, model._keep_in_fp32_modules)
             tied = set(model.all_tied_weights_keys) | set(model.all_tied_weights_keys.values())
+            # in_features must be a multiple of this (2:4 groups, int4 groups)
+            multiple = 4 if qc.policy == "sparse24" else _int4_group(qc.group_size) if qc.policy.startswith("int4") \
+                else 1
             bad = []
             for name, m in model.named_modules():
                 if type(m) is not nn.Linear and not _is_conv1d(m):
@@ -396,13 +405,13 @@ def _define() -> dict[str, type]:
                     self._kept[name] = "kept in full precision: its weight is tied to another parameter"
                     continue
                 in_features = m.in_features if not _is_conv1d(m) else m.nx
-                if qc.policy == "sparse24" and in_features % 4:
+                if in_features % multiple:
                     bad.append(f"{name} (in_features={in_features})")
                     continue
                 self._targets[name] = qc.policy
             if bad:
-                raise ValueError(f"FastdlConfig(policy='sparse24'): {len(bad)} layer(s) cannot be converted, "
-                                 f"in_features must be a multiple of 4: {', '.join(bad[:8])}"
+                raise ValueError(f"FastdlConfig(policy={qc.policy!r}): {len(bad)} layer(s) cannot be converted, "
+                                 f"in_features must be a multiple of {multiple}: {', '.join(bad[:8])}"
                                  f"{', ...' if len(bad) > 8 else ''}; add them to modules_to_not_convert")
 
         def _prepare_saved(self, model, checkpoint_files) -> None:
@@ -491,8 +500,11 @@ def _define() -> dict[str, type]:
             dequantize(model, dtype)
             return model
 
+    def _int4_group(group_size) -> int:
+        return 128 if group_size == "auto" else group_size
+
     def _build(lin, policy: str, group_size):
-        from .nn import FusedLinear, Int8Linear, Sparse24Linear
+        from .nn import FusedLinear, Int4Linear, Int8Linear, Sparse24Linear
         from .sparsity import is_2_4
 
         if policy == "fused":
@@ -505,6 +517,9 @@ def _define() -> dict[str, type]:
                 raise ValueError("its weight is not 2:4 sparse (at most 2 non-zeros in every group of 4 inputs); "
                                  "prune it first (fastdl.sparsity.prune, then fine-tune) or use another policy")
             return Sparse24Linear.from_linear(lin)
+        if policy in ("int4", "int4_weight_only"):
+            mode = "dynamic" if policy == "int4" else "weight_only"
+            return Int4Linear.from_linear(lin, group_size=_int4_group(group_size), mode=mode)
         raise ValueError(f"unknown policy {policy!r}")
 
     return {"FastdlConfig": FastdlConfig, "FastdlHfQuantizer": FastdlHfQuantizer}

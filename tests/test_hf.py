@@ -17,7 +17,7 @@ import fastdl  # noqa: E402
 from fastdl.hf import GUARD, FastdlConfig  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-POLICIES = ("fused", "int8", "int8_weight_only", "sparse24")
+POLICIES = ("fused", "int8", "int8_weight_only", "sparse24", "int4", "int4_weight_only")
 IDS = torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(0))
 
 
@@ -68,7 +68,8 @@ def saved(tmp_path_factory):
     before = {}
     for name, (src, policy, auto) in cases.items():
         cls = AutoModelForCausalLM if auto == "AutoModelForCausalLM" else AutoModel
-        model = cls.from_pretrained(out / src, quantization_config=FastdlConfig(policy=policy))
+        kw = {"group_size": 32} if policy.startswith("int4") else {}  # hidden 64: groups of 32
+        model = cls.from_pretrained(out / src, quantization_config=FastdlConfig(policy=policy, **kw))
         with torch.no_grad():
             res = model(IDS)
         logits = res.logits if hasattr(res, "logits") else res.last_hidden_state
@@ -122,7 +123,7 @@ def test_registered_with_transformers():
 
 
 @pytest.mark.parametrize("name", ["llama-fused", "llama-int8", "llama-int8_weight_only", "llama-sparse24",
-                                  "bert-int8_weight_only", "gpt2-int8"])
+                                  "llama-int4", "llama-int4_weight_only", "bert-int8_weight_only", "gpt2-int8"])
 def test_quantize_on_load_save_reload_bit_identical_in_a_fresh_process(name, saved):
     out, before, after = saved
     cfg = json.loads((out / name / "config.json").read_text())
@@ -133,7 +134,7 @@ def test_quantize_on_load_save_reload_bit_identical_in_a_fresh_process(name, sav
     assert torch.equal(after[name]["logits"], before[name]["logits"])  # bit-identical
     assert after[name]["training"] is False
     kinds = before[name]["kinds"]
-    if "Int8Linear" in kinds or "Sparse24Linear" in kinds:  # transformers alone must stop, naming the fix
+    if {"Int8Linear", "Sparse24Linear", "Int4Linear"} & set(kinds):  # transformers alone must stop, naming the fix
         assert cfg["transformers_weights"] == GUARD
         assert after[name]["plain"].startswith("ValueError") and "import fastdl" in after[name]["plain"]
     else:  # float nn.Linear weights: transformers alone loads them (it skips the unknown method)
@@ -164,7 +165,8 @@ def test_quantized_logits_close_to_full_precision(saved):
     with torch.no_grad():
         ref = AutoModelForCausalLM.from_pretrained(out / "llama")(IDS).logits
         ref24 = AutoModelForCausalLM.from_pretrained(out / "llama24")(IDS).logits
-    for policy, tol in (("fused", 1e-5), ("int8_weight_only", 0.02), ("int8", 0.05), ("sparse24", 1e-5)):
+    for policy, tol in (("fused", 1e-5), ("int8_weight_only", 0.02), ("int8", 0.05), ("sparse24", 1e-5),
+                        ("int4_weight_only", 0.2), ("int4", 0.2)):
         r = ref24 if policy == "sparse24" else ref
         err = (before[f"llama-{policy}"]["logits"].double() - r.double()).norm() / r.double().norm()
         assert err < tol, (policy, float(err))
@@ -214,12 +216,38 @@ def test_load_pretrained_is_an_alias(saved):
 
 # ------------------------------------------------------------------------------------------ bad input
 def test_unknown_policy_names_the_known_ones():
-    with pytest.raises(ValueError, match=r"unknown policy 'int4' \(int4 is not available.*fused, int8, "):
-        FastdlConfig(policy="int4")
-    with pytest.raises(ValueError, match="unknown policy 'int9'"):
+    with pytest.raises(ValueError, match=r"unknown policy 'int9'; known policies: fused, int8, .*int4_weight_only"):
         FastdlConfig(policy="int9")
     with pytest.raises(ValueError, match="group_size"):
         FastdlConfig(policy="int8_weight_only", group_size=32)
+    with pytest.raises(ValueError, match=r"policy='int4'\): group_size must be 'auto' \(128\), 32, 64 or 128, got 16"):
+        FastdlConfig(policy="int4", group_size=16)
+    with pytest.raises(ValueError, match="group_size"):
+        FastdlConfig(policy="int4_weight_only", group_size=None)
+
+
+def test_int4_on_load_is_the_conversion_of_the_loaded_model(saved):
+    """Quantizing while loading gives the layers fastdl.convert gives the full-precision model (the same quantizer,
+    bit for bit); lm_head is kept (transformers' default), and in_features that is not a multiple of the group raises
+    naming the layers."""
+    from transformers import AutoModelForCausalLM
+
+    out, before, _ = saved
+    from fastdl.nn import Int4Linear
+
+    full = AutoModelForCausalLM.from_pretrained(out / "llama")
+    for name, m in list(full.named_modules()):
+        if type(m) is torch.nn.Linear and name != "lm_head":
+            parent, _, child = name.rpartition(".")
+            setattr(full.get_submodule(parent), child, Int4Linear.from_linear(m, group_size=32))
+    with torch.no_grad():
+        assert torch.equal(full(IDS).logits, before["llama-int4_weight_only"]["logits"])
+    rows = {r["layer"]: r for r in before["llama-int4"]["report"]}
+    assert rows["model.layers.0.mlp.down_proj"]["kernel"] == "int4" and rows["lm_head"]["kernel"] == "original"
+    with pytest.raises(ValueError, match=r"FastdlConfig\(policy='int4_weight_only'\): 12 layer\(s\) cannot be "
+                                         r"converted, in_features must be a multiple of 128: "
+                                         r"model.layers.0.self_attn.q_proj \(in_features=64\)"):  # fmt: skip
+        AutoModelForCausalLM.from_pretrained(out / "llama", quantization_config=FastdlConfig(policy="int4_weight_only"))
 
 
 def test_sparse24_needs_2_4_weights_and_shapes(saved, tmp_path):
