@@ -58,6 +58,10 @@ OPT_IN_POLICIES = ("int4", "int4_weight_only")  # accepted by convert and as "au
 # that one noisy timing does not reject a candidate (it must not be slower than the original at *any* bucket): at least
 # 10 ms per path until two calls agree within 3 %, at most 40 ms per path or 40 rounds.
 CONVERT_TIMING = {"budget_s": 10e-3, "max_budget_s": 40e-3, "max_reps": 40}
+# Cold timing (see _weights_exceed_cache) up to this many rows: the weight-streaming regime, where the weights
+# come from decides the time. Above it a layer reads each weight byte once per 64+ rows of products (compute bound),
+# and an eviction (reading twice the cache, ~2 ms) before every timed call would only lengthen the conversion.
+COLD_MAX_ROWS = 64
 ORIGINAL_TWIN = "original#2"
 _DECISIONS: dict[tuple, dict] = {}  # timings of "auto": (machine, device, dtype, layer, calls, bucket, cold) -> seconds
 
@@ -430,6 +434,7 @@ def _measure_bucket(site: _Site, cands: dict, x: torch.Tensor, lin_out: torch.Te
     ref = act(lin_out)
     rows = x.numel() // x.shape[-1]
     b = choice.bucket_of(rows)
+    cold = cold and rows <= COLD_MAX_ROWS
     # every call without nn.Module.__call__ (hooks: this runs inside one), like the candidates' _run_path
     # the original twice (an A/A pair): how far apart two timings of the same call land is this bucket's noise
     calls: dict[str, Callable] = {"original": lambda: act(lin.forward(x)), ORIGINAL_TWIN: lambda: act(lin.forward(x))}

@@ -106,16 +106,19 @@ def test_auto_takes_faster_candidate_within_error_and_caches(timer):
 @pytest.mark.parametrize("llc, cold", [(1 << 30, False), (1 << 10, True)])
 def test_auto_times_weights_cold_when_they_exceed_the_cache(timer, monkeypatch, llc, cold):
     """The model's weights (4 x 64 x 64 fp32 = 64 KiB) against a last-level cache of 1 GiB (they stay cached: timed
-    warm) or of 1 KiB (a forward pass reads them from memory: every timing of "auto" asks for cold weights); the
-    timings of the two are cached apart."""
+    warm) or of 1 KiB (a forward pass reads them from memory: "auto" times the weight-streaming buckets, up to 64
+    rows, with cold weights); the timings of the two are cached apart."""
     from fastdl import _machine
 
     monkeypatch.setattr(_machine, "llc_bytes", lambda: llc)
     seen = []
-    timer.set(lambda name, info: seen.append(info["cold"]) or (1.0 if name.startswith("original") else 0.5))
-    fastdl.convert(_model(), "auto", example_inputs=(torch.randn(8, 64),), candidates=("fused",))
-    assert seen and all(c is cold for c in seen)
-    assert all(key[-1] is cold for key in convert_mod._DECISIONS)
+    timer.set(lambda name, info: seen.append((info["rows"], info["cold"])) or (1.0 if name.startswith("original")
+                                                                               else 0.5))  # fmt: skip
+    fastdl.convert(_model(), "auto", workload=[(torch.randn(8, 64),), (torch.randn(65, 64),)], candidates=("fused",))
+    assert {rows for rows, _ in seen} == {8, 65}
+    # above COLD_MAX_ROWS (64) the products bound the time: never cold
+    assert all(c is (cold and rows <= convert_mod.COLD_MAX_ROWS) for rows, c in seen)
+    assert {key[-1] for key in convert_mod._DECISIONS} == ({True, False} if cold else {False})
 
 
 def test_cold_timing_evicts_before_each_timed_call(monkeypatch):
