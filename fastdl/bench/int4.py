@@ -47,8 +47,10 @@ from .common import (
     CallPredictor,
     LiveTable,
     activity,
+    dram_read_bandwidth,
     env_columns,
     interleaved,
+    llc_bytes,
     mark_slower,
     module_main,
     over_time,
@@ -56,7 +58,6 @@ from .common import (
     say,
     write_csv,
 )
-from .memory import dram_read_bandwidth, llc_bytes
 
 DEFAULT_M = (1, 4, 16, 128, 512)
 DEFAULT_KN = ((4096, 4096), (4096, 11008), (11008, 4096))
