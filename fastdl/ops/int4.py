@@ -35,6 +35,7 @@ import math
 import torch
 
 # the plain-PyTorch format helpers and the checkpoint importers live in _int4_formats (re-exported here)
+from ._checks import check_same_device, check_vector, check_x
 from ._int4_formats import BLOCK, dequantize_int4, import_awq, import_gptq, pack_int4, unpack_int4  # noqa: F401
 from ._library import define, register_autocast_rule, register_autograd, require, require_device, require_dtype
 
@@ -52,7 +53,6 @@ __all__ = [
 GROUP_SIZES = (32, 64, 128)
 METHODS = ("search", "rtn")
 _X_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-_FLOAT = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 SCHEMA = "(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, Tensor? bias, int group_size) -> Tensor"
 _OP = "int4_weight_only_linear"
 _A8_OP = "int4_a8_linear"
@@ -95,11 +95,7 @@ def check_int4_a8_linear(x, qweight, scales, zeros, bias, group_size):
 
 
 def _check_linear(fn, x, qweight, scales, zeros, bias, group_size):
-    require_dtype(
-        x.dtype in _X_DTYPES,
-        lambda: f"{fn}: x must be float32, bfloat16, float16 or float64, got dtype {x.dtype}",
-    )
-    require(x.dim() >= 1, lambda: f"{fn}: x must have at least 1 dimension [..., K], got a 0-dim tensor")
+    check_x(fn, x, _X_DTYPES, "float32, bfloat16, float16 or float64")
     _check_group_size(fn, group_size)
     K = x.shape[-1]
     require(
@@ -115,24 +111,13 @@ def _check_linear(fn, x, qweight, scales, zeros, bias, group_size):
         lambda: f"{fn}: qweight must have shape [N, K / 2] with K = x.shape[-1] = {K}, got {tuple(qweight.shape)} "
         "(mismatched K)",
     )
-    require_device(
-        qweight.device == x.device,
-        lambda: f"{fn}: qweight must be on the same device as x ({x.device}), got {qweight.device}",
-    )
+    check_same_device(fn, "qweight", qweight, x)
     N, groups = qweight.shape[0], K // group_size
     _check_group_tensor(fn, "scales", scales, torch.float16, N, groups, x, "one scale per group")
     if zeros is not None:
         _check_group_tensor(fn, "zeros", zeros, torch.uint8, N, groups, x, "zero points 0..15, or None")
     if bias is not None:
-        require_dtype(bias.dtype in _FLOAT, lambda: f"{fn}: bias must be a floating tensor, got dtype {bias.dtype}")
-        require(
-            bias.dim() == 1 and bias.shape[0] == N,
-            lambda: f"{fn}: bias must have shape [N] = [{N}], got {tuple(bias.shape)}",
-        )
-        require_device(
-            bias.device == x.device,
-            lambda: f"{fn}: bias must be on the same device as x ({x.device}), got {bias.device}",
-        )
+        check_vector(fn, "bias", bias, N, x)
     return K, N
 
 
@@ -163,18 +148,11 @@ def _supports(backend, args):
     return None
 
 
-int4_weight_only_linear_op = define(
-    _OP,
-    SCHEMA,
-    reference=_reference,
-    fake=_fake,
-    # cpp: the extension's CPU kernel once it registers one (until then backends.available() reports "fastdl._C has
-    # no CPU kernel" and auto takes torch). triton: kernels/int4.py (split-K GEMV for M <= 16, tiled GEMM above).
-    prefer={"cpu": ("cpp", "torch"), "cuda": ("triton", "torch")},
-    triton="int4:int4_weight_only_linear",
-    supports=_supports,
-    check=check_int4_linear,
-)
+# cpp: the extension's CPU kernel once it registers one (until then backends.available() reports "fastdl._C has
+# no CPU kernel" and auto takes torch). triton: kernels/int4.py (split-K GEMV for M <= 16, tiled GEMM above).
+int4_weight_only_linear_op = define(_OP, SCHEMA, reference=_reference, fake=_fake, check=check_int4_linear,
+                                    supports=_supports, cuda=("triton", "torch"),
+                                    triton="int4:int4_weight_only_linear")  # fmt: skip
 
 
 def _setup_context(ctx, inputs, output):
@@ -266,18 +244,10 @@ def _a8_fake(x, qweight, scales, zeros, bias, group_size):
     return x.new_empty((*x.shape[:-1], N))
 
 
-int4_a8_linear_op = define(
-    _A8_OP,
-    SCHEMA,
-    reference=_a8_reference,
-    fake=_a8_fake,
-    prefer={"cpu": ("cpp", "torch"), "cuda": ("triton", "torch")},
-    # triton: kernels/int4.py (the quantization in the split-K GEMV's registers for M <= 16; else a quantization
-    # kernel and an int8 tl.dot GEMM)
-    triton="int4:int4_a8_linear",
-    supports=_supports,
-    check=check_int4_a8_linear,
-)
+# triton: kernels/int4.py (the quantization in the split-K GEMV's registers for M <= 16; else a quantization
+# kernel and an int8 tl.dot GEMM)
+int4_a8_linear_op = define(_A8_OP, SCHEMA, reference=_a8_reference, fake=_a8_fake, check=check_int4_a8_linear,
+                           supports=_supports, cuda=("triton", "torch"), triton="int4:int4_a8_linear")  # fmt: skip
 # The derivative is straight through the activations' rounding (as int8_linear's): grad_x = g @ W, grad_bias = sum g.
 register_autograd(int4_a8_linear_op, _frozen_backward, _setup_context, double_backward=_frozen_backward)
 register_autocast_rule(_A8_OP)
