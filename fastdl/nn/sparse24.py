@@ -64,6 +64,7 @@ from ._base import (
     DenseCopyOption,
     VersionedModule,
     check_dtype_arg,
+    check_input,
     dense_copy_allowed,
     input_error,
     layer_name,
@@ -369,15 +370,11 @@ class Sparse24Linear(DenseCopyOption, RuntimeChoice, VersionedModule):
                 str(self.values.dtype).removeprefix("torch.")) + (("dense_copy",) if self.dense_copy else ())
 
     def _choice_default(self, x) -> str:
-        err = input_error(self, x)  # the first call at a bucket: no decision is kept for an input the layer rejects
-        if err is not None:
-            raise err
+        check_input(self, x)  # the first call at a bucket: no decision is kept for an input the layer rejects
         return self._fixed_path(x)
 
     def _choice_paths(self, x: torch.Tensor) -> tuple[str, ...]:
-        err = input_error(self, x)  # (the run-time choice's key has no device: a meta x must not decide for CPU)
-        if err is not None:
-            raise err
+        check_input(self, x)  # (the run-time choice's key has no device: a meta x must not decide for CPU)
         default = self._fixed_path(x)
         if self.mode != "auto" or self.values.numel() == 0 or x.is_meta:
             return (default,)
