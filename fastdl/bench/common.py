@@ -278,11 +278,15 @@ class CallPredictor:
 _PEAK_CACHE: dict = {}
 
 
-def measured_matmul_peak(device: str, dtype: torch.dtype = torch.bfloat16) -> float:
-    """FLOP/s of a large square ``torch.mm`` in ``dtype`` here: the "peak" that % columns refer to. On a CPU without a
-    fast path for ``dtype`` (bf16 on AVX2) the problem is 512^3 so that measuring the slow path stays short."""
+def measured_matmul_peak(device: str, dtype: torch.dtype = torch.bfloat16, *more: torch.dtype) -> float:
+    """FLOP/s of a large square ``torch.mm`` in ``dtype`` here (the fastest of ``dtype`` and ``more``): the "peak"
+    that % columns refer to. On a CPU without a fast path for a dtype (bf16 on AVX2) the problem is 512^3 so that
+    measuring the slow path stays short. Measured once per device and dtype."""
+    if more:
+        return max(measured_matmul_peak(device, d) for d in (dtype, *more))
     key = (device, dtype)
     if key not in _PEAK_CACHE:
+        activity("measuring the matmul peak")
         n = 8192 if device.startswith("cuda") else 2048
         a = torch.randn(n, n, device=device, dtype=dtype)
         b = torch.randn(n, n, device=device, dtype=dtype)
@@ -453,6 +457,15 @@ class LiveTable:
         elif n:
             say(f"{what} is at least as fast as {baseline} in all {n} measurements ({where}).")
         return slower
+
+    def finish(self, what: str, baseline: str, csv_path: str | None, more_rows: list[dict] = ()) -> list[dict]:
+        """The end of a benchmark's ``run``: ``close`` the table, write its rows (and ``more_rows``, measured apart)
+        to ``csv_path`` when one is given; returns those rows."""
+        self.close(what, baseline)
+        rows = self.rows + list(more_rows)
+        if csv_path:
+            write_csv(rows, csv_path)
+        return rows
 
 
 def describe_row(r: dict) -> str:

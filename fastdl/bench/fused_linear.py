@@ -39,7 +39,6 @@ from .common import (
     print_header,
     say,
     sync,
-    write_csv,
 )
 
 MODES = ("fwd", "fwd_fp32", "train")
@@ -147,8 +146,7 @@ def run(args) -> list[dict]:
     torch.manual_seed(0)
     act = args.activation
     print_header("fused_linear", device)
-    activity("measuring the matmul peak")
-    peak = max(measured_matmul_peak(device, torch.bfloat16), measured_matmul_peak(device, torch.float32))
+    peak = measured_matmul_peak(device, torch.bfloat16, torch.float32)
     env = env_columns(device)
     say(f"   activation {act}; peak = faster of bf16/fp32 torch.mm: {peak / 1e9:.0f} GFLOP/s; "
         f"fastdl backend (auto): {backends.select('fused_linear', 'cuda' if device.startswith('cuda') else 'cpu')}")
@@ -206,10 +204,7 @@ def run(args) -> list[dict]:
                 say(f"!! {mode} M={M} K={K} N={N} FAILED: {type(exc).__name__}: {exc}")
     except KeyboardInterrupt:
         say("  interrupted: the rows above are complete")
-    table.close("fastdl fused_linear", "PyTorch")
-    if args.csv:
-        write_csv(table.rows, args.csv)
-    return table.rows
+    return table.finish("fastdl fused_linear", "PyTorch", args.csv)
 
 
 def _rows(table, times, meta, mode, M, K, N, act, device, peak, env, skipped=()) -> None:

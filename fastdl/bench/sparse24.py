@@ -39,7 +39,6 @@ from .common import (
     over_time,
     print_header,
     say,
-    write_csv,
 )
 
 DEFAULT_M = (1, 16, 128, 512)
@@ -125,10 +124,7 @@ def run(args) -> list[dict]:
     dtype = _DTYPES[args.dtype]
     torch.manual_seed(0)
     print_header("sparse24", device)
-    activity("measuring the matmul peak")
-    peak = measured_matmul_peak(device, dtype)
-    if dtype != torch.float32:
-        peak = max(peak, measured_matmul_peak(device, torch.float32))
+    peak = measured_matmul_peak(device, dtype, torch.float32)  # the faster of the two
     env = env_columns(device)
     dev_type = "cuda" if cuda else "cpu"
     fastdl_backend = backends.select("sparse24_linear", dev_type)
@@ -193,11 +189,7 @@ def run(args) -> list[dict]:
             other_rows.append(_prune_compress(args, device, dtype, dev_type, base))
     except KeyboardInterrupt:
         say("  interrupted: the rows above are complete")
-    table.close("fastdl sparse24", "PyTorch")
-    rows = table.rows + other_rows
-    if args.csv:
-        write_csv(rows, args.csv)
-    return rows
+    return table.finish("fastdl sparse24", "PyTorch", args.csv, other_rows)
 
 
 def _rows(table, t, base, M, N, K, x, module, fastdl_backend, values, meta, wd, peak) -> None:
