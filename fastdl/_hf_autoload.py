@@ -28,45 +28,36 @@ ENV = "FASTDL_NO_HF_AUTOLOAD"
 WATCHED = "transformers.quantizers.auto"  # fastdl.hf._REGISTRY
 
 
-class AfterImport:
-    """A one-shot ``sys.meta_path`` finder: when the module ``watched`` is imported, step aside (every finder of this
-    class leaves ``sys.meta_path``), let the module run, then call ``then()``. It never breaks the import: any error
-    of its own leaves the import to the other finders. (``fastdl.hf`` uses one for its own registration hook.)"""
-
-    def __init__(self, watched: str, then) -> None:
-        self.watched, self.then = watched, then
+class FastdlHfAutoload:
+    """A one-shot ``sys.meta_path`` finder: after ``transformers.quantizers.auto`` has run, ``import fastdl.hf``."""
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname != self.watched:
+        if fullname != WATCHED:
             return None
         try:
-            cls = type(self)
-            sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, cls)]
+            _remove()
             import importlib.util
 
             spec = importlib.util.find_spec(fullname)
             if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
                 return spec
-            run, then = spec.loader.exec_module, self.then
+            run = spec.loader.exec_module
 
             def exec_module(module):
                 run(module)
-                then()
+                _import_fastdl_hf()
 
             spec.loader.exec_module = exec_module
             return spec
-        except Exception:  # the module's own import must go on as without this finder
+        except Exception:  # transformers' own import must go on as without this finder
             return None
 
     def invalidate_caches(self) -> None:
         pass
 
 
-class FastdlHfAutoload(AfterImport):
-    """After ``transformers.quantizers.auto`` has run, ``import fastdl.hf``."""
-
-    def __init__(self) -> None:
-        super().__init__(WATCHED, _import_fastdl_hf)
+def _remove() -> None:
+    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, FastdlHfAutoload)]
 
 
 def _import_fastdl_hf() -> None:

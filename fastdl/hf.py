@@ -44,6 +44,7 @@ before transformers reads it. (``config.save_pretrained`` drops that key, so fas
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 import warnings
@@ -51,7 +52,6 @@ import weakref
 from typing import Any
 
 from . import _recipe as recipes
-from ._hf_autoload import AfterImport
 from ._hf_checkpoint import _check_layer_against_checkpoint, _finish_loaded_layer, _read_headers
 from ._recipe import GUARD, GUARD_KEY, QUANT_METHOD, install_save_guard
 
@@ -102,12 +102,29 @@ def _register_quietly() -> None:
                       f"{type(exc).__name__}: {exc}", stacklevel=2)  # fmt: skip
 
 
-class _RegistryHook(AfterImport):
+class _RegistryHook:
     """A one-shot ``sys.meta_path`` finder: when ``transformers.quantizers.auto`` is imported, register fastdl right
     after the module has run (so that ``import fastdl`` never imports transformers itself)."""
 
-    def __init__(self) -> None:
-        super().__init__(_REGISTRY, _register_quietly)
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != _REGISTRY:
+            return None
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            _register_quietly()
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+    def invalidate_caches(self) -> None:
+        pass
 
 
 def _install_hook() -> None:
