@@ -122,11 +122,6 @@ def _check_linear(fn, x, qweight, scales, zeros, bias, group_size):
 
 
 # --------------------------------------------------------------------------------------------------------- op
-def _fake(x, qweight, scales, zeros, bias, group_size):
-    _, N = check_int4_linear(x, qweight, scales, zeros, bias, group_size)
-    return x.new_empty((*x.shape[:-1], N))
-
-
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
@@ -146,13 +141,6 @@ def _supports(backend, args):
     if backend in ("cpp", "triton") and args[0].dtype == torch.float64:
         return "float64 x runs on the PyTorch reference"
     return None
-
-
-# cpp: the extension's CPU kernel once it registers one (until then backends.available() reports "fastdl._C has
-# no CPU kernel" and auto takes torch). triton: kernels/int4.py (split-K GEMV for M <= 16, tiled GEMM above).
-int4_weight_only_linear_op = define(_OP, SCHEMA, reference=_reference, fake=_fake, check=check_int4_linear,
-                                    supports=_supports, cuda=("triton", "torch"),
-                                    triton="int4:int4_weight_only_linear")  # fmt: skip
 
 
 def _setup_context(ctx, inputs, output):
@@ -177,10 +165,27 @@ def _frozen_backward(ctx, grad_out):
     return gx, None, None, None, gb, None
 
 
-# The backward is made of differentiable torch ops, linear in grad_out and independent of x: its own double backward.
-# The reference is the differentiable form (x and bias enter through differentiable casts and a matmul).
-register_autograd(int4_weight_only_linear_op, _frozen_backward, _setup_context, double_backward=_frozen_backward)
-register_autocast_rule(_OP)
+def _define_linear(name: str, reference, check, triton: str):
+    """One of the two int4 linear ops: the same schema, argument checks (``check``, in the op's name), backends (the
+    extension on the CPU, Triton on CUDA, the reference elsewhere and for float64 x), backward and autocast rule.
+    The backward is made of differentiable torch ops, linear in grad_out and independent of x: its own double
+    backward. Each ``reference`` is the differentiable form (x and bias enter through differentiable casts and a
+    matmul)."""
+
+    def fake(x, qweight, scales, zeros, bias, group_size):
+        _, N = check(x, qweight, scales, zeros, bias, group_size)
+        return x.new_empty((*x.shape[:-1], N))
+
+    op = define(name, SCHEMA, reference=reference, fake=fake, check=check, supports=_supports, cuda=("triton", "torch"),
+                triton=triton)  # fmt: skip
+    register_autograd(op, _frozen_backward, _setup_context, double_backward=_frozen_backward)
+    register_autocast_rule(name)
+    return op
+
+
+# cpp: the extension's CPU kernel once it registers one (until then backends.available() reports "fastdl._C has
+# no CPU kernel" and auto takes torch). triton: kernels/int4.py (split-K GEMV for M <= 16, tiled GEMM above).
+int4_weight_only_linear_op = _define_linear(_OP, _reference, check_int4_linear, "int4:int4_weight_only_linear")
 
 
 def int4_weight_only_linear(
@@ -239,18 +244,10 @@ def _a8_reference(x, qweight, scales, zeros, bias, group_size):
     return out.to(x.dtype).reshape(*x.shape[:-1], N)
 
 
-def _a8_fake(x, qweight, scales, zeros, bias, group_size):
-    _, N = check_int4_a8_linear(x, qweight, scales, zeros, bias, group_size)
-    return x.new_empty((*x.shape[:-1], N))
-
-
 # triton: kernels/int4.py (the quantization in the split-K GEMV's registers for M <= 16; else a quantization
-# kernel and an int8 tl.dot GEMM)
-int4_a8_linear_op = define(_A8_OP, SCHEMA, reference=_a8_reference, fake=_a8_fake, check=check_int4_a8_linear,
-                           supports=_supports, cuda=("triton", "torch"), triton="int4:int4_a8_linear")  # fmt: skip
-# The derivative is straight through the activations' rounding (as int8_linear's): grad_x = g @ W, grad_bias = sum g.
-register_autograd(int4_a8_linear_op, _frozen_backward, _setup_context, double_backward=_frozen_backward)
-register_autocast_rule(_A8_OP)
+# kernel and an int8 tl.dot GEMM). The derivative is straight through the activations' rounding (as int8_linear's):
+# grad_x = g @ W, grad_bias = sum g.
+int4_a8_linear_op = _define_linear(_A8_OP, _a8_reference, check_int4_a8_linear, "int4:int4_a8_linear")
 
 
 def int4_a8_linear(
