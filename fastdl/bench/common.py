@@ -468,6 +468,12 @@ class LiveTable:
         return rows
 
 
+# The last columns of a float GEMM benchmark's table (fused_linear, sparse24): speed-ups over the fp32 baseline and
+# the best other provider, GFLOP/s, % of the matmul peak, weight bytes read per second.
+GEMM_RATE_COLUMNS = [("x_fp32", "x fp32", 6), ("x_best", "x best", 6), ("gflops", "GFLOP/s", 7),
+                     ("pct_peak", "% peak", 6), ("weight_gbps", "W GB/s", 6)]  # fmt: skip
+
+
 def describe_row(r: dict) -> str:
     parts = [str(r[k]) for k in ("op", "bench", "model", "mode", "module", "grad", "policy", "provider") if r.get(k)]
     shape = " ".join(f"{k}={r[k]}" for k in ("M", "K", "N", "batch", "seq") if r.get(k) is not None)

@@ -25,6 +25,7 @@ from .. import backends
 from ..ops import fused_linear
 from ..ops.fused_linear import ACTIVATIONS, activation_fn
 from .common import (
+    GEMM_RATE_COLUMNS,
     CallPredictor,
     LiveTable,
     activity,
@@ -137,8 +138,7 @@ def _step(mode, fn, x, w, b, g, device, autocast: bool, backend):
 
 
 COLUMNS = [("mode", "mode", 8), ("M", "M", 5), ("K", "K", 5), ("N", "N", 5), ("provider", "provider", 14),
-           ("ms", "ms", 9), ("x_eager", "x eager", 7), ("x_fp32", "x fp32", 6), ("x_best", "x best", 6),
-           ("gflops", "GFLOP/s", 7), ("pct_peak", "% peak", 6), ("weight_gbps", "W GB/s", 6)]  # fmt: skip
+           ("ms", "ms", 9), ("x_eager", "x eager", 7), *GEMM_RATE_COLUMNS]  # fmt: skip
 
 
 def run(args) -> list[dict]:

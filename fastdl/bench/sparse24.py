@@ -29,6 +29,7 @@ from .. import backends, runtime_choice
 from ..nn.sparse24 import Sparse24Linear
 from ..ops import sparse24 as sp
 from .common import (
+    GEMM_RATE_COLUMNS,
     LiveTable,
     activity,
     env_columns,
@@ -114,8 +115,7 @@ def _providers(x, wd, values, meta, bias, module, semi, x32=None, wd32=None) -> 
 
 
 COLUMNS = [("M", "M", 5), ("K", "K", 5), ("N", "N", 5), ("provider", "provider", 10), ("path", "path", 8),
-           ("ms", "ms", 9), ("x_dense", "x dense", 7), ("x_fp32", "x fp32", 6), ("x_best", "x best", 6),
-           ("gflops", "GFLOP/s", 7), ("pct_peak", "% peak", 6), ("weight_gbps", "W GB/s", 6)]  # fmt: skip
+           ("ms", "ms", 9), ("x_dense", "x dense", 7), *GEMM_RATE_COLUMNS]  # fmt: skip
 
 
 def run(args) -> list[dict]:
