@@ -23,6 +23,7 @@ path) and in an ``except`` clause when a kernel raised (``input_error`` / ``chec
 from __future__ import annotations
 
 import json
+import math
 import reprlib
 import sys
 from typing import Any, ClassVar
@@ -145,6 +146,26 @@ def raise_input_error(module: nn.Module, x: Any, exc: BaseException, dtypes: tup
     if err is None or (type(err) is type(exc) and str(err) == str(exc)):
         return
     raise err from exc
+
+
+def linear_init(in_features: int, out_features: int, bias: bool, device=None,
+                dtype=None) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """``nn.Linear(in_features, out_features, bias)``'s initial weight ``[out, in]`` (kaiming-uniform) and bias
+    (uniform in +-1/sqrt(in_features); None without one), drawn in that order: the fastdl layers start from it."""
+    w = torch.empty((out_features, in_features), device=device, dtype=dtype)
+    nn.init.kaiming_uniform_(w, a=math.sqrt(5))
+    if not bias:
+        return w, None
+    bound = 1 / math.sqrt(in_features) if in_features > 0 else 0
+    return w, torch.empty(out_features, device=device, dtype=dtype).uniform_(-bound, bound)
+
+
+def set_bias(module: nn.Module, b: torch.Tensor | None, requires_grad: bool = True) -> None:
+    """``module.bias``: ``b`` as a parameter, or registered as None (no bias)."""
+    if b is None:
+        module.register_parameter("bias", None)
+    else:
+        module.bias = nn.Parameter(b, requires_grad=requires_grad)
 
 
 def check_input(module: nn.Module, x: Any, dtypes: tuple = FLOAT_DTYPES) -> None:

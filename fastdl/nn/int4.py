@@ -31,8 +31,6 @@ A checkpoint this layer cannot load raises ``fastdl.CheckpointError`` naming the
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
@@ -44,7 +42,9 @@ from ._base import (
     VersionedModule,
     check_dtype_arg,
     check_input,
+    linear_init,
     resident_bytes,
+    set_bias,
 )
 
 FORMAT = "fastdl.Int4Linear"
@@ -91,13 +91,8 @@ class Int4Linear(CheckedForward, RuntimeChoice, VersionedModule):
         self.in_features, self.out_features = int(in_features), int(out_features)
         self.group_size, self.method, self.symmetric = group_size, method, bool(symmetric)
         self.quantization_error: float | None = None
-        w = torch.empty((out_features, in_features), device=device, dtype=dtype or torch.float32)
-        nn.init.kaiming_uniform_(w, a=math.sqrt(5))
-        if bias:
-            bound = 1 / math.sqrt(in_features) if in_features > 0 else 0
-            self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=w.dtype).uniform_(-bound, bound))
-        else:
-            self.register_parameter("bias", None)
+        w, b = linear_init(in_features, out_features, bias, device, dtype or torch.float32)
+        set_bias(self, b)
         # a random initial weight: round to nearest (cheap); ``method`` is what a float checkpoint is quantized with
         self._set(*int4_ops.quantize_int4(w, group_size, "rtn", self.symmetric), None)
 

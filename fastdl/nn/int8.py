@@ -55,8 +55,6 @@ state_dict (format version 3)
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -73,7 +71,9 @@ from ._base import (
     check_input,
     dense_copy_allowed,
     is_dtensor,
+    linear_init,
     resident_bytes,
+    set_bias,
 )
 from ._int8_support import (  # noqa: F401 (MODES, GROUP_SIZES: part of this module's interface)
     _QUANT_DOC,
@@ -121,14 +121,8 @@ class Int8Linear(CheckedForward, DenseCopyOption, RuntimeChoice, VersionedModule
         # dtype is that of the float weight the layer is initialised (quantized) from and of the bias: a float dtype
         check_dtype_arg("Int8Linear", dtype)
         master_dtype = dtype or torch.float32
-        w = torch.empty((out_features, in_features), device=device, dtype=master_dtype)
-        nn.init.kaiming_uniform_(w, a=math.sqrt(5))
-        if bias:
-            bound = 1 / math.sqrt(in_features) if in_features > 0 else 0
-            b = torch.empty(out_features, device=device, dtype=master_dtype).uniform_(-bound, bound)
-            self.bias = nn.Parameter(b)
-        else:
-            self.register_parameter("bias", None)
+        w, b = linear_init(in_features, out_features, bias, device, master_dtype)
+        set_bias(self, b)
         self._init_weight(w)
 
     # ------------------------------------------------------------------------------------------ representation
