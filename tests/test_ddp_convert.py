@@ -3,16 +3,14 @@ fastdl's PrefetchLoader over a DataLoader with a DistributedSampler: identical o
 training on the same global batches, and its checkpoint, saved by rank 0, loads in another process (this one) and
 gives the same outputs."""
 
-import os
-
 import torch
 import torch.nn.functional as F
+from _ddp import run_ddp
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 import fastdl
-from fastdl._distributed import finish_worker
 from fastdl.nn import FusedLinear
 
 BATCH, STEPS_DATA, LR = 8, 64, 0.05
@@ -28,14 +26,11 @@ def _data():
     return torch.randn(STEPS_DATA, 12, generator=g), torch.randn(STEPS_DATA, 3, generator=g)
 
 
-def _worker(rank, world, out_dir):
-    import torch.distributed as dist
+def _worker(rank, world):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from fastdl.data import PrefetchLoader
 
-    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world)
-    torch.set_num_threads(1)
     model = _model()
     assert isinstance(model[0], FusedLinear) and model[0].activation == "gelu"
     ddp = DDP(model)
@@ -52,19 +47,13 @@ def _worker(rank, world, out_dir):
     probe = torch.linspace(-1, 1, 5 * 12).reshape(5, 12)
     with torch.no_grad():
         out = model(probe)
-    torch.save({"state": model.state_dict(), "probe_out": out}, os.path.join(out_dir, f"rank{rank}.pt"))
     loader.close()
-    dist.barrier()
-    dist.destroy_process_group()
-    finish_worker()  # see fastdl._distributed: avoids an abort in gloo teardown
+    return {"state": model.state_dict(), "probe_out": out}
 
 
 def test_fused_model_ddp_prefetchloader_matches_single_process(tmp_path):
-    import torch.multiprocessing as mp
-
     world = 2
-    mp.spawn(_worker, args=(world, str(tmp_path)), nprocs=world, join=True)
-    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(world))
+    r0, r1 = run_ddp(_worker, tmp_path, world)
     for k in r0["state"]:  # (a) identical on every rank
         torch.testing.assert_close(r0["state"][k], r1["state"][k], rtol=0, atol=0)
 

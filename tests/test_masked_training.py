@@ -5,17 +5,16 @@ hand, also in 2-process DDP; an optimizer not known to keep zeros is re-masked a
 weights moved by something else; an optimizer state built before pruning is masked; a weight replaced after the start
 is hooked after the next step."""
 
-import os
 import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
+from _ddp import run_ddp
 from torch import nn
 
 import fastdl.ops.sparse24 as sp  # noqa: F401  (registers the ops)
 from fastdl import sparsity
-from fastdl._distributed import finish_worker
 from fastdl.nn import FusedLinear
 
 STEPS = 100
@@ -193,12 +192,9 @@ def test_check_every_argument_errors():
 DDP_RUNS = ("sgd_momentum_wd", "adamw_wd", "sgd_bucket_view")
 
 
-def _ddp_worker(rank, world, out_dir):
-    import torch.distributed as dist
+def _ddp_worker(rank, world):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world)
-    torch.set_num_threads(1)
     out = {}
     for run in DDP_RUNS:
         model = _model()  # same seed on both ranks: same weights, same masks
@@ -216,18 +212,11 @@ def _ddp_worker(rank, world, out_dir):
                     "remask_every_step": mt.remask_every_step,
                     "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}  # fmt: skip
         mt.remove()
-    torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
-    finish_worker()  # see fastdl._distributed: avoids an abort in gloo teardown
+    return out
 
 
 def test_ddp_two_processes_masks_exact_after_100_steps(tmp_path):
-    import torch.multiprocessing as mp
-
-    world = 2
-    mp.spawn(_ddp_worker, args=(world, str(tmp_path)), nprocs=world, join=True)
-    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world))
+    r0, r1 = run_ddp(_ddp_worker, tmp_path, weights_only=False)
     for run in DDP_RUNS:
         for r in (r0, r1):
             assert r[run]["off_mask_nonzeros"] == 0 and r[run]["grads_ok"] and not r[run]["remask_every_step"], run

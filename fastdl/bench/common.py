@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 
 from .._machine import llc_bytes  # noqa: F401  (the benchmarks import it from here)
+from .memory import dram_read_bandwidth  # noqa: F401  (moved there; still importable from here)
 
 # LLaMA-7B MLP: gate/up projections 4096 -> 11008, down projection 11008 -> 4096
 LLAMA_SHAPES = ((4096, 11008), (11008, 4096))
@@ -277,11 +278,15 @@ class CallPredictor:
 _PEAK_CACHE: dict = {}
 
 
-def measured_matmul_peak(device: str, dtype: torch.dtype = torch.bfloat16) -> float:
-    """FLOP/s of a large square ``torch.mm`` in ``dtype`` here: the "peak" that % columns refer to. On a CPU without a
-    fast path for ``dtype`` (bf16 on AVX2) the problem is 512^3 so that measuring the slow path stays short."""
+def measured_matmul_peak(device: str, dtype: torch.dtype = torch.bfloat16, *more: torch.dtype) -> float:
+    """FLOP/s of a large square ``torch.mm`` in ``dtype`` here (the fastest of ``dtype`` and ``more``): the "peak"
+    that % columns refer to. On a CPU without a fast path for a dtype (bf16 on AVX2) the problem is 512^3 so that
+    measuring the slow path stays short. Measured once per device and dtype."""
+    if more:
+        return max(measured_matmul_peak(device, d) for d in (dtype, *more))
     key = (device, dtype)
     if key not in _PEAK_CACHE:
+        activity("measuring the matmul peak")
         n = 8192 if device.startswith("cuda") else 2048
         a = torch.randn(n, n, device=device, dtype=dtype)
         b = torch.randn(n, n, device=device, dtype=dtype)
@@ -292,38 +297,6 @@ def measured_matmul_peak(device: str, dtype: torch.dtype = torch.bfloat16) -> fl
         t = time_fn(lambda: torch.mm(a, b), device, warmup=2, min_reps=5, budget_s=1.0)
         _PEAK_CACHE[key] = 2 * n**3 / t
     return _PEAK_CACHE[key]
-
-
-def dram_read_bandwidth(nbytes: int | None = None, passes: int = 7, max_s: float = 1.5) -> float:
-    """The memory's read bandwidth in GB/s (1e9 bytes/s) as PyTorch's own code sees it: ``torch.sum`` of an fp32
-    buffer far larger than the last-level cache, run with all the threads PyTorch uses (``torch.get_num_threads()``),
-    reads each byte once from DRAM (a vectorised reduction: on an AVX2 Zen 3 one core alone sums at ~27 GB/s, so the
-    memory, not the arithmetic, bounds it). The buffer is written once first (an untouched page would be read as
-    the kernel's shared zero page, from the cache) and summed once untimed (page tables, thread start); then the
-    median of ``passes`` timed sums (fewer when one takes longer than ``max_s`` / ``passes``).
-
-    ``nbytes``: the buffer's size (default: 8x the last-level cache of all CPUs, at least 512 MiB and at most
-    1 GiB; a small buffer measures the caches instead). It is the ceiling against which a decode step that streams
-    every weight once is judged (``fastdl bench model --decoder tinyllama``); on a busy machine, with threads
-    waiting for the scheduler, it is lower than the hardware's. Takes ~0.2-0.5 s with 512 MiB at 20-40 GB/s."""
-    if nbytes is None:
-        llc = llc_bytes() or (32 << 20)
-        nbytes = min(max(8 * llc, 512 << 20), 1 << 30)
-    if not isinstance(nbytes, int) or nbytes < 4:
-        raise ValueError(f"dram_read_bandwidth: nbytes must be an int >= 4, got {nbytes!r}")
-    if not isinstance(passes, int) or passes < 1:
-        raise ValueError(f"dram_read_bandwidth: passes must be an int >= 1, got {passes!r}")
-    buf = torch.ones(nbytes // 4, dtype=torch.float32)
-    t0 = time.perf_counter()
-    buf.sum()
-    first = time.perf_counter() - t0
-    passes = max(1, min(passes, int(max_s / max(first, 1e-9))))
-    times = []
-    for _ in range(passes):
-        t0 = time.perf_counter()
-        buf.sum()
-        times.append(time.perf_counter() - t0)
-    return buf.numel() * 4 / max(statistics.median(times), 1e-9) / 1e9
 
 
 # ---------------------------------------------------------------------------------------------------- context
@@ -484,6 +457,21 @@ class LiveTable:
         elif n:
             say(f"{what} is at least as fast as {baseline} in all {n} measurements ({where}).")
         return slower
+
+    def finish(self, what: str, baseline: str, csv_path: str | None, more_rows: list[dict] = ()) -> list[dict]:
+        """The end of a benchmark's ``run``: ``close`` the table, write its rows (and ``more_rows``, measured apart)
+        to ``csv_path`` when one is given; returns those rows."""
+        self.close(what, baseline)
+        rows = self.rows + list(more_rows)
+        if csv_path:
+            write_csv(rows, csv_path)
+        return rows
+
+
+# The last columns of a float GEMM benchmark's table (fused_linear, sparse24): speed-ups over the fp32 baseline and
+# the best other provider, GFLOP/s, % of the matmul peak, weight bytes read per second.
+GEMM_RATE_COLUMNS = [("x_fp32", "x fp32", 6), ("x_best", "x best", 6), ("gflops", "GFLOP/s", 7),
+                     ("pct_peak", "% peak", 6), ("weight_gbps", "W GB/s", 6)]  # fmt: skip
 
 
 def describe_row(r: dict) -> str:

@@ -20,7 +20,7 @@ their run-time path decisions at the prompt's and the decode step's rows there),
                     from the tensors (``module_bytes``), not from ``memory_bytes()``, which also counts the weight
                     caches (derived copies, e.g. a dequantized weight a path keeps: shown apart as "cache MB"). The
                     KV cache read per step (at the mean context) is in the CSV (``kv_mb_per_token``), not in MB/token
-  ceiling tok/s     measured DRAM read bandwidth (``common.dram_read_bandwidth``, once, before the policies; or
+  ceiling tok/s     measured DRAM read bandwidth (``memory.dram_read_bandwidth``, once, before the policies; or
                     ``--bandwidth GB/s``) / MB/token: the speed of a step that did nothing but stream its weights once
   % ceiling         tok/s / ceiling tok/s
   RSS conv MB       resident memory (VmRSS) after conversion, the fp32 original gone (gc + glibc ``malloc_trim``)
@@ -52,7 +52,8 @@ import warnings
 
 import torch
 
-from .common import LiveTable, activity, dram_read_bandwidth, mark_slower, over_time, say, stop_requested
+from .common import LiveTable, activity, mark_slower, over_time, say, stop_requested
+from .memory import dram_read_bandwidth
 
 TINYLLAMA = {"vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22,
              "num_attention_heads": 32, "num_key_value_heads": 4}  # fmt: skip

@@ -25,6 +25,7 @@ from .. import backends
 from ..ops import fused_linear
 from ..ops.fused_linear import ACTIVATIONS, activation_fn
 from .common import (
+    GEMM_RATE_COLUMNS,
     CallPredictor,
     LiveTable,
     activity,
@@ -39,7 +40,6 @@ from .common import (
     print_header,
     say,
     sync,
-    write_csv,
 )
 
 MODES = ("fwd", "fwd_fp32", "train")
@@ -138,8 +138,7 @@ def _step(mode, fn, x, w, b, g, device, autocast: bool, backend):
 
 
 COLUMNS = [("mode", "mode", 8), ("M", "M", 5), ("K", "K", 5), ("N", "N", 5), ("provider", "provider", 14),
-           ("ms", "ms", 9), ("x_eager", "x eager", 7), ("x_fp32", "x fp32", 6), ("x_best", "x best", 6),
-           ("gflops", "GFLOP/s", 7), ("pct_peak", "% peak", 6), ("weight_gbps", "W GB/s", 6)]  # fmt: skip
+           ("ms", "ms", 9), ("x_eager", "x eager", 7), *GEMM_RATE_COLUMNS]  # fmt: skip
 
 
 def run(args) -> list[dict]:
@@ -147,8 +146,7 @@ def run(args) -> list[dict]:
     torch.manual_seed(0)
     act = args.activation
     print_header("fused_linear", device)
-    activity("measuring the matmul peak")
-    peak = max(measured_matmul_peak(device, torch.bfloat16), measured_matmul_peak(device, torch.float32))
+    peak = measured_matmul_peak(device, torch.bfloat16, torch.float32)
     env = env_columns(device)
     say(f"   activation {act}; peak = faster of bf16/fp32 torch.mm: {peak / 1e9:.0f} GFLOP/s; "
         f"fastdl backend (auto): {backends.select('fused_linear', 'cuda' if device.startswith('cuda') else 'cpu')}")
@@ -206,10 +204,7 @@ def run(args) -> list[dict]:
                 say(f"!! {mode} M={M} K={K} N={N} FAILED: {type(exc).__name__}: {exc}")
     except KeyboardInterrupt:
         say("  interrupted: the rows above are complete")
-    table.close("fastdl fused_linear", "PyTorch")
-    if args.csv:
-        write_csv(table.rows, args.csv)
-    return table.rows
+    return table.finish("fastdl fused_linear", "PyTorch", args.csv)
 
 
 def _rows(table, times, meta, mode, M, K, N, act, device, peak, env, skipped=()) -> None:

@@ -56,7 +56,6 @@ from .common import (
     over_time,
     print_header,
     say,
-    write_csv,
 )
 
 DEFAULT_M = (1, 4, 16, 128, 512)
@@ -367,10 +366,7 @@ def run(args) -> list[dict]:
             say(f"!!   {r['provider']} M={r['M']} K={r['K']} N={r['N']}: {r['bar_missed']}")
     elif any("bar" in r for r in table.rows):
         say("issue 29 bars met in every int4 row")
-    table.close("fastdl int4", "PyTorch")
-    if args.csv:
-        write_csv(table.rows, args.csv)
-    return table.rows
+    return table.finish("fastdl int4", "PyTorch", args.csv)
 
 
 def _measure(M, K, N, weights: Weights, args, budget, max_call_s, predictor, history, dram, llc, env, notes):

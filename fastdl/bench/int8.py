@@ -52,7 +52,6 @@ from .common import (
     say,
     sync,
     time_fn,
-    write_csv,
 )
 
 INT8_PROVIDERS = ("int_mm+dequant", "fbgemm_dynamic", "fastdl_w8a8", "fastdl_weight_only", "fastdl_weight_only_g16")
@@ -278,10 +277,7 @@ def run(args) -> list[dict]:
         say("  interrupted: the rows above are complete")
     for note in sorted(notes):
         say(f"note: {note}")
-    table.close("fastdl int8", "PyTorch")
-    if args.csv:
-        write_csv(table.rows, args.csv)
-    return table.rows
+    return table.finish("fastdl int8", "PyTorch", args.csv)
 
 
 def _int8_kernels() -> str:

@@ -29,6 +29,7 @@ from .. import backends, runtime_choice
 from ..nn.sparse24 import Sparse24Linear
 from ..ops import sparse24 as sp
 from .common import (
+    GEMM_RATE_COLUMNS,
     LiveTable,
     activity,
     env_columns,
@@ -39,7 +40,6 @@ from .common import (
     over_time,
     print_header,
     say,
-    write_csv,
 )
 
 DEFAULT_M = (1, 16, 128, 512)
@@ -115,8 +115,7 @@ def _providers(x, wd, values, meta, bias, module, semi, x32=None, wd32=None) -> 
 
 
 COLUMNS = [("M", "M", 5), ("K", "K", 5), ("N", "N", 5), ("provider", "provider", 10), ("path", "path", 8),
-           ("ms", "ms", 9), ("x_dense", "x dense", 7), ("x_fp32", "x fp32", 6), ("x_best", "x best", 6),
-           ("gflops", "GFLOP/s", 7), ("pct_peak", "% peak", 6), ("weight_gbps", "W GB/s", 6)]  # fmt: skip
+           ("ms", "ms", 9), ("x_dense", "x dense", 7), *GEMM_RATE_COLUMNS]  # fmt: skip
 
 
 def run(args) -> list[dict]:
@@ -125,10 +124,7 @@ def run(args) -> list[dict]:
     dtype = _DTYPES[args.dtype]
     torch.manual_seed(0)
     print_header("sparse24", device)
-    activity("measuring the matmul peak")
-    peak = measured_matmul_peak(device, dtype)
-    if dtype != torch.float32:
-        peak = max(peak, measured_matmul_peak(device, torch.float32))
+    peak = measured_matmul_peak(device, dtype, torch.float32)  # the faster of the two
     env = env_columns(device)
     dev_type = "cuda" if cuda else "cpu"
     fastdl_backend = backends.select("sparse24_linear", dev_type)
@@ -193,11 +189,7 @@ def run(args) -> list[dict]:
             other_rows.append(_prune_compress(args, device, dtype, dev_type, base))
     except KeyboardInterrupt:
         say("  interrupted: the rows above are complete")
-    table.close("fastdl sparse24", "PyTorch")
-    rows = table.rows + other_rows
-    if args.csv:
-        write_csv(rows, args.csv)
-    return rows
+    return table.finish("fastdl sparse24", "PyTorch", args.csv, other_rows)
 
 
 def _rows(table, t, base, M, N, K, x, module, fastdl_backend, values, meta, wd, peak) -> None:

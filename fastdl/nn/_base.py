@@ -16,12 +16,14 @@ layer (``"Sparse24Linear(in_features=8, out_features=4): x ..."``), the argument
 TypeError for a dtype (integer, bool, complex; Int8Linear also float64), ValueError for the shape (``x.shape[-1] !=
 in_features``, a 0-d x), RuntimeError for a device other than the weights'. The hot path pays nothing for it: the
 check runs where the run-time choice first sees an input (its key holds the dtype, so a rejected dtype never gets a
-path) and in an ``except`` clause when a kernel raised (``input_error`` / ``raise_input_error``).
+path) and in an ``except`` clause when a kernel raised (``input_error`` / ``check_input`` / ``raise_input_error``;
+``CheckedForward`` is that ``forward`` for the modules whose work is one ``_forward(x)``).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import reprlib
 import sys
 from typing import Any, ClassVar
@@ -29,9 +31,9 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-__all__ = ["CheckpointError", "FLOAT_DTYPES", "VersionedModule", "WeightCache", "check_dtype_arg", "decode_extra_state",
-           "encode_extra_state", "input_error", "is_dtensor", "layer_name", "not_a_view",
-           "raise_input_error"]
+__all__ = ["CheckedForward", "CheckpointError", "FLOAT_DTYPES", "VersionedModule", "WeightCache", "check_dtype_arg",
+           "check_input", "decode_extra_state", "encode_extra_state", "input_error", "is_dtensor", "layer_name",
+           "not_a_view", "raise_input_error"]
 
 FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 # A JSON record of plain values is a few hundred bytes; a record nested deeper than this is not one (and json would
@@ -144,6 +146,49 @@ def raise_input_error(module: nn.Module, x: Any, exc: BaseException, dtypes: tup
     if err is None or (type(err) is type(exc) and str(err) == str(exc)):
         return
     raise err from exc
+
+
+def linear_init(in_features: int, out_features: int, bias: bool, device=None,
+                dtype=None) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """``nn.Linear(in_features, out_features, bias)``'s initial weight ``[out, in]`` (kaiming-uniform) and bias
+    (uniform in +-1/sqrt(in_features); None without one), drawn in that order: the fastdl layers start from it."""
+    w = torch.empty((out_features, in_features), device=device, dtype=dtype)
+    nn.init.kaiming_uniform_(w, a=math.sqrt(5))
+    if not bias:
+        return w, None
+    bound = 1 / math.sqrt(in_features) if in_features > 0 else 0
+    return w, torch.empty(out_features, device=device, dtype=dtype).uniform_(-bound, bound)
+
+
+def set_bias(module: nn.Module, b: torch.Tensor | None, requires_grad: bool = True) -> None:
+    """``module.bias``: ``b`` as a parameter, or registered as None (no bias)."""
+    if b is None:
+        module.register_parameter("bias", None)
+    else:
+        module.bias = nn.Parameter(b, requires_grad=requires_grad)
+
+
+def check_input(module: nn.Module, x: Any, dtypes: tuple = FLOAT_DTYPES) -> None:
+    """Raise ``input_error(module, x, dtypes)`` when there is one: where the run-time choice first sees an input (no
+    decision is kept for an input the layer rejects)."""
+    err = input_error(module, x, dtypes)
+    if err is not None:
+        raise err
+
+
+class CheckedForward:
+    """``forward(x)`` of the linear modules whose work is ``self._forward(x)``: its output as a tensor that is not a
+    view, and, when anything in it raises, the layer's own error for an ``x`` of a dtype outside ``INPUT_DTYPES``,
+    a wrong shape or device (``raise_input_error``: no cost on calls that succeed; the ops name any other problem)."""
+
+    INPUT_DTYPES: ClassVar[tuple] = FLOAT_DTYPES
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        try:
+            return not_a_view(self._forward(x))
+        except Exception as exc:
+            raise_input_error(self, x, exc, self.INPUT_DTYPES)
+            raise
 
 
 def not_a_view(out: torch.Tensor) -> torch.Tensor:
@@ -328,6 +373,32 @@ class VersionedModule(nn.Module):
             raise cls._error(where, f"size mismatch for {key}: the checkpoint has shape {tuple(t.shape)}, this layer "
                                     f"{tuple(shape)}")
         return t
+
+    def _checked_bias(self, state_dict, prefix, missing_keys, unexpected_keys, on_meta=False):
+        """The checkpoint's ``bias`` for a linear layer (``out_features``), checked; None when the layer has none
+        (a checkpoint bias is then reported unexpected) or the checkpoint lacks it (reported missing)."""
+        b = state_dict.get(prefix + "bias")
+        if self.bias is None:
+            if b is not None:
+                unexpected_keys.append(prefix + "bias")
+            return None
+        if b is None:
+            missing_keys.append(prefix + "bias")
+            return None
+        self._check_loaded(prefix, "bias", b, FLOAT_DTYPES, (self.out_features,), target_meta=on_meta,
+                           what="a floating tensor (float32, bfloat16, float16, float64)")
+        return b
+
+    def _load_bias(self, b: torch.Tensor | None, take: bool) -> None:
+        """A checked checkpoint bias (``_checked_bias``; None: nothing to load) into ``self.bias``: the tensor itself
+        (cast to the bias dtype) when ``take`` (``load_state_dict(assign=True)`` into a meta layer), else copied."""
+        if b is None:
+            return
+        if take:
+            self.bias = nn.Parameter(b.detach().to(self.bias.dtype), requires_grad=self.bias.requires_grad)
+        else:
+            with torch.no_grad():
+                self.bias.copy_(b)
 
     # ------------------------------------------------------------------------------------------ caches
     def release_caches(self) -> None:

@@ -11,7 +11,7 @@ from torch import nn
 from .. import ops
 from ..ops.fused_linear import activation_fn, activation_module, check_activation
 from ..runtime_choice import RuntimeChoice
-from ._base import check_dtype_arg, input_error, raise_input_error
+from ._base import check_dtype_arg, check_input, raise_input_error
 
 
 class FusedActivation(nn.Identity):
@@ -106,9 +106,7 @@ class FusedLinear(RuntimeChoice, nn.Module):
         return "fused"
 
     def _choice_paths(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[str, ...]:
-        err = input_error(self, x)  # the first call at a bucket: no decision is kept for an input the layer rejects
-        if err is not None:
-            raise err
+        check_input(self, x)  # the first call at a bucket: no decision is kept for an input the layer rejects
         w, b, dt = self.weight, self.bias, x.dtype
         if (w.dtype != dt or (b is not None and b.dtype != dt) or x.is_meta
                 or (residual is not None and (residual.dtype != dt

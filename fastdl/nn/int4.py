@@ -31,8 +31,6 @@ A checkpoint this layer cannot load raises ``fastdl.CheckpointError`` naming the
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
@@ -40,12 +38,13 @@ from ..ops import int4 as int4_ops
 from ..runtime_choice import RuntimeChoice
 from ._base import (
     FLOAT_DTYPES,
+    CheckedForward,
     VersionedModule,
     check_dtype_arg,
-    input_error,
-    not_a_view,
-    raise_input_error,
+    check_input,
+    linear_init,
     resident_bytes,
+    set_bias,
 )
 
 FORMAT = "fastdl.Int4Linear"
@@ -74,7 +73,7 @@ def _quant_doc(group_size: int, symmetric: bool) -> str:
             f"a float16 scale s and {z} per group of {group_size} input features")  # fmt: skip
 
 
-class Int4Linear(RuntimeChoice, VersionedModule):
+class Int4Linear(CheckedForward, RuntimeChoice, VersionedModule):
     """Drop-in (inference) for ``nn.Linear(in_features, out_features, bias)`` with int4 weights; see the module
     docstring. ``dtype``: of the float weight it is initialised from and of the bias."""
 
@@ -92,13 +91,8 @@ class Int4Linear(RuntimeChoice, VersionedModule):
         self.in_features, self.out_features = int(in_features), int(out_features)
         self.group_size, self.method, self.symmetric = group_size, method, bool(symmetric)
         self.quantization_error: float | None = None
-        w = torch.empty((out_features, in_features), device=device, dtype=dtype or torch.float32)
-        nn.init.kaiming_uniform_(w, a=math.sqrt(5))
-        if bias:
-            bound = 1 / math.sqrt(in_features) if in_features > 0 else 0
-            self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=w.dtype).uniform_(-bound, bound))
-        else:
-            self.register_parameter("bias", None)
+        w, b = linear_init(in_features, out_features, bias, device, dtype or torch.float32)
+        set_bias(self, b)
         # a random initial weight: round to nearest (cheap); ``method`` is what a float checkpoint is quantized with
         self._set(*int4_ops.quantize_int4(w, group_size, "rtn", self.symmetric), None)
 
@@ -206,13 +200,7 @@ class Int4Linear(RuntimeChoice, VersionedModule):
         return lin
 
     # ----------------------------------------------------------------------------------------------- forward
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        try:
-            return not_a_view(self._forward(x))
-        except Exception as exc:  # the op names the problem; the layer's own error names the layer (no cost here)
-            raise_input_error(self, x, exc, FLOAT_DTYPES)
-            raise
-
+    # forward(x) (CheckedForward): self._forward(x), with the layer's own error for an x it cannot take
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         b = self._buffers  # not self.qweight: nn.Module.__getattr__ costs ~1 us per name
         perm = b.get("input_permutation")
@@ -227,9 +215,7 @@ class Int4Linear(RuntimeChoice, VersionedModule):
                 self.bias is not None)  # fmt: skip
 
     def _choice_paths(self, x: torch.Tensor) -> tuple[str, ...]:
-        err = input_error(self, x, FLOAT_DTYPES)
-        if err is not None:
-            raise err
+        check_input(self, x)
         return ("kernel",)
 
     def _run_path(self, path: str, x: torch.Tensor) -> torch.Tensor:
@@ -313,25 +299,7 @@ class Int4Linear(RuntimeChoice, VersionedModule):
         loaded = self._checked_weight(state_dict, prefix, record, missing_keys, on_meta)  # all checked first
         if loaded is not None:
             self._load_weight(*loaded, device=None if take else self._buffers["qweight"].device, take=take)
-        if b is not None:
-            if take:
-                self.bias = nn.Parameter(b.detach().to(self.bias.dtype), requires_grad=self.bias.requires_grad)
-            else:
-                with torch.no_grad():
-                    self.bias.copy_(b)
-
-    def _checked_bias(self, state_dict, prefix, missing_keys, unexpected_keys, on_meta):
-        b = state_dict.get(prefix + "bias")
-        if self.bias is None:
-            if b is not None:
-                unexpected_keys.append(prefix + "bias")
-            return None
-        if b is None:
-            missing_keys.append(prefix + "bias")
-            return None
-        self._check_loaded(prefix, "bias", b, FLOAT_DTYPES, (self.out_features,), target_meta=on_meta,
-                           what="a floating tensor (float32, bfloat16, float16, float64)")
-        return b
+        self._load_bias(b, take)
 
     def _checked_weight(self, state_dict, prefix, record, missing_keys, on_meta):
         """``("float", weight)`` (a plain nn.Linear checkpoint, quantized on load), ``("int4", qweight, scales, zeros,

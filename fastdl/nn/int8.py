@@ -55,8 +55,6 @@ state_dict (format version 3)
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -66,16 +64,16 @@ from ..ops.fused_linear import fused_linear as _fused_linear
 from ..ops.fused_linear import has_cpu_kernel as _fused_linear_on_cpu
 from ..runtime_choice import RuntimeChoice
 from ._base import (
-    FLOAT_DTYPES,
+    CheckedForward,
     DenseCopyOption,
     VersionedModule,
     check_dtype_arg,
+    check_input,
     dense_copy_allowed,
-    input_error,
     is_dtensor,
-    not_a_view,
-    raise_input_error,
+    linear_init,
     resident_bytes,
+    set_bias,
 )
 from ._int8_support import (  # noqa: F401 (MODES, GROUP_SIZES: part of this module's interface)
     _QUANT_DOC,
@@ -92,7 +90,7 @@ from ._int8_support import (  # noqa: F401 (MODES, GROUP_SIZES: part of this mod
 )
 
 
-class Int8Linear(DenseCopyOption, RuntimeChoice, VersionedModule):
+class Int8Linear(CheckedForward, DenseCopyOption, RuntimeChoice, VersionedModule):
     """Drop-in for ``nn.Linear(in_features, out_features, bias)`` with int8 weights. See the module docstring.
 
     ``Int8Linear(in, out)`` is initialised like ``nn.Linear`` (then quantized); usually it is made with
@@ -100,6 +98,7 @@ class Int8Linear(DenseCopyOption, RuntimeChoice, VersionedModule):
     """
 
     __constants__ = ["in_features", "out_features", "mode", "trainable", "group_size"]
+    INPUT_DTYPES = X_DTYPES  # the int8 ops take no float64
     FORMAT = FORMAT
     FORMAT_VERSION = FORMAT_VERSION
 
@@ -122,14 +121,8 @@ class Int8Linear(DenseCopyOption, RuntimeChoice, VersionedModule):
         # dtype is that of the float weight the layer is initialised (quantized) from and of the bias: a float dtype
         check_dtype_arg("Int8Linear", dtype)
         master_dtype = dtype or torch.float32
-        w = torch.empty((out_features, in_features), device=device, dtype=master_dtype)
-        nn.init.kaiming_uniform_(w, a=math.sqrt(5))
-        if bias:
-            bound = 1 / math.sqrt(in_features) if in_features > 0 else 0
-            b = torch.empty(out_features, device=device, dtype=master_dtype).uniform_(-bound, bound)
-            self.bias = nn.Parameter(b)
-        else:
-            self.register_parameter("bias", None)
+        w, b = linear_init(in_features, out_features, bias, device, master_dtype)
+        set_bias(self, b)
         self._init_weight(w)
 
     # ------------------------------------------------------------------------------------------ representation
@@ -222,13 +215,7 @@ class Int8Linear(DenseCopyOption, RuntimeChoice, VersionedModule):
         self._weight_cache.set("quantized", (None if packed is not None else q, s, g, packed, comp))
 
     # ----------------------------------------------------------------------------------------------- forward
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        try:
-            return not_a_view(self._forward(x))
-        except Exception as exc:  # the ops name the problem; the layer's own error names the layer (no cost here)
-            raise_input_error(self, x, exc, X_DTYPES)
-            raise
-
+    # forward(x) (CheckedForward): self._forward(x), with the layer's own error for an x it cannot take (INPUT_DTYPES)
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.trainable:
             return self._qat_forward(x)
@@ -295,9 +282,7 @@ class Int8Linear(DenseCopyOption, RuntimeChoice, VersionedModule):
         return "kernel"
 
     def _choice_paths(self, x: torch.Tensor) -> tuple[str, ...]:
-        err = input_error(self, x, X_DTYPES)  # the first call at a bucket: no decision is kept for a bad input
-        if err is not None:
-            raise err
+        check_input(self, x, X_DTYPES)  # the first call at a bucket: no decision is kept for a bad input
         if self.trainable or x.is_meta or not dense_copy_allowed(self, x.dtype):
             return ("kernel",)
         if x.device.type == "cpu" and x.dtype != torch.float16 and _fused_linear_on_cpu():
@@ -423,12 +408,7 @@ class Int8Linear(DenseCopyOption, RuntimeChoice, VersionedModule):
             s, g = self._checked_scales(state_dict, prefix, w, missing_keys, on_meta)
             if s is not None or w.is_floating_point():
                 self._load_weight(w, s, g, w.device if take else None)
-        if b is not None:
-            if take:
-                self.bias = nn.Parameter(b.detach().to(self.bias.dtype), requires_grad=self.bias.requires_grad)
-            else:
-                with torch.no_grad():
-                    self.bias.copy_(b)
+        self._load_bias(b, take)
 
     def _checked_scales(self, state_dict, prefix, w, missing_keys, on_meta=False):
         """(weight_scale, weight_group_scale) that go with a checkpoint's weight, checked; (None, None) for a float
@@ -465,22 +445,6 @@ class Int8Linear(DenseCopyOption, RuntimeChoice, VersionedModule):
             raise self._error(prefix, "weight has group scales (weight_group_scale), which only Int8Linear("
                                       "mode='weight_only') serves; this layer's mode is 'dynamic'")  # fmt: skip
         return s, g
-
-    def _checked_bias(self, state_dict, prefix, missing_keys, unexpected_keys, on_meta=False):
-        b = state_dict.get(prefix + "bias")
-        if self.bias is None:
-            if b is not None:
-                unexpected_keys.append(prefix + "bias")
-            return None
-        if b is None:
-            missing_keys.append(prefix + "bias")
-            return None
-        self._check_loaded(prefix, "bias", b, FLOAT_DTYPES, target_meta=on_meta,
-                           what="a floating tensor (float32, bfloat16, float16, float64)")
-        if tuple(b.shape) != (self.out_features,):
-            raise self._error(prefix, f"size mismatch for bias: the checkpoint has shape {tuple(b.shape)}, this "
-                                      f"layer ({self.out_features},)")  # fmt: skip
-        return b
 
     def _load_weight(self, w: torch.Tensor, s: torch.Tensor | None, g: torch.Tensor | None, device=None) -> None:
         """A checked checkpoint weight (float, or int8 with its scales) into this layer (onto ``device``: a layer on

@@ -49,8 +49,6 @@ module cannot load raises ``fastdl.CheckpointError``.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -64,12 +62,15 @@ from ._base import (
     DenseCopyOption,
     VersionedModule,
     check_dtype_arg,
+    check_input,
     dense_copy_allowed,
     input_error,
     layer_name,
+    linear_init,
     not_a_view,
     raise_input_error,
     resident_bytes,
+    set_bias,
 )
 from ._sparse24_support import _compress, _decompress, _meta_is_valid, _semi_tensors, semi_structured_support
 
@@ -122,21 +123,14 @@ class Sparse24Linear(DenseCopyOption, RuntimeChoice, VersionedModule):
         if mode not in MODES:
             raise ValueError(f"Sparse24Linear: mode must be one of {', '.join(MODES)}, got {mode!r}")
         check_dtype_arg("Sparse24Linear", dtype)
-        factory = {"device": device, "dtype": dtype}
         self.in_features, self.out_features, self.activation = in_features, out_features, activation
         self.mode, self.dense_threshold, self.semi_min_rows = mode, int(dense_threshold), int(semi_min_rows)
         # Default initialisation: nn.Linear's, pruned to 2:4 (so a fresh module is usable as is).
-        w = torch.empty((out_features, in_features), **factory)
-        nn.init.kaiming_uniform_(w, a=math.sqrt(5))
+        w, b = linear_init(in_features, out_features, bias, device, dtype)
         values, meta = _compress(w)
         self.values = nn.Parameter(values, requires_grad=trainable)
         self.register_buffer("meta", meta)
-        if bias:
-            bound = 1 / math.sqrt(in_features) if in_features > 0 else 0
-            self.bias = nn.Parameter(torch.empty(out_features, **factory).uniform_(-bound, bound),
-                                     requires_grad=trainable)
-        else:
-            self.register_parameter("bias", None)
+        set_bias(self, b, requires_grad=trainable)
         self.register_buffer("input_permutation", None)
         self.last_path: str | None = None
 
@@ -369,15 +363,11 @@ class Sparse24Linear(DenseCopyOption, RuntimeChoice, VersionedModule):
                 str(self.values.dtype).removeprefix("torch.")) + (("dense_copy",) if self.dense_copy else ())
 
     def _choice_default(self, x) -> str:
-        err = input_error(self, x)  # the first call at a bucket: no decision is kept for an input the layer rejects
-        if err is not None:
-            raise err
+        check_input(self, x)  # the first call at a bucket: no decision is kept for an input the layer rejects
         return self._fixed_path(x)
 
     def _choice_paths(self, x: torch.Tensor) -> tuple[str, ...]:
-        err = input_error(self, x)  # (the run-time choice's key has no device: a meta x must not decide for CPU)
-        if err is not None:
-            raise err
+        check_input(self, x)  # (the run-time choice's key has no device: a meta x must not decide for CPU)
         default = self._fixed_path(x)
         if self.mode != "auto" or self.values.numel() == 0 or x.is_meta:
             return (default,)

@@ -5,49 +5,21 @@ from __future__ import annotations
 
 import torch
 
+from ._checks import check_same_device, check_vector, check_x
 from ._int8_formats import WEIGHT_GROUP, group_count, packed_shape
-from ._library import require, require_device, require_dtype
+from ._library import require, require_dtype
 
 _X_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int32)
-_FLOAT = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def _check_x(fn, x):
-    require_dtype(
-        x.dtype in _X_DTYPES,
-        lambda: f"{fn}: x must be float32, bfloat16 or float16, got dtype {x.dtype}",
-    )
-    require(x.dim() >= 1, lambda: f"{fn}: x must have at least 1 dimension [..., K], got a 0-dim tensor")
+    check_x(fn, x, _X_DTYPES, "float32, bfloat16 or float16")
 
 
 def _check_int8_2d(fn, name, t, shape_doc):
     require_dtype(t.dtype == torch.int8, lambda: f"{fn}: {name} must be int8, got dtype {t.dtype}")
     require(t.dim() == 2, lambda: f"{fn}: {name} must be 2-D {shape_doc}, got shape {tuple(t.shape)}")
-
-
-def _check_vector(fn, name, t, n, ref, what, fp32=True):
-    if fp32:
-        require_dtype(
-            t.dtype == torch.float32, lambda: f"{fn}: {name} must be float32, got dtype {t.dtype}"
-        )
-    else:
-        require_dtype(t.dtype in _FLOAT, lambda: f"{fn}: {name} must be a floating tensor, got dtype {t.dtype}")
-    require(
-        t.dim() == 1 and t.shape[0] == n,
-        lambda: f"{fn}: {name} must have shape [{what}] = [{n}], got {tuple(t.shape)}",
-    )
-    require_device(
-        t.device == ref.device,
-        lambda: f"{fn}: {name} must be on the same device as the other inputs ({ref.device}), got {t.device}",
-    )
-
-
-def _check_same_device(fn, name, t, ref, ref_name):
-    require_device(
-        t.device == ref.device,
-        lambda: f"{fn}: {name} must be on the same device as {ref_name} ({ref.device}), got {t.device}",
-    )
 
 
 def _check_packed(fn, packed, comp, N, K, ref, names=("w_packed", "w_comp")):
@@ -70,8 +42,8 @@ def _check_packed(fn, packed, comp, N, K, ref, names=("w_packed", "w_comp")):
         comp.dim() == 1 and comp.shape[0] == Np,
         lambda: f"{fn}: {cn} must have shape [roundup(N, 16)] = [{Np}], got {tuple(comp.shape)}",
     )
-    _check_same_device(fn, pn, packed, ref, "the weight")
-    _check_same_device(fn, cn, comp, ref, "the weight")
+    check_same_device(fn, pn, packed, ref, "the weight")
+    check_same_device(fn, cn, comp, ref, "the weight")
 
 
 def _check_weight(fn, x, w_q, w_scale, bias, name="w_q", scale_name="w_scale"):
@@ -84,10 +56,10 @@ def _check_weight(fn, x, w_q, w_scale, bias, name="w_q", scale_name="w_scale"):
         lambda: f"{fn}: {name} must have shape [N, K] with K = x.shape[-1] = {K}, got {tuple(w_q.shape)} "
         "(mismatched K)",
     )
-    _check_same_device(fn, name, w_q, x, "x")
-    _check_vector(fn, scale_name, w_scale, N, x, "N")
+    check_same_device(fn, name, w_q, x, "x")
+    check_vector(fn, scale_name, w_scale, N, x, fp32=True)
     if bias is not None:
-        _check_vector(fn, "bias", bias, N, x, "N", fp32=False)
+        check_vector(fn, "bias", bias, N, x)
     return K, N
 
 
@@ -108,15 +80,15 @@ def check_mm(a_q, b_q, a_scale, b_scale, bias, out_dtype, b_packed, b_comp):
         b_q.shape[1] == K,
         lambda: f"{fn}: b_q must have shape [N, K] with K = a_q.shape[1] = {K}, got {tuple(b_q.shape)} (mismatched K)",
     )
-    _check_same_device(fn, "b_q", b_q, a_q, "a_q")
+    check_same_device(fn, "b_q", b_q, a_q, "a_q")
     require_dtype(
         out_dtype in _OUT_DTYPES,
         lambda: f"{fn}: out_dtype must be one of float32, bfloat16, float16, int32, got {out_dtype}",
     )
-    _check_vector(fn, "a_scale", a_scale, M, a_q, "M")
-    _check_vector(fn, "b_scale", b_scale, N, a_q, "N")
+    check_vector(fn, "a_scale", a_scale, M, a_q, "M", fp32=True, ref_name="a_q")
+    check_vector(fn, "b_scale", b_scale, N, a_q, fp32=True, ref_name="a_q")
     if bias is not None:
-        _check_vector(fn, "bias", bias, N, a_q, "N", fp32=False)
+        check_vector(fn, "bias", bias, N, a_q, ref_name="a_q")
     _check_packed(fn, b_packed, b_comp, N, K, b_q, names=("b_packed", "b_comp"))
     return M, K, N
 
@@ -141,7 +113,7 @@ def check_weight_only(x, w_q, w_scale, bias, w_group_scale=None):
             lambda: f"{fn}: w_group_scale must have shape [N, ceil(K / {WEIGHT_GROUP})] = [{N}, {G}], "
             f"got {tuple(w_group_scale.shape)}",
         )
-        _check_same_device(fn, "w_group_scale", w_group_scale, x, "x")
+        check_same_device(fn, "w_group_scale", w_group_scale, x, "x")
     return K, N
 
 
@@ -162,7 +134,7 @@ def check_qat(x, weight, bias):
         lambda: f"{fn}: weight must have shape [N, K] with K = x.shape[-1] = {K}, got {tuple(weight.shape)} "
         "(mismatched K)",
     )
-    _check_same_device(fn, "weight", weight, x, "x")
+    check_same_device(fn, "weight", weight, x, "x")
     if bias is not None:
-        _check_vector(fn, "bias", bias, N, x, "N", fp32=False)
+        check_vector(fn, "bias", bias, N, x)
     return K, N

@@ -333,24 +333,30 @@ def grad_of(fn: Callable, args: tuple, needs, grads: tuple) -> tuple:
     return tuple(result)
 
 
+CPU_ORDER = ("cpp", "torch")  # every op's auto order on the CPU: the extension's kernel, else the reference
+
+
 def define(
     name: str,
     schema: str,
     *,
     reference: Callable,
     fake: Callable,
-    prefer: dict[str, tuple[str, ...]],
+    cuda: tuple[str, ...] = ("torch",),
     triton: str | None = None,
     supports: Callable | None = None,
     check: Callable | None = None,
     cpp_autograd: bool = False,
+    prefer: dict[str, tuple[str, ...]] | None = None,
 ) -> Op:
     """Define ``fastdl::name`` and ``fastdl_cpp::name`` from one schema and route calls between backends.
 
-    ``prefer`` maps a device type to the backends to try in ``auto`` mode, best first. ``triton`` names the
-    launcher as 'module:function' in fastdl.kernels. ``supports(backend, args)`` returns None when the backend can
-    take these inputs, else the reason it cannot (the auto choice then moves on). ``check(*args)`` validates the
-    arguments before any backend runs, so every backend reports bad input with the same message.
+    ``cuda``: the backends to try in ``auto`` mode on CUDA, best first; on the CPU every op tries ``CPU_ORDER``
+    (the extension, then the PyTorch reference). ``prefer`` (rarely needed) replaces both: a map from device type to
+    that order. ``triton`` names the launcher as 'module:function' in fastdl.kernels. ``supports(backend, args)``
+    returns None when the backend can take these inputs, else the reason it cannot (the auto choice then moves on).
+    ``check(*args)`` validates the arguments before any backend runs, so every backend reports bad input with the
+    same message.
     ``cpp_autograd``: the extension registers an Autograd kernel for ``fastdl_cpp::name`` (csrc/<name>_autograd.cpp,
     the same formulas as the Python ``register_autograd``): eager calls that need a gradient and run the C++ backend
     call it directly, with no Python in their forward or backward.
@@ -359,6 +365,8 @@ def define(
     LIB.define(name + schema)
     CPP_LIB.define(name + schema)
     triton_impl = _load_triton(triton) if triton else None
+    if prefer is None:
+        prefer = {"cpu": CPU_ORDER, "cuda": tuple(cuda)}
     backends.register_op(name, prefer, triton_impl=triton_impl, supports=supports)
 
     cpp_op = getattr(torch.ops.fastdl_cpp, name).default  # the overload: ~2 us less per call than the packet

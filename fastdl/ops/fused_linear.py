@@ -189,17 +189,11 @@ def _cpp_supports(backend: str, args) -> str | None:
     return None
 
 
-fused_linear_op = define(
-    "fused_linear",
-    SCHEMA,
-    reference=_reference,
-    fake=_fake,
-    prefer={"cpu": ("cpp", "torch"), "cuda": ("triton", "cpp", "torch")},
-    triton="fused_linear:fused_linear_fwd",
-    supports=_cpp_supports,
-    check=lambda x, w, b, act, res, save: check_args(x, w, b, act, res),
-    cpp_autograd=True,  # csrc/fused_linear_autograd.cpp
-)
+# cpp_autograd=True: csrc/fused_linear_autograd.cpp
+fused_linear_op = define("fused_linear", SCHEMA, reference=_reference, fake=_fake,
+                         check=lambda x, w, b, act, res, save: check_args(x, w, b, act, res), supports=_cpp_supports,
+                         cuda=("triton", "cpp", "torch"), triton="fused_linear:fused_linear_fwd",
+                         cpp_autograd=True)  # fmt: skip
 
 
 def has_cpu_kernel() -> bool:
@@ -249,16 +243,11 @@ def _reference_backward(grad_out, x, weight, preact, activation, output_mask):
     return (gx if gx is not None else _empty(x)), (gw if gw is not None else _empty(x, weight.dtype)), gb
 
 
-fused_linear_backward_op = define(
-    "fused_linear_backward",
-    BACKWARD_SCHEMA,
-    reference=_reference_backward,
-    fake=_fake_backward,
-    prefer={"cpu": ("cpp", "torch"), "cuda": ("triton", "cpp", "torch")},
-    triton="fused_linear:fused_linear_bwd",
-    supports=lambda backend, args: _cpp_supports(backend, (args[1], args[2])),
-    check=lambda g, x, w, p, act, mask: _check_backward(g, x, w, p, act),
-)
+fused_linear_backward_op = define("fused_linear_backward", BACKWARD_SCHEMA, reference=_reference_backward,
+                                  fake=_fake_backward,
+                                  check=lambda g, x, w, p, act, mask: _check_backward(g, x, w, p, act),
+                                  supports=lambda backend, args: _cpp_supports(backend, (args[1], args[2])),
+                                  cuda=("triton", "cpp", "torch"), triton="fused_linear:fused_linear_bwd")  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------- autograd

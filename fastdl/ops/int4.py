@@ -25,7 +25,7 @@ kernels/int4.py (``fastdl.kernels.int4``: a split-K GEMV for M <= 16, a tiled GE
 Plain PyTorch helpers (run once per model, not ops): ``pack_int4`` / ``unpack_int4`` (the nibble order above),
 ``dequantize_int4`` (the formula above, exact, fp32), ``quantize_int4`` (round-to-nearest or a per-group scale
 search, see there), ``import_gptq`` / ``import_awq`` (Hugging Face GPTQ / AutoAWQ checkpoint tensors converted
-exactly into this layout).
+exactly into this layout). All but ``quantize_int4`` are written in ``_int4_formats.py`` and re-exported here.
 """
 
 from __future__ import annotations
@@ -34,6 +34,9 @@ import math
 
 import torch
 
+# the plain-PyTorch format helpers and the checkpoint importers live in _int4_formats (re-exported here)
+from ._checks import check_same_device, check_vector, check_x
+from ._int4_formats import BLOCK, dequantize_int4, import_awq, import_gptq, pack_int4, unpack_int4  # noqa: F401
 from ._library import define, register_autocast_rule, register_autograd, require, require_device, require_dtype
 
 __all__ = [
@@ -48,10 +51,8 @@ __all__ = [
 ]
 
 GROUP_SIZES = (32, 64, 128)
-BLOCK = 32  # input features per 16-byte block of qweight
 METHODS = ("search", "rtn")
 _X_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-_FLOAT = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 SCHEMA = "(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, Tensor? bias, int group_size) -> Tensor"
 _OP = "int4_weight_only_linear"
 _A8_OP = "int4_a8_linear"
@@ -94,11 +95,7 @@ def check_int4_a8_linear(x, qweight, scales, zeros, bias, group_size):
 
 
 def _check_linear(fn, x, qweight, scales, zeros, bias, group_size):
-    require_dtype(
-        x.dtype in _X_DTYPES,
-        lambda: f"{fn}: x must be float32, bfloat16, float16 or float64, got dtype {x.dtype}",
-    )
-    require(x.dim() >= 1, lambda: f"{fn}: x must have at least 1 dimension [..., K], got a 0-dim tensor")
+    check_x(fn, x, _X_DTYPES, "float32, bfloat16, float16 or float64")
     _check_group_size(fn, group_size)
     K = x.shape[-1]
     require(
@@ -114,78 +111,17 @@ def _check_linear(fn, x, qweight, scales, zeros, bias, group_size):
         lambda: f"{fn}: qweight must have shape [N, K / 2] with K = x.shape[-1] = {K}, got {tuple(qweight.shape)} "
         "(mismatched K)",
     )
-    require_device(
-        qweight.device == x.device,
-        lambda: f"{fn}: qweight must be on the same device as x ({x.device}), got {qweight.device}",
-    )
+    check_same_device(fn, "qweight", qweight, x)
     N, groups = qweight.shape[0], K // group_size
     _check_group_tensor(fn, "scales", scales, torch.float16, N, groups, x, "one scale per group")
     if zeros is not None:
         _check_group_tensor(fn, "zeros", zeros, torch.uint8, N, groups, x, "zero points 0..15, or None")
     if bias is not None:
-        require_dtype(bias.dtype in _FLOAT, lambda: f"{fn}: bias must be a floating tensor, got dtype {bias.dtype}")
-        require(
-            bias.dim() == 1 and bias.shape[0] == N,
-            lambda: f"{fn}: bias must have shape [N] = [{N}], got {tuple(bias.shape)}",
-        )
-        require_device(
-            bias.device == x.device,
-            lambda: f"{fn}: bias must be on the same device as x ({x.device}), got {bias.device}",
-        )
+        check_vector(fn, "bias", bias, N, x)
     return K, N
 
 
-# ---------------------------------------------------------------------------------------------- layout helpers
-def pack_int4(u: torch.Tensor) -> torch.Tensor:
-    """Codes ``u [N, K]`` (uint8, 0..15; K a multiple of 32) as ``qweight [N, K / 2]`` in the contract's nibble order:
-    byte ``16 b + i`` = ``u[32 b + i] | u[32 b + 16 + i] << 4``. Values above 15 raise ValueError."""
-    fn = "pack_int4"
-    require_dtype(u.dtype == torch.uint8, lambda: f"{fn}: u must be uint8 (codes 0..15), got dtype {u.dtype}")
-    require(u.dim() == 2, lambda: f"{fn}: u must be 2-D [N, K], got shape {tuple(u.shape)}")
-    N, K = u.shape
-    require(K % BLOCK == 0, lambda: f"{fn}: K = u.shape[1] = {K} must be a multiple of {BLOCK}")
-    if not u.is_meta and u.numel():
-        require(bool((u <= 15).all()), lambda: f"{fn}: u must hold codes 0..15, got a maximum of {int(u.max())}")
-    blocks = u.reshape(N, K // BLOCK, 2, BLOCK // 2)
-    return (blocks[:, :, 0, :] | (blocks[:, :, 1, :] << 4)).reshape(N, K // 2).contiguous()
-
-
-def unpack_int4(qweight: torch.Tensor, K: int | None = None) -> torch.Tensor:
-    """The codes ``u [N, K]`` (uint8, 0..15) of ``qweight [N, K / 2]`` (inverse of ``pack_int4``)."""
-    fn = "unpack_int4"
-    require_dtype(qweight.dtype == torch.uint8, lambda: f"{fn}: qweight must be uint8, got dtype {qweight.dtype}")
-    require(qweight.dim() == 2, lambda: f"{fn}: qweight must be 2-D [N, K / 2], got shape {tuple(qweight.shape)}")
-    N, half = qweight.shape
-    if K is None:
-        K = 2 * half
-    require(
-        K == 2 * half and K % BLOCK == 0,
-        lambda: f"{fn}: qweight of shape {tuple(qweight.shape)} holds K = {2 * half} codes per row; K must be that "
-        f"and a multiple of {BLOCK}, got K = {K}",
-    )
-    blocks = qweight.reshape(N, K // BLOCK, 1, BLOCK // 2)
-    return torch.cat((blocks & 15, blocks >> 4), dim=2).reshape(N, K)
-
-
-def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-                    group_size: int) -> torch.Tensor:  # fmt: skip
-    """``W [N, K]`` in fp32: ``(u - z) * float32(s)`` per group (exact), z = 8 when ``zeros`` is None."""
-    u = unpack_int4(qweight)
-    N, K = u.shape
-    if K == 0:
-        return torch.zeros((N, 0), dtype=torch.float32, device=qweight.device)
-    groups = K // group_size
-    z = 8.0 if zeros is None else zeros.float().reshape(N, groups, 1)
-    w = (u.float().reshape(N, groups, group_size) - z) * scales.float().reshape(N, groups, 1)
-    return w.reshape(N, K)
-
-
 # --------------------------------------------------------------------------------------------------------- op
-def _fake(x, qweight, scales, zeros, bias, group_size):
-    _, N = check_int4_linear(x, qweight, scales, zeros, bias, group_size)
-    return x.new_empty((*x.shape[:-1], N))
-
-
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
@@ -205,20 +141,6 @@ def _supports(backend, args):
     if backend in ("cpp", "triton") and args[0].dtype == torch.float64:
         return "float64 x runs on the PyTorch reference"
     return None
-
-
-int4_weight_only_linear_op = define(
-    _OP,
-    SCHEMA,
-    reference=_reference,
-    fake=_fake,
-    # cpp: the extension's CPU kernel once it registers one (until then backends.available() reports "fastdl._C has
-    # no CPU kernel" and auto takes torch). triton: kernels/int4.py (split-K GEMV for M <= 16, tiled GEMM above).
-    prefer={"cpu": ("cpp", "torch"), "cuda": ("triton", "torch")},
-    triton="int4:int4_weight_only_linear",
-    supports=_supports,
-    check=check_int4_linear,
-)
 
 
 def _setup_context(ctx, inputs, output):
@@ -243,10 +165,27 @@ def _frozen_backward(ctx, grad_out):
     return gx, None, None, None, gb, None
 
 
-# The backward is made of differentiable torch ops, linear in grad_out and independent of x: its own double backward.
-# The reference is the differentiable form (x and bias enter through differentiable casts and a matmul).
-register_autograd(int4_weight_only_linear_op, _frozen_backward, _setup_context, double_backward=_frozen_backward)
-register_autocast_rule(_OP)
+def _define_linear(name: str, reference, check, triton: str):
+    """One of the two int4 linear ops: the same schema, argument checks (``check``, in the op's name), backends (the
+    extension on the CPU, Triton on CUDA, the reference elsewhere and for float64 x), backward and autocast rule.
+    The backward is made of differentiable torch ops, linear in grad_out and independent of x: its own double
+    backward. Each ``reference`` is the differentiable form (x and bias enter through differentiable casts and a
+    matmul)."""
+
+    def fake(x, qweight, scales, zeros, bias, group_size):
+        _, N = check(x, qweight, scales, zeros, bias, group_size)
+        return x.new_empty((*x.shape[:-1], N))
+
+    op = define(name, SCHEMA, reference=reference, fake=fake, check=check, supports=_supports, cuda=("triton", "torch"),
+                triton=triton)  # fmt: skip
+    register_autograd(op, _frozen_backward, _setup_context, double_backward=_frozen_backward)
+    register_autocast_rule(name)
+    return op
+
+
+# cpp: the extension's CPU kernel once it registers one (until then backends.available() reports "fastdl._C has
+# no CPU kernel" and auto takes torch). triton: kernels/int4.py (split-K GEMV for M <= 16, tiled GEMM above).
+int4_weight_only_linear_op = _define_linear(_OP, _reference, check_int4_linear, "int4:int4_weight_only_linear")
 
 
 def int4_weight_only_linear(
@@ -305,26 +244,10 @@ def _a8_reference(x, qweight, scales, zeros, bias, group_size):
     return out.to(x.dtype).reshape(*x.shape[:-1], N)
 
 
-def _a8_fake(x, qweight, scales, zeros, bias, group_size):
-    _, N = check_int4_a8_linear(x, qweight, scales, zeros, bias, group_size)
-    return x.new_empty((*x.shape[:-1], N))
-
-
-int4_a8_linear_op = define(
-    _A8_OP,
-    SCHEMA,
-    reference=_a8_reference,
-    fake=_a8_fake,
-    prefer={"cpu": ("cpp", "torch"), "cuda": ("triton", "torch")},
-    # triton: kernels/int4.py (the quantization in the split-K GEMV's registers for M <= 16; else a quantization
-    # kernel and an int8 tl.dot GEMM)
-    triton="int4:int4_a8_linear",
-    supports=_supports,
-    check=check_int4_a8_linear,
-)
-# The derivative is straight through the activations' rounding (as int8_linear's): grad_x = g @ W, grad_bias = sum g.
-register_autograd(int4_a8_linear_op, _frozen_backward, _setup_context, double_backward=_frozen_backward)
-register_autocast_rule(_A8_OP)
+# triton: kernels/int4.py (the quantization in the split-K GEMV's registers for M <= 16; else a quantization
+# kernel and an int8 tl.dot GEMM). The derivative is straight through the activations' rounding (as int8_linear's):
+# grad_x = g @ W, grad_bias = sum g.
+int4_a8_linear_op = _define_linear(_A8_OP, _a8_reference, check_int4_a8_linear, "int4:int4_a8_linear")
 
 
 def int4_a8_linear(
@@ -457,172 +380,3 @@ def quantize_int4(
     qweight = pack_int4(u.reshape(N, K).to(torch.uint8))
     zeros = None if symmetric else z.reshape(N, groups).to(torch.uint8)
     return qweight, scales, zeros
-
-
-# --------------------------------------------------------------------------------------------------- importers
-def _check_int32_2d(fn, name, t, shape_doc):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
-    require_dtype(t.dtype == torch.int32, lambda: f"{fn}: {name} must be int32 (packed codes), got dtype {t.dtype}")
-    require(t.dim() == 2, lambda: f"{fn}: {name} must be 2-D {shape_doc}, got shape {tuple(t.shape)}")
-
-
-def _nibbles(t: torch.Tensor) -> torch.Tensor:
-    """The 8 4-bit fields of each int32 of ``t [A, B]`` as ``[A, B, 8]`` (field j = bits 4j..4j+3), int64."""
-    shifts = torch.arange(0, 32, 4, device=t.device, dtype=torch.int64)
-    return (t.to(torch.int64)[..., None] >> shifts) & 15
-
-
-def _check_scales(fn, scales, groups, N):
-    if not isinstance(scales, torch.Tensor):
-        raise TypeError(f"{fn}: scales must be a torch.Tensor, got {type(scales).__name__}")
-    require_dtype(scales.is_floating_point(), lambda: f"{fn}: scales must be float16, got dtype {scales.dtype}")
-    require(
-        scales.dim() == 2 and scales.shape[1] == N,
-        lambda: f"{fn}: scales must have shape [K / group_size, N] with N = {N}, got {tuple(scales.shape)}",
-    )
-    s16 = scales.to(torch.float16)
-    require(
-        bool(torch.equal(s16.to(scales.dtype), scales)) if scales.dtype != torch.float16 else True,
-        lambda: f"{fn}: scales must be float16 (or hold float16 values exactly), got {scales.dtype} values that "
-        "float16 cannot hold",
-    )
-    require(bool(torch.isfinite(s16).all()), lambda: f"{fn}: scales must be finite")
-    return s16
-
-
-def _regroup(fn, src_group: int, K: int):
-    """The fastdl group size for a checkpoint's group size: the largest of 128, 64, 32 that divides it (the source
-    group's scale and zero repeat over its sub-groups: exact)."""
-    for g in (128, 64, 32):
-        if src_group % g == 0 and K % g == 0:
-            return g
-    raise ValueError(f"{fn}: the checkpoint's group size {src_group} (K = {K}) is not a multiple of 32; fastdl's int4 "
-                     "groups are 32, 64 or 128 input features")  # fmt: skip
-
-
-def _finish_import(fn, u_nk, scales_gn, zeros_gn, src_group, K, N):
-    """Codes ``[N, K]``, scales / zeros ``[K / src_group, N]`` (zeros: ints, None = 8) into the contract's tensors."""
-    G = _regroup(fn, src_group, K)
-    rep = src_group // G
-    scales = scales_gn.t().repeat_interleave(rep, dim=1).contiguous()
-    zeros = None
-    if zeros_gn is not None:
-        z = zeros_gn.t().repeat_interleave(rep, dim=1)
-        bad = (z < 0) | (z > 15)
-        if bool(bad.any()):
-            n, g = bad.nonzero()[0].tolist()
-            raise ValueError(f"{fn}: qzeros decodes to a zero point of {int(z[n, g])} at output {n}, group {g}; fastdl "
-                             "zero points are 0..15 (a GPTQ 'v1' checkpoint stores z - 1: a stored 15 means z = 16, "
-                             "which the packing of z = 0 produces by overflow; such a checkpoint is damaged)")
-        zeros = None if bool((z == 8).all()) else z.to(torch.uint8).contiguous()
-    return pack_int4(u_nk.to(torch.uint8).contiguous()), scales, zeros, G
-
-
-_GPTQ_FORMATS = {"v1": "v1", "gptq": "v1", "v2": "v2", "gptq_v2": "v2"}
-
-
-def import_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None = None,
-                *, format: str = "v1"):  # fmt: skip
-    """Convert a 4-bit GPTQ layer as Hugging Face checkpoints store it (AutoGPTQ / optimum / transformers' GPTQ
-    integration) into fastdl's int4 format, exactly. Returns ``(qweight, scales, zeros, group_size, perm)``:
-    ``zeros`` None when every zero point is 8 (``sym=True``), ``perm`` None or an int64 ``[K]`` input permutation.
-
-    The checkpoint's tensors (K = in_features, N = out_features, G its group size):
-      ``qweight`` int32 ``[K / 8, N]``: code of input ``k`` in row ``k // 8``, bits ``4 (k % 8)`` .. ``+3``;
-      ``qzeros``  int32 ``[K / G, N / 8]``: zero point of output ``n`` in column ``n // 8``, bits ``4 (n % 8)``;
-      ``scales``  float16 ``[K / G, N]``;
-      ``g_idx``   int32 ``[K]`` (optional): the group of each input feature; with act-order (``desc_act``) it is
-                  not ``k // G``: the inputs are then sorted by group (``perm``) so that groups are contiguous, and the
-                  layer computes ``x[..., perm] @ W.T`` (exact).
-    ``W[:, k] = (code - zero) * scale`` of group ``g_idx[k]``. ``format="v1"`` (default; ``checkpoint_format:
-    "gptq"`` in quantize_config.json, what AutoGPTQ, optimum, transformers and GPTQModel write by default: ``qzeros``
-    holds ``zero - 1``, added back when unpacking) or ``"v2"`` (``checkpoint_format: "gptq_v2"``: ``qzeros`` holds the
-    zero point); the quantize_config names ``"gptq"`` / ``"gptq_v2"`` are accepted too. (Packing facts from
-    AutoGPTQ's ``qlinear_cuda_old.QuantLinear.pack`` and its torch fallback: ``zeros -= 1`` before packing, ``zeros +
-    1`` after unpacking.) A checkpoint group size that is a multiple of 32 is supported (256, or ``-1``: one group of
-    K, become groups of 128 with repeated scales)."""
-    fn = "import_gptq"
-    require(format in _GPTQ_FORMATS, lambda: f"{fn}: format must be 'v1' ('gptq') or 'v2' ('gptq_v2'), got {format!r}")
-    format = _GPTQ_FORMATS[format]
-    _check_int32_2d(fn, "qweight", qweight, "[K / 8, N]")
-    K, N = qweight.shape[0] * 8, qweight.shape[1]
-    require(K % BLOCK == 0, lambda: f"{fn}: in_features K = 8 * qweight.shape[0] = {K} must be a multiple of 32")
-    _check_int32_2d(fn, "qzeros", qzeros, "[K / group_size, N / 8]")
-    groups = qzeros.shape[0]
-    require(
-        qzeros.shape[1] * 8 == N and groups >= 1,
-        lambda: f"{fn}: qzeros must have shape [K / group_size, N / 8] with N = {N}, got {tuple(qzeros.shape)}",
-    )
-    s16 = _check_scales(fn, scales, groups, N)
-    require(
-        s16.shape[0] == groups,
-        lambda: f"{fn}: scales must have shape [K / group_size, N] = [{groups}, {N}] (as qzeros), got "
-        f"{tuple(s16.shape)}",
-    )
-    require(K % groups == 0, lambda: f"{fn}: K = {K} is not a whole number of the checkpoint's {groups} groups")
-    src_group = K // groups
-    u_kn = _nibbles(qweight).permute(0, 2, 1).reshape(K, N)  # row r, field j -> input 8 r + j
-    z_gn = _nibbles(qzeros).reshape(groups, N)  # column c, field j -> output 8 c + j
-    if format == "v1":
-        z_gn = z_gn + 1
-    perm = None
-    if g_idx is not None:
-        if not isinstance(g_idx, torch.Tensor):
-            raise TypeError(f"{fn}: g_idx must be a torch.Tensor or None, got {type(g_idx).__name__}")
-        require_dtype(not g_idx.is_floating_point() and g_idx.dtype != torch.bool,
-                      lambda: f"{fn}: g_idx must be an integer tensor (int32), got dtype {g_idx.dtype}")
-        require(g_idx.shape == (K,), lambda: f"{fn}: g_idx must have shape [K] = [{K}], got {tuple(g_idx.shape)}")
-        gi = g_idx.to(torch.int64)
-        require(bool(((gi >= 0) & (gi < groups)).all()),
-                lambda: f"{fn}: g_idx values must be group indices 0..{groups - 1}")
-        counts = torch.bincount(gi, minlength=groups)
-        require(bool((counts == src_group).all()),
-                lambda: f"{fn}: g_idx must give each of the {groups} groups {src_group} input features, got counts "
-                f"{counts.tolist()[:8]}...")
-        if not torch.equal(gi, torch.arange(K, device=gi.device) // src_group):
-            perm = torch.sort(gi, stable=True).indices
-            u_kn = u_kn[perm]
-    return (*_finish_import(fn, u_kn.t(), s16, z_gn, src_group, K, N), perm)
-
-
-# AutoAWQ's GEMM packing (awq/modules/linear/gemm.py WQLinear_GEMM.from_linear, awq/utils/packing_utils.py): int32
-# column c of qweight [K, N / 8] holds in bits 4 i .. 4 i + 3 the code of output 8 c + AWQ_ORDER[i]; qzeros likewise;
-# zero points are stored as they are (no - 1).
-AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
-
-
-def import_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor):
-    """Convert a 4-bit AutoAWQ layer (the GEMM version, as Hugging Face checkpoints of AWQ models store it) into
-    fastdl's int4 format, exactly. Returns ``(qweight, scales, zeros, group_size)`` (``zeros`` None when every zero
-    point is 8).
-
-    The checkpoint's tensors: ``qweight`` int32 ``[K, N / 8]`` and ``qzeros`` int32 ``[K / G, N / 8]``, packed along N
-    in AWQ's interleaved order (field ``i`` of column ``c``, bits ``4 i`` .. ``4 i + 3``, holds output
-    ``8 c + [0, 2, 4, 6, 1, 3, 5, 7][i]``), ``scales`` float16 ``[K / G, N]``; ``W[n, k] = (code - zero) * scale``."""
-    fn = "import_awq"
-    _check_int32_2d(fn, "qweight", qweight, "[K, N / 8]")
-    K, N = qweight.shape[0], qweight.shape[1] * 8
-    require(K % BLOCK == 0, lambda: f"{fn}: in_features K = qweight.shape[0] = {K} must be a multiple of 32")
-    _check_int32_2d(fn, "qzeros", qzeros, "[K / group_size, N / 8]")
-    groups = qzeros.shape[0]
-    require(
-        qzeros.shape[1] * 8 == N and groups >= 1,
-        lambda: f"{fn}: qzeros must have shape [K / group_size, N / 8] with N = {N}, got {tuple(qzeros.shape)}",
-    )
-    s16 = _check_scales(fn, scales, groups, N)
-    require(
-        s16.shape[0] == groups,
-        lambda: f"{fn}: scales must have shape [K / group_size, N] = [{groups}, {N}] (as qzeros), got "
-        f"{tuple(s16.shape)}",
-    )
-    require(K % groups == 0, lambda: f"{fn}: K = {K} is not a whole number of the checkpoint's {groups} groups")
-    order = torch.tensor(AWQ_ORDER, device=qweight.device)
-    undo = torch.argsort(order)  # field holding output j of each 8: undo[j]
-
-    def unpack(t):
-        f = _nibbles(t)  # [A, N / 8, 8]: field i = output 8 c + AWQ_ORDER[i]
-        return f[:, :, undo].reshape(t.shape[0], N)
-
-    u_kn, z_gn = unpack(qweight), unpack(qzeros)
-    return _finish_import(fn, u_kn.t(), s16, z_gn, K // groups, K, N)

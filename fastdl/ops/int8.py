@@ -119,15 +119,9 @@ def _quantize_reference(x):
     return q.reshape(x.shape), s.reshape(x.shape[:-1])
 
 
-quantize_per_token_op = define(
-    "quantize_per_token",
-    QUANTIZE_SCHEMA,
-    reference=_quantize_reference,
-    fake=_quantize_fake,
-    prefer={"cpu": ("cpp", "torch"), "cuda": ("cpp", "triton", "torch")},
-    triton="int8:quantize_per_token",
-    check=check_quantize,
-)
+quantize_per_token_op = define("quantize_per_token", QUANTIZE_SCHEMA, reference=_quantize_reference,
+                               fake=_quantize_fake, check=check_quantize, cuda=("cpp", "triton", "torch"),
+                               triton="int8:quantize_per_token")  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------- int8_pack_weight
@@ -141,14 +135,8 @@ def _pack_reference(w_q):
     return pack_reference(w_q)
 
 
-int8_pack_weight_op = define(
-    "int8_pack_weight",
-    PACK_SCHEMA,
-    reference=_pack_reference,
-    fake=_pack_fake,
-    prefer={"cpu": ("cpp", "torch"), "cuda": ("torch",)},
-    check=check_pack,
-)
+int8_pack_weight_op = define("int8_pack_weight", PACK_SCHEMA, reference=_pack_reference, fake=_pack_fake,
+                             check=check_pack)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------- int8_mm
@@ -164,15 +152,8 @@ def _mm_reference(a_q, b_q, a_scale, b_scale, bias, out_dtype, b_packed, b_comp)
     return dequant_reference(acc, a_scale, b_scale, bias, out_dtype)
 
 
-int8_mm_op = define(
-    "int8_mm",
-    MM_SCHEMA,
-    reference=_mm_reference,
-    fake=_mm_fake,
-    prefer={"cpu": ("cpp", "torch"), "cuda": ("triton", "cpp", "torch")},
-    triton="int8:int8_mm",
-    check=check_mm,
-)
+int8_mm_op = define("int8_mm", MM_SCHEMA, reference=_mm_reference, fake=_mm_fake, check=check_mm,
+                    cuda=("triton", "cpp", "torch"), triton="int8:int8_mm")  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------ int8_linear
@@ -188,15 +169,8 @@ def _linear_reference(x, w_q, w_scale, bias, w_packed, w_comp):
     return dequant_reference(acc, s, w_scale, bias, x.dtype).reshape(*x.shape[:-1], N)
 
 
-int8_linear_op = define(
-    "int8_linear",
-    LINEAR_SCHEMA,
-    reference=_linear_reference,
-    fake=_linear_fake,
-    prefer={"cpu": ("cpp", "torch"), "cuda": ("triton", "cpp", "torch")},
-    triton="int8:int8_linear",
-    check=check_linear,
-)
+int8_linear_op = define("int8_linear", LINEAR_SCHEMA, reference=_linear_reference, fake=_linear_fake,
+                        check=check_linear, cuda=("triton", "cpp", "torch"), triton="int8:int8_linear")  # fmt: skip
 
 
 def has_cpu_kernel() -> bool:
@@ -220,15 +194,9 @@ def _weight_only_reference(x, w_q, w_scale, bias, w_group_scale=None):
     return out.to(x.dtype).reshape(*x.shape[:-1], N)
 
 
-int8_weight_only_linear_op = define(
-    "int8_weight_only_linear",
-    WEIGHT_ONLY_SCHEMA,
-    reference=_weight_only_reference,
-    fake=_weight_only_fake,
-    prefer={"cpu": ("cpp", "torch"), "cuda": ("triton", "cpp", "torch")},
-    triton="int8:int8_weight_only_linear",
-    check=check_weight_only,
-)
+int8_weight_only_linear_op = define("int8_weight_only_linear", WEIGHT_ONLY_SCHEMA, reference=_weight_only_reference,
+                                    fake=_weight_only_fake, check=check_weight_only, cuda=("triton", "cpp", "torch"),
+                                    triton="int8:int8_weight_only_linear")  # fmt: skip
 
 
 # --------------------------------------------------------------- autograd of the inference ops (x and bias only)
@@ -329,16 +297,10 @@ def _qat_supports(backend, args):
     return None
 
 
-int8_linear_qat_op = define(
-    "int8_linear_qat",
-    QAT_SCHEMA,
-    reference=_qat_reference,
-    fake=_qat_fake,
-    prefer={"cpu": ("cpp", "torch"), "cuda": ("torch",)},
-    supports=_qat_supports,
-    check=lambda x, weight, bias, weight_only=False: check_qat(x, weight, bias),
-    cpp_autograd=True,  # csrc/int8_autograd.cpp
-)
+# cpp_autograd=True: csrc/int8_autograd.cpp
+int8_linear_qat_op = define("int8_linear_qat", QAT_SCHEMA, reference=_qat_reference, fake=_qat_fake,
+                            check=lambda x, weight, bias, weight_only=False: check_qat(x, weight, bias),
+                            supports=_qat_supports, cpp_autograd=True)  # fmt: skip
 
 
 def _qat_setup_context(ctx, inputs, output):

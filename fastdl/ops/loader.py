@@ -113,14 +113,7 @@ def _fill_reference(src, dst, offsets, keep_strides, num_threads):
         span.as_strided(s.shape, strides, span.storage_offset()).copy_(s)
 
 
-loader_fill_op = define(
-    "loader_fill",
-    FILL_SCHEMA,
-    reference=_fill_reference,
-    fake=_fill_fake,
-    prefer={"cpu": ("cpp", "torch"), "cuda": ("torch",)},
-    check=check_fill,
-)
+loader_fill_op = define("loader_fill", FILL_SCHEMA, reference=_fill_reference, fake=_fill_fake, check=check_fill)
 
 
 # ------------------------------------------------------------------------------------------------ loader_use_count
@@ -147,14 +140,8 @@ def _use_count_reference(t):  # t checked by check_use_count (define's check)
     return torch._C._storage_Use_Count(torch._C._storage_address(t))
 
 
-loader_use_count_op = define(
-    "loader_use_count",
-    USE_COUNT_SCHEMA,
-    reference=_use_count_reference,
-    fake=_use_count_fake,
-    prefer={"cpu": ("cpp", "torch"), "cuda": ("torch",)},
-    check=check_use_count,
-)
+loader_use_count_op = define("loader_use_count", USE_COUNT_SCHEMA, reference=_use_count_reference, fake=_use_count_fake,
+                             check=check_use_count)  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------- the copies' backend

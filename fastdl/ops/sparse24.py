@@ -35,6 +35,7 @@ import math
 
 import torch
 
+from ._checks import check_same_device, check_vector, check_x
 from ._library import (
     define,
     grad_of,
@@ -102,33 +103,15 @@ def check_compressed(values: torch.Tensor, meta: torch.Tensor, op: str) -> tuple
 
 def check_linear(x, values, meta, bias) -> tuple[int, int]:
     N, K = check_compressed(values, meta, "sparse24_linear")
-    require_dtype(
-        x.dtype in _FLOAT,
-        lambda: f"sparse24_linear: x must be a floating tensor (float32, bfloat16, float16), got dtype {x.dtype}",
-    )
-    require(x.dim() >= 1, lambda: "sparse24_linear: x must have at least 1 dimension [..., K]")
+    fn = "sparse24_linear"
+    check_x(fn, x, _FLOAT, "a floating tensor (float32, bfloat16, float16)")
     require(
         x.shape[-1] == K,
-        lambda: f"sparse24_linear: x.shape[-1] = {x.shape[-1]} must equal K = 2 * values.shape[1] = {K} "
-        "(mismatched K)",
+        lambda: f"{fn}: x.shape[-1] = {x.shape[-1]} must equal K = 2 * values.shape[1] = {K} (mismatched K)",
     )
-    require_device(
-        values.device == x.device,
-        lambda: f"sparse24_linear: x and values must be on the same device, got x on {x.device}, "
-        f"values on {values.device}",
-    )
+    check_same_device(fn, "values", values, x)
     if bias is not None:
-        require_dtype(
-            bias.dtype in _FLOAT, lambda: f"sparse24_linear: bias must be a floating tensor, got dtype {bias.dtype}"
-        )
-        require(
-            bias.dim() == 1 and bias.shape[0] == N,
-            lambda: f"sparse24_linear: bias must have shape [N] = [{N}], got {tuple(bias.shape)}",
-        )
-        require_device(
-            bias.device == x.device,
-            lambda: f"sparse24_linear: bias must be on x's device {x.device}, got {bias.device}",
-        )
+        check_vector(fn, "bias", bias, N, x)
     return N, K
 
 
@@ -222,15 +205,8 @@ def _cpp_weight_supports(backend: str, args) -> str | None:
     return None
 
 
-mask_2_4_op = define(
-    "mask_2_4",
-    MASK_SCHEMA,
-    reference=_mask_reference,
-    fake=_mask_fake,
-    prefer={"cpu": ("cpp", "torch"), "cuda": ("torch",)},
-    supports=_cpp_weight_supports,
-    check=lambda w: check_weight(w, "mask_2_4"),
-)
+mask_2_4_op = define("mask_2_4", MASK_SCHEMA, reference=_mask_reference, fake=_mask_fake,
+                     check=lambda w: check_weight(w, "mask_2_4"), supports=_cpp_weight_supports)  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------ compress_2_4
@@ -246,16 +222,9 @@ def _compress_reference(w):
     return values, pack_mask(mask)
 
 
-compress_2_4_op = define(
-    "compress_2_4",
-    COMPRESS_SCHEMA,
-    reference=_compress_reference,
-    fake=_compress_fake,
-    prefer={"cpu": ("cpp", "torch"), "cuda": ("triton", "torch")},
-    triton="sparse24:compress_2_4",
-    supports=_cpp_weight_supports,
-    check=lambda w: check_weight(w, "compress_2_4"),
-)
+compress_2_4_op = define("compress_2_4", COMPRESS_SCHEMA, reference=_compress_reference, fake=_compress_fake,
+                         check=lambda w: check_weight(w, "compress_2_4"), supports=_cpp_weight_supports,
+                         cuda=("triton", "torch"), triton="sparse24:compress_2_4")  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------ decompress_2_4
@@ -319,15 +288,9 @@ def _cpp_compressed_supports(backend: str, args) -> str | None:
     return None
 
 
-decompress_2_4_op = define(
-    "decompress_2_4",
-    DECOMPRESS_SCHEMA,
-    reference=_decompress_reference,
-    fake=_decompress_fake,
-    prefer={"cpu": ("cpp", "torch"), "cuda": ("torch",)},
-    supports=_cpp_compressed_supports,
-    check=lambda values, meta: check_compressed(values, meta, "decompress_2_4"),
-)
+decompress_2_4_op = define("decompress_2_4", DECOMPRESS_SCHEMA, reference=_decompress_reference, fake=_decompress_fake,
+                           check=lambda values, meta: check_compressed(values, meta, "decompress_2_4"),
+                           supports=_cpp_compressed_supports)  # fmt: skip
 
 
 # the backward (a gather, linear in grad) is made of differentiable torch ops: it is its own double backward
@@ -368,16 +331,9 @@ def _linear_supports(backend: str, args) -> str | None:
     return None
 
 
-sparse24_linear_op = define(
-    "sparse24_linear",
-    LINEAR_SCHEMA,
-    reference=_linear_reference,
-    fake=_linear_fake,
-    prefer={"cpu": ("cpp", "torch"), "cuda": ("torch",)},
-    supports=_linear_supports,
-    check=check_linear,
-    cpp_autograd=True,  # csrc/sparse24_autograd.cpp
-)
+# cpp_autograd=True: csrc/sparse24_autograd.cpp
+sparse24_linear_op = define("sparse24_linear", LINEAR_SCHEMA, reference=_linear_reference, fake=_linear_fake,
+                            check=check_linear, supports=_linear_supports, cpp_autograd=True)  # fmt: skip
 
 
 def _linear_setup_context(ctx, inputs, output):
@@ -427,15 +383,10 @@ def _backward_reference(grad_out, x, values, meta, output_mask):
     return gx, gv, gb
 
 
-sparse24_linear_backward_op = define(
-    "sparse24_linear_backward",
-    BACKWARD_SCHEMA,
-    reference=_backward_reference,
-    fake=_backward_fake,
-    prefer={"cpu": ("cpp", "torch"), "cuda": ("torch",)},
-    supports=lambda backend, args: _linear_supports(backend, args[1:]),
-    check=lambda g, x, values, meta, mask: _check_backward(g, x, values, meta),
-)
+sparse24_linear_backward_op = define("sparse24_linear_backward", BACKWARD_SCHEMA, reference=_backward_reference,
+                                     fake=_backward_fake,
+                                     check=lambda g, x, values, meta, mask: _check_backward(g, x, values, meta),
+                                     supports=lambda backend, args: _linear_supports(backend, args[1:]))  # fmt: skip
 
 
 def _linear_backward(ctx, grad_out):
