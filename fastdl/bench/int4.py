@@ -195,7 +195,9 @@ class Weights:
         sz = {dt: torch.stack([sc.float().t(), zero.t()], dim=2).to(dt).contiguous()
               for dt in (torch.float32, torch.bfloat16)}  # fmt: skip
         per = _nbytes(packed, sz[torch.bfloat16])
-        n = copies_for(per, llc, args.llc_multiple, cap)
+        # copies sized by the larger (fp32) scales: the activation dtype is chosen later (a probe), and either must keep
+        # the copies within the cap
+        n = copies_for(_nbytes(packed, sz[torch.float32]), llc, args.llc_multiple, cap)
         copies = _clones((packed, sz[torch.float32], sz[torch.bfloat16]), n)
         mm, xs = torch.ops.aten._weight_int4pack_mm_for_cpu, self.x
         pos = [0]  # one rotation for both dtypes (the packed codes are shared)
