@@ -99,13 +99,6 @@ Act parse_activation(c10::string_view s, const char *fn) {
     return act;
 }
 
-int64_t leading_rows(const at::Tensor &t) {
-    int64_t m = 1;
-    for (int64_t d = 0; d + 1 < t.dim(); ++d)
-        m *= t.size(d);
-    return m;
-}
-
 void check_compute_dtype(const at::Tensor &x, const char *fn) {
     const auto c = x.scalar_type();
     TORCH_CHECK(c == at::kFloat || c == at::kBFloat16 || c == at::kHalf, fn,
@@ -246,7 +239,7 @@ Geometry checked_geometry(const at::Tensor &x, const at::Tensor &weight, c10::st
     TORCH_CHECK(x.dim() >= 1, fn, ": x must have at least one dimension [..., K], got a 0-d tensor");
     check_compute_dtype(x, fn);
     check_weight(x, weight, fn);
-    Geometry g{act, x.size(-1), weight.size(0), leading_rows(x),
+    Geometry g{act, x.size(-1), weight.size(0), c10::multiply_integers(x.sizes().slice(0, x.dim() - 1)),
                std::vector<int64_t>(x.sizes().begin(), x.sizes().end())};
     g.out_shape.back() = g.N;
     return g;
