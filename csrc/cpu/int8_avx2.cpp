@@ -3,6 +3,7 @@
 //
 // W8A8 without VNNI: vpmaddubsw (u8 x s8 -> s16 pair sums) with the sign trick (see avx2_tile), exact for every
 // activation in [-127, 127] and every weight; the per-token quantisation of float A is fused into the packing of A.
+#include "../static_dispatch.h"
 #include "int8_kernels.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -358,21 +359,9 @@ void gemm_block(const GemmBlock &g) {
             avx2_tile<kMR>(g, r0, c0, r0 == 0 ? next : nullptr);
         }
         const int8_t *pf = r0 == 0 ? next : nullptr;
-        switch (g.rows - r0) {
-        case 1:
-            avx2_tile<1>(g, r0, c0, pf);
-            break;
-        case 2:
-            avx2_tile<2>(g, r0, c0, pf);
-            break;
-        case 3:
-            avx2_tile<3>(g, r0, c0, pf);
-            break;
-        case 4:
-            avx2_tile<4>(g, r0, c0, pf);
-            break;
-        default:
-            break;
+        if (r0 < g.rows) { // the last 1 .. kMR - 1 rows
+            with_count<1, kMR - 1>(static_cast<int>(g.rows - r0),
+                                   [&](auto R) { avx2_tile<decltype(R)::value>(g, r0, c0, pf); });
         }
     }
 }
@@ -436,14 +425,7 @@ FDL_AVX2 inline void wo_group1(const float *x, const int8_t *w, int64_t ldw, int
 
 template <int MB, int NB, bool Grouped>
 FDL_AVX2 void wo_tile(const WeightOnly &p, int64_t m0, int64_t n0, const float *codes, LinePrefetch pf) {
-    __m256 acc[MB][NB];
-#pragma GCC unroll 2
-    for (int i = 0; i < MB; ++i) {
-#pragma GCC unroll 8
-        for (int j = 0; j < NB; ++j) {
-            acc[i][j] = _mm256_setzero_ps();
-        }
-    }
+    __m256 acc[MB][NB] = {}; // zeros
     const float *x = static_cast<const float *>(p.x) + m0 * p.ldx;
     const int8_t *w = p.w + n0 * p.ldw;
     int64_t k = 0;
@@ -620,53 +602,41 @@ FDL_AVX2 void panel_convert(const WeightOnly &p, int64_t n0, int64_t nr, int64_t
     }
 }
 
+// acc[i][j] += x[i * ldx + k .. k + 7] * w[j * ldb + k .. k + 7] (Tail: x read under the lane mask m).
+template <int MB, bool Tail>
+FDL_AVX2 __attribute__((always_inline)) inline void panel_step(__m256 (&acc)[MB][kPanelNB], const float *x, int64_t ldx,
+                                                               const float *w, int64_t ldb, int64_t k, __m256i m) {
+    __m256 xv[MB];
+#pragma GCC unroll 3
+    for (int i = 0; i < MB; ++i) {
+        xv[i] = Tail ? _mm256_maskload_ps(x + i * ldx + k, m) : _mm256_loadu_ps(x + i * ldx + k);
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < kPanelNB; ++j) {
+        const __m256 wv = _mm256_loadu_ps(w + j * ldb + k);
+#pragma GCC unroll 3
+        for (int i = 0; i < MB; ++i) {
+            acc[i][j] = _mm256_fmadd_ps(xv[i], wv, acc[i][j]);
+        }
+    }
+}
+
 // MB x rows (x + i * ldx: the kc values of the slice) times the 4 converted w rows at w (row stride ldb).
 // part: the partial sums of these outputs, row stride kPanelNc. After the last slice: the outputs at columns n .. n + 3
 // (those < p.cols) of rows m0 .. m0 + MB - 1.
 template <int MB>
 FDL_AVX2 void panel_tile(const WeightOnly &p, const float *x, const float *w, int64_t ldb, int64_t kc, float *part,
                          bool first, bool last, int64_t m0, int64_t n) {
-    __m256 acc[MB][kPanelNB];
-#pragma GCC unroll 3
-    for (int i = 0; i < MB; ++i) {
-#pragma GCC unroll 4
-        for (int j = 0; j < kPanelNB; ++j) {
-            acc[i][j] = _mm256_setzero_ps();
-        }
-    }
+    __m256 acc[MB][kPanelNB] = {}; // zeros
     const int64_t kfull = kc / 8 * 8;
     int64_t k = 0;
     for (; k < kfull; k += 8) {
-        __m256 xv[MB];
-#pragma GCC unroll 3
-        for (int i = 0; i < MB; ++i) {
-            xv[i] = _mm256_loadu_ps(x + i * p.ldx + k);
-        }
-#pragma GCC unroll 4
-        for (int j = 0; j < kPanelNB; ++j) {
-            const __m256 wv = _mm256_loadu_ps(w + j * ldb + k);
-#pragma GCC unroll 3
-            for (int i = 0; i < MB; ++i) {
-                acc[i][j] = _mm256_fmadd_ps(xv[i], wv, acc[i][j]);
-            }
-        }
+        panel_step<MB, false>(acc, x, p.ldx, w, ldb, k, _mm256_setzero_si256());
     }
     if (k < kc) { // K tail: x read under a mask (nothing past the row), the converted w is zero there
         const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-        const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(kc - k)), lane);
-        __m256 xv[MB];
-#pragma GCC unroll 3
-        for (int i = 0; i < MB; ++i) {
-            xv[i] = _mm256_maskload_ps(x + i * p.ldx + k, m);
-        }
-#pragma GCC unroll 4
-        for (int j = 0; j < kPanelNB; ++j) {
-            const __m256 wv = _mm256_loadu_ps(w + j * ldb + k);
-#pragma GCC unroll 3
-            for (int i = 0; i < MB; ++i) {
-                acc[i][j] = _mm256_fmadd_ps(xv[i], wv, acc[i][j]);
-            }
-        }
+        panel_step<MB, true>(acc, x, p.ldx, w, ldb, k,
+                             _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(kc - k)), lane));
     }
     __m128 sum[MB];
 #pragma GCC unroll 3

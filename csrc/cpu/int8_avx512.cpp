@@ -5,6 +5,7 @@
 // Numbers behind the choices (AMD EPYC, family 26 = Zen 5, 2 cores, measured with stand-alone loops): `vpdpbusd zmm`
 // issues 2 per cycle with a 4-cycle latency, so a register tile needs >= 8 independent accumulators; at ~4.1 GHz that
 // is ~1 TOP/s per core. L1D 48 KiB, L2 1 MiB per core, L3 32 MiB shared.
+#include "../static_dispatch.h"
 #include "int8_kernels.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -82,33 +83,43 @@ FDL_AVX512 inline void store16(void *p, __m512 f, DType dt, __mmask16 m) {
 // every NaN / Inf pattern (>= 0x7f800000) is above every finite value, so one integer max finds amax and detects
 // non-finite rows at once. The same holds for the 16-bit patterns of bf16 and fp16, so those are compared 32 at a time
 // without conversion, and only the maximum is converted (exactly) to fp32 bits.
+// The unsigned max over lanes of 32-bit (fp32) or 16-bit (bf16 / fp16) patterns: one set of vector operations per lane
+// width, the loop of lane_max below written once over them.
+struct Lanes32 {
+    using T = uint32_t;
+    static constexpr int64_t kLanes = 16;
+    FDL_AVX512 static inline __m512i abs_mask() { return _mm512_set1_epi32(0x7fffffff); }
+    FDL_AVX512 static inline __m512i max(__m512i a, __m512i b) { return _mm512_max_epu32(a, b); }
+    FDL_AVX512 static inline __m512i load_tail(const T *p, int64_t n) { return _mm512_maskz_loadu_epi32(mask16(n), p); }
+};
+struct Lanes16 {
+    using T = uint16_t;
+    static constexpr int64_t kLanes = 32;
+    FDL_AVX512 static inline __m512i abs_mask() { return _mm512_set1_epi16(0x7fff); }
+    FDL_AVX512 static inline __m512i max(__m512i a, __m512i b) { return _mm512_max_epu16(a, b); }
+    FDL_AVX512 static inline __m512i load_tail(const T *p, int64_t n) { return _mm512_maskz_loadu_epi16(mask32(n), p); }
+};
+
+// Lane-wise max of |p[k]| (sign bit cleared) over the K patterns of a row, two vectors per step.
+template <class L> FDL_AVX512 inline __m512i lane_max(const typename L::T *p, int64_t K) {
+    const __m512i abs_mask = L::abs_mask();
+    __m512i m0 = _mm512_setzero_si512(), m1 = _mm512_setzero_si512();
+    int64_t k = 0;
+    for (; k + 2 * L::kLanes <= K; k += 2 * L::kLanes) {
+        m0 = L::max(m0, _mm512_and_si512(_mm512_loadu_si512(p + k), abs_mask));
+        m1 = L::max(m1, _mm512_and_si512(_mm512_loadu_si512(p + k + L::kLanes), abs_mask));
+    }
+    for (; k < K; k += L::kLanes) {
+        m0 = L::max(m0, _mm512_and_si512(L::load_tail(p + k, K - k), abs_mask));
+    }
+    return L::max(m0, m1);
+}
+
 template <DType DT> FDL_AVX512 uint32_t amax_bits(const void *row, int64_t K) {
     if constexpr (DT == DType::F32) {
-        const float *p = static_cast<const float *>(row);
-        const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
-        __m512i m0 = _mm512_setzero_si512(), m1 = _mm512_setzero_si512();
-        int64_t k = 0;
-        for (; k + 32 <= K; k += 32) {
-            m0 = _mm512_max_epu32(m0, _mm512_and_si512(_mm512_loadu_si512(p + k), abs_mask));
-            m1 = _mm512_max_epu32(m1, _mm512_and_si512(_mm512_loadu_si512(p + k + 16), abs_mask));
-        }
-        for (; k < K; k += 16) {
-            m0 = _mm512_max_epu32(m0, _mm512_and_si512(_mm512_maskz_loadu_epi32(mask16(K - k), p + k), abs_mask));
-        }
-        return _mm512_reduce_max_epu32(_mm512_max_epu32(m0, m1));
+        return _mm512_reduce_max_epu32(lane_max<Lanes32>(static_cast<const uint32_t *>(row), K));
     } else {
-        const uint16_t *p = static_cast<const uint16_t *>(row);
-        const __m512i abs_mask = _mm512_set1_epi16(0x7fff);
-        __m512i m0 = _mm512_setzero_si512(), m1 = _mm512_setzero_si512();
-        int64_t k = 0;
-        for (; k + 64 <= K; k += 64) {
-            m0 = _mm512_max_epu16(m0, _mm512_and_si512(_mm512_loadu_si512(p + k), abs_mask));
-            m1 = _mm512_max_epu16(m1, _mm512_and_si512(_mm512_loadu_si512(p + k + 32), abs_mask));
-        }
-        for (; k < K; k += 32) {
-            m0 = _mm512_max_epu16(m0, _mm512_and_si512(_mm512_maskz_loadu_epi16(mask32(K - k), p + k), abs_mask));
-        }
-        m0 = _mm512_max_epu16(m0, m1);
+        const __m512i m0 = lane_max<Lanes16>(static_cast<const uint16_t *>(row), K);
         // 32 x u16 -> 16 x u32 (max of the two halves of each dword), then a dword reduction
         const __m512i hi = _mm512_srli_epi32(m0, 16), lo = _mm512_and_si512(m0, _mm512_set1_epi32(0xffff));
         const uint32_t h = _mm512_reduce_max_epu32(_mm512_max_epu32(hi, lo));
@@ -413,25 +424,11 @@ FDL_AVX512 void vnni_tile(const GemmBlock &g, int64_t r0, int64_t c0, const int8
 
 using TileFn = void (*)(const GemmBlock &, int64_t, int64_t, const int8_t *, int);
 
-template <int MR> constexpr TileFn tile_for(int nv) {
-    return nv == 1 ? &vnni_tile<MR, 1> : nv == 2 ? &vnni_tile<MR, 2> : nv == 3 ? &vnni_tile<MR, 3> : &vnni_tile<MR, 4>;
-}
-
 TileFn tile_fn(int mr, int nv) {
-    switch (mr) {
-    case 1:
-        return tile_for<1>(nv);
-    case 2:
-        return tile_for<2>(nv);
-    case 3:
-        return tile_for<3>(nv);
-    case 4:
-        return tile_for<4>(nv);
-    case 5:
-        return tile_for<5>(nv);
-    default:
-        return tile_for<6>(nv);
-    }
+    return with_count<1, kMR>(mr, [&](auto MR) {
+        return with_count<1, kNV>(
+            nv, [](auto NV) -> TileFn { return &vnni_tile<decltype(MR)::value, decltype(NV)::value>; });
+    });
 }
 
 // Loop order: 64-column panel outer, row tiles inner, so the panel's B slice (64 x kc bytes, 256 KiB at kc = 4096)
@@ -520,14 +517,7 @@ FDL_AVX512 inline void wo_f32_step(const float *x, int64_t ldx, const int8_t *w,
 // codes: see kCodeChunk (unused without groups).
 template <int MB, int NB, bool Grouped>
 FDL_AVX512 void wo_f32_tile(const WeightOnly &p, int64_t m0, int64_t n0, const float *codes, LinePrefetch pf) {
-    __m512 acc[MB][NB];
-#pragma GCC unroll 4
-    for (int i = 0; i < MB; ++i) {
-#pragma GCC unroll 8
-        for (int j = 0; j < NB; ++j) {
-            acc[i][j] = _mm512_setzero_ps();
-        }
-    }
+    __m512 acc[MB][NB] = {}; // zeros
     const float *x = static_cast<const float *>(p.x) + m0 * p.ldx;
     const int8_t *w = p.w + n0 * p.ldw;
     int64_t k = 0;
@@ -593,14 +583,7 @@ FDL_AVX512BF16 inline void wo_bf16_step(const uint16_t *x, int64_t ldx, const in
 
 template <int MB, int NB, bool Grouped>
 FDL_AVX512BF16 void wo_bf16_tile(const WeightOnly &p, int64_t m0, int64_t n0, const float *codes, LinePrefetch pf) {
-    __m512 acc[MB][NB];
-#pragma GCC unroll 4
-    for (int i = 0; i < MB; ++i) {
-#pragma GCC unroll 8
-        for (int j = 0; j < NB; ++j) {
-            acc[i][j] = _mm512_setzero_ps();
-        }
-    }
+    __m512 acc[MB][NB] = {}; // zeros
     const uint16_t *x = static_cast<const uint16_t *>(p.x) + m0 * p.ldx;
     const int8_t *w = p.w + n0 * p.ldw;
     int64_t k = 0;
@@ -653,16 +636,10 @@ template <bool BF16, bool Grouped, int MB, int NB> constexpr WoTileFn wo_fn() {
 }
 
 template <bool BF16, bool Grouped> WoTileFn wo_tile(int mb, bool full) {
-    switch (mb) {
-    case 1:
-        return full ? wo_fn<BF16, Grouped, 1, nb_for(1)>() : wo_fn<BF16, Grouped, 1, 1>();
-    case 2:
-        return full ? wo_fn<BF16, Grouped, 2, nb_for(2)>() : wo_fn<BF16, Grouped, 2, 1>();
-    case 3:
-        return full ? wo_fn<BF16, Grouped, 3, nb_for(3)>() : wo_fn<BF16, Grouped, 3, 1>();
-    default:
-        return full ? wo_fn<BF16, Grouped, 4, nb_for(4)>() : wo_fn<BF16, Grouped, 4, 1>();
-    }
+    return with_count<1, kMB>(mb, [&](auto MB) {
+        constexpr int m = decltype(MB)::value;
+        return full ? wo_fn<BF16, Grouped, m, nb_for(m)>() : wo_fn<BF16, Grouped, m, 1>();
+    });
 }
 
 // The codes of w rows [n0, n0 + rows) (rows <= kWoCols) as fp32 in the chunked layout of kCodeChunk; entries past
@@ -888,28 +865,11 @@ FDL_AVX512BF16 void wo_panel_tile(const WeightOnly &p, const uint16_t *buf, int6
 using WoPanelFn = void (*)(const WeightOnly &, const uint16_t *, int64_t, int64_t, int64_t, int64_t, float *, bool,
                            bool);
 
-template <int MR> constexpr WoPanelFn wo_panel_for(int nv) {
-    return nv == 1   ? &wo_panel_tile<MR, 1>
-           : nv == 2 ? &wo_panel_tile<MR, 2>
-           : nv == 3 ? &wo_panel_tile<MR, 3>
-                     : &wo_panel_tile<MR, 4>;
-}
-
 WoPanelFn wo_panel_fn(int mr, int nv) {
-    switch (mr) {
-    case 1:
-        return wo_panel_for<1>(nv);
-    case 2:
-        return wo_panel_for<2>(nv);
-    case 3:
-        return wo_panel_for<3>(nv);
-    case 4:
-        return wo_panel_for<4>(nv);
-    case 5:
-        return wo_panel_for<5>(nv);
-    default:
-        return wo_panel_for<6>(nv);
-    }
+    return with_count<1, kMR>(mr, [&](auto MR) {
+        return with_count<1, 4>(
+            nv, [](auto NV) -> WoPanelFn { return &wo_panel_tile<decltype(MR)::value, decltype(NV)::value>; });
+    });
 }
 
 void weight_only_bf16_panels(const WeightOnly &p) {
