@@ -112,24 +112,6 @@ template <DType DT> FDL_AVX2 uint32_t amax_bits(const void *row, int64_t K) {
     return m;
 }
 
-inline float row_scale(uint32_t bits, float *inv) {
-    if (bits >= 0x7f800000u) {
-        *inv = 0.0f;
-        const uint32_t qnan = 0x7fc00000u;
-        float nan;
-        std::memcpy(&nan, &qnan, 4);
-        return nan;
-    }
-    if (bits == 0) {
-        *inv = 0.0f;
-        return 0.0f;
-    }
-    float amax;
-    std::memcpy(&amax, &bits, 4);
-    *inv = 127.0f / amax;
-    return amax / 127.0f;
-}
-
 // q = clamp(rne(x * inv), -127, 127) as int32 lanes, NaN products -> 0 (vmaxps returns its second operand for NaN, so
 // the clamp leaves no NaN and the mask restores 0).
 FDL_AVX2 inline __m256i quant8(__m256 x, __m256 inv) {
@@ -146,8 +128,10 @@ FDL_AVX2 inline __m128i to_i8(__m256i q0, __m256i q1) {
     return _mm_packs_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
 }
 
-// Quantise k in [k0, k1) of a row into int8 at dst.
-template <DType DT> FDL_AVX2 void quant_row(const void *row, int64_t k0, int64_t k1, float inv_s, int8_t *dst) {
+// Quantise k in [k0, k1) of a row into int8 at dst (Xor: the A offset, 0 in this family: int8_pack_a.h).
+template <DType DT, int Xor>
+FDL_AVX2 void quant_row(const void *row, int64_t k0, int64_t k1, float inv_s, uint8_t *dst) {
+    static_assert(Xor == 0, "the AVX2 kernels take A as int8");
     const char *p = static_cast<const char *>(row);
     const __m256 inv = _mm256_set1_ps(inv_s);
     int64_t k = k0;
@@ -166,79 +150,27 @@ template <DType DT> FDL_AVX2 void quant_row(const void *row, int64_t k0, int64_t
     }
 }
 
-template <DType DT> FDL_AVX2 void quantize_rows_t(const QuantRows &a) {
-    const char *src = static_cast<const char *>(a.src);
-    for (int64_t r = 0; r < a.rows; ++r) {
-        const void *row = src + r * a.ld * elem_size<DT>();
-        float inv;
-        a.scale[r] = row_scale(amax_bits<DT>(row, a.K), &inv);
-        quant_row<DT>(row, 0, a.K, inv, a.q + r * a.ldq);
-    }
-}
-
-void quantize_rows(const QuantRows &a) {
-    if (a.dtype == DType::F32) {
-        quantize_rows_t<DType::F32>(a);
-    } else if (a.dtype == DType::BF16) {
-        quantize_rows_t<DType::BF16>(a);
-    } else {
-        quantize_rows_t<DType::F16>(a);
-    }
-}
-
 // ---------------------------------------------------------------------------------------------------- pack A
 // int8 A block (a as it is: the sign trick below needs no +128 shift and no compensation), rows of kc bytes,
 // padding (k >= K) 0. int8 A must not hold -128 (see Kernels::a_min; int8_mm splits such an A in two).
-inline void pad_row(int8_t *d, int64_t k0, int64_t k1, int64_t kc) {
-    const int64_t from = k1 > k0 ? k1 - k0 : 0;
-    if (kc > from) {
-        std::memset(d + from, 0, static_cast<size_t>(kc - from));
-    }
-}
-
-template <DType DT> FDL_AVX2 void pack_a_float(const APack &p) {
-    const char *src = static_cast<const char *>(p.src);
-    const int64_t k1 = imin(p.K, p.k0 + p.kc);
-    for (int64_t r = 0; r < p.rows; ++r) {
-        const void *row = src + r * p.ld * elem_size<DT>();
-        if (p.compute_scales) {
-            p.scale[r] = row_scale(amax_bits<DT>(row, p.K), &p.inv[r]);
-        }
-        int8_t *d = static_cast<int8_t *>(p.dst) + r * p.ldd;
-        if (k1 > p.k0) {
-            quant_row<DT>(row, p.k0, k1, p.inv[r], d);
-        }
-        pad_row(d, p.k0, k1, p.kc);
-    }
-}
+constexpr int kAOffset = 0;
 
 void pack_a_int8(const APack &p) {
     const int8_t *src = static_cast<const int8_t *>(p.src);
     const int64_t k1 = imin(p.K, p.k0 + p.kc);
     for (int64_t r = 0; r < p.rows; ++r) {
-        int8_t *d = static_cast<int8_t *>(p.dst) + r * p.ldd;
+        uint8_t *d = static_cast<uint8_t *>(p.dst) + r * p.ldd;
         if (k1 > p.k0) {
             std::memcpy(d, src + r * p.ld + p.k0, static_cast<size_t>(k1 - p.k0));
         }
-        pad_row(d, p.k0, k1, p.kc);
+        pad_a_row(d, p.k0, k1, p.kc, kAOffset);
     }
 }
 
-void pack_a(const APack &p) {
-    switch (p.dtype) {
-    case DType::F32:
-        pack_a_float<DType::F32>(p);
-        break;
-    case DType::BF16:
-        pack_a_float<DType::BF16>(p);
-        break;
-    case DType::F16:
-        pack_a_float<DType::F16>(p);
-        break;
-    default:
-        pack_a_int8(p);
-    }
-}
+// quantize_rows and pack_a (float rows quantised on the fly, int8 rows by pack_a_int8)
+#define I8_SIMD FDL_AVX2
+#include "int8_pack_a.h"
+#undef I8_SIMD
 
 // --------------------------------------------------------------------------------------------------------- GEMM
 // Exact int8 x int8 with vpmaddubsw (u8 x s8 -> s16 pair sums, saturating) by the sign trick: for a weight vector b

@@ -130,26 +130,6 @@ template <DType DT> FDL_AVX512 uint32_t amax_bits(const void *row, int64_t K) {
     }
 }
 
-// scale and 1/scale-equivalent multiplier of a row from its amax bits (contract formula, fp32 divisions). inv = 0 for
-// rows of zeros and non-finite rows: their q are all 0.
-inline float row_scale(uint32_t bits, float *inv) {
-    if (bits >= 0x7f800000u) {
-        *inv = 0.0f;
-        float nan;
-        const uint32_t qnan = 0x7fc00000u;
-        std::memcpy(&nan, &qnan, 4);
-        return nan;
-    }
-    if (bits == 0) {
-        *inv = 0.0f;
-        return 0.0f;
-    }
-    float amax;
-    std::memcpy(&amax, &bits, 4);
-    *inv = 127.0f / amax;
-    return amax / 127.0f;
-}
-
 // q = clamp(rne(x * inv), -127, 127) as int32 lanes; one rounded multiply (no FMA), NaN products -> 0. The clamp is
 // done in float (where +-inf clamp correctly; the integer conversion would turn both into INT_MIN). Only needed when
 // inv is infinite (amax < 127 / FLT_MAX), see quant_row.
@@ -190,57 +170,14 @@ FDL_AVX512 inline void quant_row(const void *row, int64_t k0, int64_t k1, float 
     }
 }
 
-template <DType DT> FDL_AVX512 void quantize_rows_t(const QuantRows &a) {
-    const char *src = static_cast<const char *>(a.src);
-    for (int64_t r = 0; r < a.rows; ++r) {
-        const void *row = src + r * a.ld * elem_size<DT>();
-        float inv;
-        a.scale[r] = row_scale(amax_bits<DT>(row, a.K), &inv);
-        quant_row<DT, 0>(row, 0, a.K, inv, reinterpret_cast<uint8_t *>(a.q + r * a.ldq));
-    }
-}
-
-void quantize_rows(const QuantRows &a) {
-    if (a.dtype == DType::F32) {
-        quantize_rows_t<DType::F32>(a);
-    } else if (a.dtype == DType::BF16) {
-        quantize_rows_t<DType::BF16>(a);
-    } else {
-        quantize_rows_t<DType::F16>(a);
-    }
-}
-
 // ---------------------------------------------------------------------------------------------------- pack A
-// Slice [k0, k0 + kc) of a packed row whose valid part ends at k1: k >= K is padding, a = 0, i.e. u8 128.
-inline void pad_row(uint8_t *d, int64_t k0, int64_t k1, int64_t kc) {
-    const int64_t from = k1 > k0 ? k1 - k0 : 0;
-    if (kc > from) {
-        std::memset(d + from, 0x80, static_cast<size_t>(kc - from));
-    }
-}
-
-// A block for vpdpbusd: u8 = a + 128, rows of kc bytes. Float rows are read twice (amax, then quantise), the second
-// time from L1/L2: a 4096-wide fp32 row is 16 KiB.
-template <DType DT> FDL_AVX512 void pack_a_float(const APack &p) {
-    const char *src = static_cast<const char *>(p.src);
-    const int64_t k1 = imin(p.K, p.k0 + p.kc);
-    for (int64_t r = 0; r < p.rows; ++r) {
-        const void *row = src + r * p.ld * elem_size<DT>();
-        if (p.compute_scales) {
-            p.scale[r] = row_scale(amax_bits<DT>(row, p.K), &p.inv[r]);
-        }
-        uint8_t *d = static_cast<uint8_t *>(p.dst) + r * p.ldd;
-        if (k1 > p.k0) {
-            quant_row<DT, 0x80>(row, p.k0, k1, p.inv[r], d);
-        }
-        pad_row(d, p.k0, k1, p.kc);
-    }
-}
+// A block for vpdpbusd: u8 = a + 128, rows of kc bytes; padding (k >= K) a = 0, i.e. u8 128.
+constexpr int kAOffset = 0x80;
 
 FDL_AVX512 void pack_a_int8(const APack &p) {
     const int8_t *src = static_cast<const int8_t *>(p.src);
     const int64_t k1 = imin(p.K, p.k0 + p.kc);
-    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(kAOffset));
     for (int64_t r = 0; r < p.rows; ++r) {
         const int8_t *row = src + r * p.ld;
         uint8_t *d = static_cast<uint8_t *>(p.dst) + r * p.ldd;
@@ -248,25 +185,14 @@ FDL_AVX512 void pack_a_int8(const APack &p) {
             const __mmask64 m = mask64(k1 - k);
             _mm512_mask_storeu_epi8(d + (k - p.k0), m, _mm512_xor_si512(_mm512_maskz_loadu_epi8(m, row + k), flip));
         }
-        pad_row(d, p.k0, k1, p.kc);
+        pad_a_row(d, p.k0, k1, p.kc, kAOffset);
     }
 }
 
-void pack_a(const APack &p) {
-    switch (p.dtype) {
-    case DType::F32:
-        pack_a_float<DType::F32>(p);
-        break;
-    case DType::BF16:
-        pack_a_float<DType::BF16>(p);
-        break;
-    case DType::F16:
-        pack_a_float<DType::F16>(p);
-        break;
-    default:
-        pack_a_int8(p);
-    }
-}
+// quantize_rows and pack_a (float rows quantised on the fly, int8 rows by pack_a_int8)
+#define I8_SIMD FDL_AVX512
+#include "int8_pack_a.h"
+#undef I8_SIMD
 
 // ---------------------------------------------------------------------------------------------------- pack B
 // 16 x 16 dword transpose: r[i] holds row i (16 dwords); afterwards r[q] holds dword q of every row.
