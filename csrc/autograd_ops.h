@@ -7,6 +7,7 @@
 
 #include <array>
 #include <cstdint>
+#include <initializer_list>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -26,6 +27,9 @@ inline bool requires_grad_arg(const at::Tensor &t) {
 inline bool requires_grad_arg(const std::optional<at::Tensor> &t) {
     return is_given(t) && t->requires_grad();
 }
+inline bool requires_grad_arg(bool) { // a flag argument
+    return false;
+}
 
 // Whether a call records a graph: grad mode is on and an argument requires a gradient. When it does not (inference,
 // frozen weights), the Autograd kernels call the device kernel directly, as PyTorch's generated kernels do, instead of
@@ -33,6 +37,17 @@ inline bool requires_grad_arg(const std::optional<at::Tensor> &t) {
 // K = N = 64, AMD EPYC Zen 2).
 template <class... Args> bool records_graph(const Args &...args) {
     return at::GradMode::is_enabled() && (requires_grad_arg(args) || ...);
+}
+
+// The Autograd kernel of a fastdl_cpp op whose node is Node (a torch::autograd::Function over the op's arguments):
+// the device kernel `op` directly when the call records no graph (records_graph), else the node.
+template <class Node, class Sig, class... Args>
+auto device_or_node(const c10::TypedOperatorHandle<Sig> &op, const Args &...args) {
+    if (!records_graph(args...)) {
+        at::AutoDispatchBelowADInplaceOrView below;
+        return op.call(args...);
+    }
+    return Node::apply(args...);
 }
 
 template <class Sig> c10::TypedOperatorHandle<Sig> find_cpp_op(const char *qualified_name) {
@@ -83,6 +98,25 @@ inline void keep_input(torch::autograd::AutogradContext *ctx, const char *key, c
     ctx->saved_data[std::string(key) + "_version"] = static_cast<int64_t>(t->_version());
 }
 
+// The bias of a linear node's forward: whether it was given and its dtype (its gradient is returned in it), and the
+// tensor itself for a create_graph backward (keep_input).
+inline void save_bias(torch::autograd::AutogradContext *ctx, const std::optional<at::Tensor> &bias) {
+    const bool has_bias = is_given(bias);
+    ctx->saved_data["bias_dtype"] = has_bias ? bias->scalar_type() : at::kFloat;
+    ctx->saved_data["has_bias"] = has_bias;
+    keep_input(ctx, "bias", bias);
+}
+// The gradients a linear node's backward must compute: x (input edge 0), the weight (edge 1) and the bias saved by
+// save_bias (at bias_edge).
+struct LinearNeeds {
+    bool x, w, b;
+    bool any() const { return x || w || b; }
+};
+inline LinearNeeds linear_needs(torch::autograd::AutogradContext *ctx, size_t bias_edge) {
+    return {ctx->needs_input_grad(0), ctx->needs_input_grad(1),
+            ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(bias_edge)};
+}
+
 // The input kept by keep_input (nullopt when it was not given); RuntimeError, as a saved tensor's, when it was changed
 // in place since the forward.
 inline std::optional<at::Tensor> kept_input(torch::autograd::AutogradContext *ctx, const char *key, const char *op) {
@@ -98,11 +132,25 @@ inline std::optional<at::Tensor> kept_input(torch::autograd::AutogradContext *ct
     return t;
 }
 
-// result[slot] = the gradient, with a graph, of output 0 of fastdl::<public_op>(args) with respect to each input in
-// `wrt` (slot, tensor), contracted with grad_out. Unused inputs get an undefined gradient.
+// One input a create_graph backward may differentiate: its slot in the node's result, whether its gradient is wanted
+// (ctx->needs_input_grad), the tensor. An optional input (bias, residual) is wanted only when it was given.
+struct GradInput {
+    size_t slot;
+    bool need;
+    at::Tensor t;
+    GradInput(size_t slot_, bool need_, const at::Tensor &t_) : slot(slot_), need(need_), t(t_) {}
+    GradInput(size_t slot_, bool need_, const std::optional<at::Tensor> &t_)
+        : slot(slot_), need(need_ && is_given(t_)), t(need ? *t_ : at::Tensor()) {}
+};
+
+// result[slot] = the gradient, with a graph, of output 0 of fastdl::<public_op>(args) with respect to each wanted
+// input, contracted with grad_out. Unused inputs get an undefined gradient.
 inline void grads_with_graph(const char *public_op, torch::jit::Stack args, const at::Tensor &grad_out,
-                             const std::vector<std::pair<size_t, at::Tensor>> &wrt,
-                             torch::autograd::variable_list &result) {
+                             std::initializer_list<GradInput> wanted, torch::autograd::variable_list &result) {
+    std::vector<const GradInput *> wrt;
+    for (const GradInput &w : wanted)
+        if (w.need)
+            wrt.push_back(&w);
     if (wrt.empty())
         return;
     const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow(public_op, "");
@@ -110,12 +158,12 @@ inline void grads_with_graph(const char *public_op, torch::jit::Stack args, cons
     const at::Tensor out = args[0].toTensor();
     std::vector<at::Tensor> inputs;
     inputs.reserve(wrt.size());
-    for (const auto &w : wrt)
-        inputs.push_back(w.second);
+    for (const GradInput *w : wrt)
+        inputs.push_back(w->t);
     const torch::autograd::variable_list g = torch::autograd::grad({out}, inputs, {grad_out}, /*retain_graph=*/true,
                                                                    /*create_graph=*/true, /*allow_unused=*/true);
     for (size_t i = 0; i < wrt.size(); ++i)
-        result[wrt[i].first] = g[i];
+        result[wrt[i]->slot] = g[i];
 }
 
 } // namespace fastdl

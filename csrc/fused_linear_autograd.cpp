@@ -70,16 +70,8 @@ struct FusedLinearFunction : public torch::autograd::Function<FusedLinearFunctio
         if (at::GradMode::is_enabled()) { // create_graph=True: gradients with a graph (autograd_ops.h)
             const auto bias = kept_input(ctx, "bias", "fused_linear");
             const auto residual = kept_input(ctx, "residual", "fused_linear");
-            std::vector<std::pair<size_t, at::Tensor>> wrt;
-            if (need_x)
-                wrt.emplace_back(0, x);
-            if (need_w)
-                wrt.emplace_back(1, weight);
-            if (need_b)
-                wrt.emplace_back(2, *bias);
-            if (need_r)
-                wrt.emplace_back(4, *residual);
-            grads_with_graph("fastdl::fused_linear", {x, weight, bias, act, residual, true}, grad_out, wrt, result);
+            grads_with_graph("fastdl::fused_linear", {x, weight, bias, act, residual, true}, grad_out,
+                             {{0, need_x, x}, {1, need_w, weight}, {2, need_b, bias}, {4, need_r, residual}}, result);
             return result;
         }
         if (need_x || need_w || need_b) {

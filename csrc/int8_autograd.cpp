@@ -30,11 +30,8 @@ struct Int8LinearQatFunction : public torch::autograd::Function<Int8LinearQatFun
     static at::Tensor forward(AutogradContext *ctx, const at::Tensor &x, const at::Tensor &weight,
                               const std::optional<at::Tensor> &bias, bool weight_only) {
         at::AutoDispatchBelowADInplaceOrView below; // the device kernel, not this one again
-        const bool has_bias = is_given(bias);
-        ctx->saved_data["bias_dtype"] = has_bias ? bias->scalar_type() : at::kFloat;
-        ctx->saved_data["has_bias"] = has_bias;
         ctx->save_for_backward({x, weight});
-        keep_input(ctx, "bias", bias); // for a create_graph backward (grads_with_graph)
+        save_bias(ctx, bias);
         ctx->saved_data["weight_only"] = weight_only;
         return forward_op().call(x, weight, bias, weight_only);
     }
@@ -44,25 +41,17 @@ struct Int8LinearQatFunction : public torch::autograd::Function<Int8LinearQatFun
         const auto saved = ctx->get_saved_variables();
         const at::Tensor &x = saved[0], &weight = saved[1];
         // edges: x 0, weight 1, bias 2 where given
-        const bool need_x = ctx->needs_input_grad(0), need_w = ctx->needs_input_grad(1);
-        const bool need_b = ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2);
-        if (!(need_x || need_w || need_b))
+        const LinearNeeds need = linear_needs(ctx, 2);
+        if (!need.any())
             return result;
         if (at::GradMode::is_enabled()) { // create_graph=True: gradients with a graph (autograd_ops.h)
             const auto bias = kept_input(ctx, "bias", "int8_linear_qat");
-            std::vector<std::pair<size_t, at::Tensor>> wrt;
-            if (need_x)
-                wrt.emplace_back(0, x);
-            if (need_w)
-                wrt.emplace_back(1, weight);
-            if (need_b)
-                wrt.emplace_back(2, *bias);
             grads_with_graph("fastdl::int8_linear_qat", {x, weight, bias, ctx->saved_data["weight_only"].toBool()},
-                             grads[0], wrt, result);
+                             grads[0], {{0, need.x, x}, {1, need.w, weight}, {2, need.b, bias}}, result);
             return result;
         }
         const at::Tensor no_preact = at::empty({0}, x.options()); // activation "none" reads no pre-activation
-        linear_grads(result, grads[0], x, weight, no_preact, "none", need_x, need_w, need_b,
+        linear_grads(result, grads[0], x, weight, no_preact, "none", need.x, need.w, need.b,
                      ctx->saved_data["bias_dtype"].toScalarType());
         return result;
     }
@@ -70,11 +59,7 @@ struct Int8LinearQatFunction : public torch::autograd::Function<Int8LinearQatFun
 
 at::Tensor int8_linear_qat_autograd(const at::Tensor &x, const at::Tensor &weight,
                                     const std::optional<at::Tensor> &bias, bool weight_only) {
-    if (!records_graph(x, weight, bias)) {
-        at::AutoDispatchBelowADInplaceOrView below;
-        return forward_op().call(x, weight, bias, weight_only);
-    }
-    return Int8LinearQatFunction::apply(x, weight, bias, weight_only);
+    return device_or_node<Int8LinearQatFunction>(forward_op(), x, weight, bias, weight_only);
 }
 
 } // namespace

@@ -37,11 +37,8 @@ struct Sparse24LinearFunction : public torch::autograd::Function<Sparse24LinearF
     static at::Tensor forward(AutogradContext *ctx, const at::Tensor &x, const at::Tensor &values,
                               const at::Tensor &meta, const std::optional<at::Tensor> &bias) {
         at::AutoDispatchBelowADInplaceOrView below; // the device kernel, not this one again
-        const bool has_bias = is_given(bias);
-        ctx->saved_data["bias_dtype"] = has_bias ? bias->scalar_type() : at::kFloat;
-        ctx->saved_data["has_bias"] = has_bias;
         ctx->save_for_backward({x, values, meta});
-        keep_input(ctx, "bias", bias); // for a create_graph backward (grads_with_graph)
+        save_bias(ctx, bias);
         return forward_op().call(x, values, meta, bias);
     }
 
@@ -50,28 +47,21 @@ struct Sparse24LinearFunction : public torch::autograd::Function<Sparse24LinearF
         const auto saved = ctx->get_saved_variables();
         const at::Tensor &x = saved[0], &values = saved[1], &meta = saved[2];
         // edges: x 0, values 1, meta 2, bias 3 where given
-        const bool need_x = ctx->needs_input_grad(0), need_v = ctx->needs_input_grad(1);
-        const bool need_b = ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(3);
-        if (!(need_x || need_v || need_b))
+        const LinearNeeds need = linear_needs(ctx, 3);
+        if (!need.any())
             return result;
         if (at::GradMode::is_enabled()) { // create_graph=True: gradients with a graph (autograd_ops.h)
             const auto bias = kept_input(ctx, "bias", "sparse24_linear");
-            std::vector<std::pair<size_t, at::Tensor>> wrt;
-            if (need_x)
-                wrt.emplace_back(0, x);
-            if (need_v)
-                wrt.emplace_back(1, values);
-            if (need_b)
-                wrt.emplace_back(3, *bias);
-            grads_with_graph("fastdl::sparse24_linear", {x, values, meta, bias}, grads[0], wrt, result);
+            grads_with_graph("fastdl::sparse24_linear", {x, values, meta, bias}, grads[0],
+                             {{0, need.x, x}, {1, need.w, values}, {3, need.b, bias}}, result);
             return result;
         }
-        auto [gx, gv, gb] = backward_op().call(grads[0], x, values, meta, {need_x, need_v, need_b});
-        if (need_x)
+        auto [gx, gv, gb] = backward_op().call(grads[0], x, values, meta, {need.x, need.w, need.b});
+        if (need.x)
             result[0] = gx;
-        if (need_v)
+        if (need.w)
             result[1] = gv;
-        if (need_b)
+        if (need.b)
             result[3] = gb.to(ctx->saved_data["bias_dtype"].toScalarType());
         return result;
     }
@@ -79,11 +69,8 @@ struct Sparse24LinearFunction : public torch::autograd::Function<Sparse24LinearF
 
 at::Tensor sparse24_linear_autograd(const at::Tensor &x, const at::Tensor &values, const at::Tensor &meta,
                                     const std::optional<at::Tensor> &bias) {
-    if (!records_graph(x, values, bias)) { // meta is integer: never differentiable
-        at::AutoDispatchBelowADInplaceOrView below;
-        return forward_op().call(x, values, meta, bias);
-    }
-    return Sparse24LinearFunction::apply(x, values, meta, bias);
+    // (meta is an integer tensor: it never requires a gradient)
+    return device_or_node<Sparse24LinearFunction>(forward_op(), x, values, meta, bias);
 }
 
 } // namespace

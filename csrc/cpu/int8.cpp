@@ -1,6 +1,7 @@
 // CPU kernels of the int8 capability, registered for the fastdl_cpp schemas that fastdl/ops/int8.py defines. This
-// file checks arguments, cuts the work into blocks and threads (at::parallel_for); the arithmetic lives in the
-// kernels of int8_kernels.h (AVX512-VNNI, AVX2, scalar), chosen once per process from cpuid.
+// file checks arguments and routes each op; the W8A8 GEMM driver (weight packing, blocking, threads) is in
+// int8_w8a8.cpp, the weight-only one below; the arithmetic lives in the kernels of int8_kernels.h (AVX512-VNNI,
+// AVX2, scalar), chosen once per process from cpuid.
 //
 // Op-level routing: every int8 op runs fastdl's kernels at every ISA level; no PyTorch path is both exact and faster.
 // - W8A8 (int8_mm, int8_linear): PyTorch's int8 GEMM, torch._int_mm (oneDNN), is exact only with VNNI; without it (an
@@ -28,6 +29,7 @@
 #include "cpu_isa.h"
 #include "fused_linear_kernels.h"
 #include "int8_kernels.h"
+#include "int8_w8a8.h"
 #include "parallel.h"
 
 namespace fastdl {
@@ -63,13 +65,6 @@ const Kernels &kernels() {
 // ------------------------------------------------------------------------------------------------ helpers
 namespace {
 
-constexpr int64_t ceil_div(int64_t a, int64_t b) {
-    return (a + b - 1) / b;
-}
-constexpr int64_t round_up(int64_t a, int64_t b) {
-    return ceil_div(a, b) * b;
-}
-
 DType dtype_of(at::ScalarType t) {
     if (t == at::kInt)
         return DType::I32;
@@ -78,17 +73,6 @@ DType dtype_of(at::ScalarType t) {
 
 bool is_act_dtype(at::ScalarType t) {
     return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
-}
-
-// [begin, end) of part i of n parts of `total` units, boundaries on multiples of `unit` where possible.
-std::pair<int64_t, int64_t> split(int64_t total, int64_t parts, int64_t i, int64_t unit) {
-    auto edge = [&](int64_t j) {
-        if (j >= parts) {
-            return total;
-        }
-        return std::min(total, round_up(total * j / parts, unit));
-    };
-    return {edge(i), edge(i + 1)};
 }
 
 // 2-D view [rows, K] of x [..., K] with unit stride along K (a copy only when the strides do not allow a view).
@@ -145,152 +129,6 @@ void check_packed(const char *op, const char *pname, const char *cname, const c1
     TORCH_CHECK(comp->scalar_type() == at::kInt && comp->dim() == 1 && comp->size(0) == Np && comp->is_contiguous(), op,
                 ": ", cname, " must be the contiguous int32 [", Np, "] tensor made by int8_pack_weight, got ",
                 comp->scalar_type(), " ", comp->sizes());
-}
-
-// ------------------------------------------------------------------------------------------------ weight packing
-// VNNI layout [Np/16][Kp/4][16][4]; comp[n] = 128 * sum_k w[n, k] (int32, wrapping like the int32 accumulator).
-std::tuple<at::Tensor, at::Tensor> pack_weight(const at::Tensor &w_q) {
-    const at::Tensor w = w_q.stride(-1) == 1 ? w_q : w_q.contiguous();
-    const int64_t N = w.size(0), K = w.size(1);
-    const int64_t Np = round_up(N, 16), Kp = round_up(K, 4);
-    at::Tensor packed = at::empty({Np, Kp}, w.options().dtype(at::kChar));
-    at::Tensor comp = at::empty({Np}, w.options().dtype(at::kInt));
-    PackB p;
-    p.w = w.data_ptr<int8_t>();
-    p.ldw = w.stride(0);
-    p.N = N;
-    p.K = K;
-    p.Kp = Kp;
-    p.packed = packed.data_ptr<int8_t>();
-    p.comp = comp.data_ptr<int32_t>();
-    const Kernels &kr = kernels();
-    // grain: 16 blocks of 16 rows (>= 1 MiB at K = 4096) per thread at least
-    parallel_for(0, Np / 16, 16, [&](int64_t b, int64_t e) {
-        PackB q = p;
-        q.jb0 = b;
-        q.jb1 = e;
-        kr.pack_b(q);
-    });
-    return {packed, comp};
-}
-
-// ------------------------------------------------------------------------------------------------ W8A8 driver
-// Blocking (per thread, on the rectangle of rows x columns it owns):
-//   K slices of <= 4096 values: the A block (rows x kc bytes) and one 64-column panel of B (64 x kc bytes, 256 KiB)
-//   both stay in the 1 MiB L2; longer K (11008 in LLaMA-7B) is cut into near-equal slices with int32 partial sums.
-//   Row blocks of <= 512 KiB of packed A (128 rows at K = 4096: 768 KiB of L2 with the B panel), cut into equal
-//   multiples of the register tile: each weight byte is read from L3 (or DRAM) once per row block. Measured
-//   stand-alone, the VNNI tile loop then runs at 125 of the 128 MAC/cycle peak even when B streams from L3.
-//   512 rather than 256 KiB lets M = 128 split the columns over 2 threads (B read once, not once per thread).
-//   `fastdl bench int8`, 2 threads, ms, 256 -> 512 KiB: 4096 x 4096 at M = 128 2.23-2.27 -> 2.17-2.18; LLaMA
-//   4096 -> 11008 at M = 128 6.08-6.14 -> 5.93-5.94, 11008 -> 4096 5.98-6.02 -> 5.89-5.97; M = 16, 512 unchanged.
-//   Threads: rows are split only in parts of at least one full row block (a thread's weights then stream the same
-//   number of times as with a column split, and each thread quantises only its own rows); below that the columns
-//   are split and each thread quantises the (few) rows itself rather than waiting for another thread.
-constexpr int64_t kMaxKc = 4096;
-constexpr int64_t kABlockBytes = 512 << 10;
-
-struct W8A8 {
-    const Kernels *kr = nullptr;
-    const void *a = nullptr; // int8 or float rows
-    int64_t lda = 0;
-    DType a_dtype = DType::I8;
-    const float *a_scale = nullptr; // int8 A
-    int64_t M = 0, K = 0, N = 0, Kp = 0;
-    const int8_t *b = nullptr;
-    const int32_t *comp = nullptr;
-    const float *b_scale = nullptr, *bias = nullptr;
-    void *out = nullptr;
-    DType out_dtype = DType::F32;
-    // blocking
-    int64_t nkb = 1, Kc = 0, mc_max = 1;
-};
-
-void w8a8_rect(const W8A8 &p, int64_t m0, int64_t m1, int64_t j0, int64_t j1) {
-    const Kernels &kr = *p.kr;
-    const int64_t nkb = p.nkb, Kc = p.Kc;
-    const int64_t nrb = ceil_div(m1 - m0, p.mc_max);
-    const int64_t mc = std::min(m1 - m0, round_up(ceil_div(m1 - m0, nrb), kr.mr));
-    const int64_t cols = (j1 - j0) * 16;
-    const int64_t a_bytes = round_up(mc * Kc * kr.a_bytes, 64);
-    const int64_t f_bytes = round_up(2 * mc * 4, 64);
-    const int64_t p_bytes = nkb > 1 ? mc * cols * 4 : 0;
-    uint8_t *base = scratch_of<uint8_t>(kScratchA, a_bytes + f_bytes + p_bytes);
-    void *abuf = base;
-    float *scale = reinterpret_cast<float *>(base + a_bytes);
-    float *inv = scale + mc;
-    int32_t *partial = nkb > 1 ? reinterpret_cast<int32_t *>(base + a_bytes + f_bytes) : nullptr;
-    const bool float_a = p.a_dtype != DType::I8;
-    const int64_t a_elem = p.a_dtype == DType::F32 ? 4 : p.a_dtype == DType::I8 ? 1 : 2;
-    const int64_t o_elem = (p.out_dtype == DType::F32 || p.out_dtype == DType::I32) ? 4 : 2;
-    for (int64_t r0 = m0; r0 < m1; r0 += mc) {
-        const int64_t rows = std::min(mc, m1 - r0);
-        for (int64_t kb = 0; kb < nkb; ++kb) {
-            const int64_t k0 = kb * Kc;
-            const int64_t kc = std::min(Kc, p.Kp - k0);
-            APack ap;
-            ap.src = static_cast<const char *>(p.a) + r0 * p.lda * a_elem;
-            ap.ld = p.lda;
-            ap.dtype = p.a_dtype;
-            ap.rows = rows;
-            ap.K = p.K;
-            ap.k0 = k0;
-            ap.kc = kc;
-            ap.scale = scale;
-            ap.inv = inv;
-            ap.compute_scales = float_a && kb == 0;
-            ap.dst = abuf;
-            ap.ldd = Kc;
-            kr.pack_a(ap);
-            GemmBlock g;
-            g.a = abuf;
-            g.lda = Kc;
-            g.rows = rows;
-            g.b = p.b + j0 * 16 * p.Kp + k0 * 16;
-            g.b_stride = p.Kp * 16;
-            g.kc = kc;
-            g.cols = cols;
-            g.n_valid = std::min(cols, p.N - j0 * 16);
-            g.first = kb == 0;
-            g.last = kb == nkb - 1;
-            g.partial = partial;
-            g.ldp = cols;
-            g.comp = p.comp + j0 * 16;
-            g.a_scale = float_a ? scale : p.a_scale + r0;
-            g.b_scale = p.b_scale + j0 * 16;
-            g.bias = p.bias ? p.bias + j0 * 16 : nullptr;
-            g.out = static_cast<char *>(p.out) + (r0 * p.N + j0 * 16) * o_elem;
-            g.ldo = p.N;
-            g.out_dtype = p.out_dtype;
-            kr.gemm_block(g);
-        }
-    }
-}
-
-void run_w8a8(W8A8 &p) {
-    const int64_t mr = p.kr->mr;
-    p.nkb = std::max<int64_t>(1, ceil_div(p.Kp, kMaxKc));
-    p.Kc = round_up(ceil_div(p.Kp, p.nkb), 4);
-    p.mc_max = std::max<int64_t>(mr, kABlockBytes / (std::max<int64_t>(p.Kc, 4) * p.kr->a_bytes));
-    const int64_t nblk = round_up(p.N, 16) / 16;
-    const int64_t T = (p.M * nblk * 16 * std::max<int64_t>(p.Kp, 4) < kSerialMacs) ? 1 : at::get_num_threads();
-    int64_t tm = std::min(T, std::max<int64_t>(1, p.M / p.mc_max));
-    const int64_t tn = std::max<int64_t>(1, std::min(T / tm, ceil_div(nblk, 4)));
-    tm = std::max(tm, std::min(T / tn, ceil_div(p.M, mr)));
-    auto body = [&](int64_t b, int64_t e) {
-        for (int64_t it = b; it < e; ++it) {
-            const auto rows = split(p.M, tm, it / tn, mr);
-            const auto blks = split(nblk, tn, it % tn, 4);
-            if (rows.first < rows.second && blks.first < blks.second) {
-                w8a8_rect(p, rows.first, rows.second, blks.first, blks.second);
-            }
-        }
-    };
-    if (tm * tn == 1) {
-        body(0, 1);
-    } else {
-        parallel_for(0, tm * tn, 1, body);
-    }
 }
 
 // Whether the int8 rows a [M, K] (row stride lda) hold the value -128.

@@ -3,6 +3,7 @@
 //
 // W8A8 without VNNI: vpmaddubsw (u8 x s8 -> s16 pair sums) with the sign trick (see avx2_tile), exact for every
 // activation in [-127, 127] and every weight; the per-token quantisation of float A is fused into the packing of A.
+#include "../static_dispatch.h"
 #include "int8_kernels.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -111,24 +112,6 @@ template <DType DT> FDL_AVX2 uint32_t amax_bits(const void *row, int64_t K) {
     return m;
 }
 
-inline float row_scale(uint32_t bits, float *inv) {
-    if (bits >= 0x7f800000u) {
-        *inv = 0.0f;
-        const uint32_t qnan = 0x7fc00000u;
-        float nan;
-        std::memcpy(&nan, &qnan, 4);
-        return nan;
-    }
-    if (bits == 0) {
-        *inv = 0.0f;
-        return 0.0f;
-    }
-    float amax;
-    std::memcpy(&amax, &bits, 4);
-    *inv = 127.0f / amax;
-    return amax / 127.0f;
-}
-
 // q = clamp(rne(x * inv), -127, 127) as int32 lanes, NaN products -> 0 (vmaxps returns its second operand for NaN, so
 // the clamp leaves no NaN and the mask restores 0).
 FDL_AVX2 inline __m256i quant8(__m256 x, __m256 inv) {
@@ -145,8 +128,10 @@ FDL_AVX2 inline __m128i to_i8(__m256i q0, __m256i q1) {
     return _mm_packs_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
 }
 
-// Quantise k in [k0, k1) of a row into int8 at dst.
-template <DType DT> FDL_AVX2 void quant_row(const void *row, int64_t k0, int64_t k1, float inv_s, int8_t *dst) {
+// Quantise k in [k0, k1) of a row into int8 at dst (Xor: the A offset, 0 in this family: int8_pack_a.h).
+template <DType DT, int Xor>
+FDL_AVX2 void quant_row(const void *row, int64_t k0, int64_t k1, float inv_s, uint8_t *dst) {
+    static_assert(Xor == 0, "the AVX2 kernels take A as int8");
     const char *p = static_cast<const char *>(row);
     const __m256 inv = _mm256_set1_ps(inv_s);
     int64_t k = k0;
@@ -165,79 +150,27 @@ template <DType DT> FDL_AVX2 void quant_row(const void *row, int64_t k0, int64_t
     }
 }
 
-template <DType DT> FDL_AVX2 void quantize_rows_t(const QuantRows &a) {
-    const char *src = static_cast<const char *>(a.src);
-    for (int64_t r = 0; r < a.rows; ++r) {
-        const void *row = src + r * a.ld * elem_size<DT>();
-        float inv;
-        a.scale[r] = row_scale(amax_bits<DT>(row, a.K), &inv);
-        quant_row<DT>(row, 0, a.K, inv, a.q + r * a.ldq);
-    }
-}
-
-void quantize_rows(const QuantRows &a) {
-    if (a.dtype == DType::F32) {
-        quantize_rows_t<DType::F32>(a);
-    } else if (a.dtype == DType::BF16) {
-        quantize_rows_t<DType::BF16>(a);
-    } else {
-        quantize_rows_t<DType::F16>(a);
-    }
-}
-
 // ---------------------------------------------------------------------------------------------------- pack A
 // int8 A block (a as it is: the sign trick below needs no +128 shift and no compensation), rows of kc bytes,
 // padding (k >= K) 0. int8 A must not hold -128 (see Kernels::a_min; int8_mm splits such an A in two).
-inline void pad_row(int8_t *d, int64_t k0, int64_t k1, int64_t kc) {
-    const int64_t from = k1 > k0 ? k1 - k0 : 0;
-    if (kc > from) {
-        std::memset(d + from, 0, static_cast<size_t>(kc - from));
-    }
-}
-
-template <DType DT> FDL_AVX2 void pack_a_float(const APack &p) {
-    const char *src = static_cast<const char *>(p.src);
-    const int64_t k1 = imin(p.K, p.k0 + p.kc);
-    for (int64_t r = 0; r < p.rows; ++r) {
-        const void *row = src + r * p.ld * elem_size<DT>();
-        if (p.compute_scales) {
-            p.scale[r] = row_scale(amax_bits<DT>(row, p.K), &p.inv[r]);
-        }
-        int8_t *d = static_cast<int8_t *>(p.dst) + r * p.ldd;
-        if (k1 > p.k0) {
-            quant_row<DT>(row, p.k0, k1, p.inv[r], d);
-        }
-        pad_row(d, p.k0, k1, p.kc);
-    }
-}
+constexpr int kAOffset = 0;
 
 void pack_a_int8(const APack &p) {
     const int8_t *src = static_cast<const int8_t *>(p.src);
     const int64_t k1 = imin(p.K, p.k0 + p.kc);
     for (int64_t r = 0; r < p.rows; ++r) {
-        int8_t *d = static_cast<int8_t *>(p.dst) + r * p.ldd;
+        uint8_t *d = static_cast<uint8_t *>(p.dst) + r * p.ldd;
         if (k1 > p.k0) {
             std::memcpy(d, src + r * p.ld + p.k0, static_cast<size_t>(k1 - p.k0));
         }
-        pad_row(d, p.k0, k1, p.kc);
+        pad_a_row(d, p.k0, k1, p.kc, kAOffset);
     }
 }
 
-void pack_a(const APack &p) {
-    switch (p.dtype) {
-    case DType::F32:
-        pack_a_float<DType::F32>(p);
-        break;
-    case DType::BF16:
-        pack_a_float<DType::BF16>(p);
-        break;
-    case DType::F16:
-        pack_a_float<DType::F16>(p);
-        break;
-    default:
-        pack_a_int8(p);
-    }
-}
+// quantize_rows and pack_a (float rows quantised on the fly, int8 rows by pack_a_int8)
+#define I8_SIMD FDL_AVX2
+#include "int8_pack_a.h"
+#undef I8_SIMD
 
 // --------------------------------------------------------------------------------------------------------- GEMM
 // Exact int8 x int8 with vpmaddubsw (u8 x s8 -> s16 pair sums, saturating) by the sign trick: for a weight vector b
@@ -358,21 +291,9 @@ void gemm_block(const GemmBlock &g) {
             avx2_tile<kMR>(g, r0, c0, r0 == 0 ? next : nullptr);
         }
         const int8_t *pf = r0 == 0 ? next : nullptr;
-        switch (g.rows - r0) {
-        case 1:
-            avx2_tile<1>(g, r0, c0, pf);
-            break;
-        case 2:
-            avx2_tile<2>(g, r0, c0, pf);
-            break;
-        case 3:
-            avx2_tile<3>(g, r0, c0, pf);
-            break;
-        case 4:
-            avx2_tile<4>(g, r0, c0, pf);
-            break;
-        default:
-            break;
+        if (r0 < g.rows) { // the last 1 .. kMR - 1 rows
+            with_count<1, kMR - 1>(static_cast<int>(g.rows - r0),
+                                   [&](auto R) { avx2_tile<decltype(R)::value>(g, r0, c0, pf); });
         }
     }
 }
@@ -436,14 +357,7 @@ FDL_AVX2 inline void wo_group1(const float *x, const int8_t *w, int64_t ldw, int
 
 template <int MB, int NB, bool Grouped>
 FDL_AVX2 void wo_tile(const WeightOnly &p, int64_t m0, int64_t n0, const float *codes, LinePrefetch pf) {
-    __m256 acc[MB][NB];
-#pragma GCC unroll 2
-    for (int i = 0; i < MB; ++i) {
-#pragma GCC unroll 8
-        for (int j = 0; j < NB; ++j) {
-            acc[i][j] = _mm256_setzero_ps();
-        }
-    }
+    __m256 acc[MB][NB] = {}; // zeros
     const float *x = static_cast<const float *>(p.x) + m0 * p.ldx;
     const int8_t *w = p.w + n0 * p.ldw;
     int64_t k = 0;
@@ -620,53 +534,41 @@ FDL_AVX2 void panel_convert(const WeightOnly &p, int64_t n0, int64_t nr, int64_t
     }
 }
 
+// acc[i][j] += x[i * ldx + k .. k + 7] * w[j * ldb + k .. k + 7] (Tail: x read under the lane mask m).
+template <int MB, bool Tail>
+FDL_AVX2 __attribute__((always_inline)) inline void panel_step(__m256 (&acc)[MB][kPanelNB], const float *x, int64_t ldx,
+                                                               const float *w, int64_t ldb, int64_t k, __m256i m) {
+    __m256 xv[MB];
+#pragma GCC unroll 3
+    for (int i = 0; i < MB; ++i) {
+        xv[i] = Tail ? _mm256_maskload_ps(x + i * ldx + k, m) : _mm256_loadu_ps(x + i * ldx + k);
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < kPanelNB; ++j) {
+        const __m256 wv = _mm256_loadu_ps(w + j * ldb + k);
+#pragma GCC unroll 3
+        for (int i = 0; i < MB; ++i) {
+            acc[i][j] = _mm256_fmadd_ps(xv[i], wv, acc[i][j]);
+        }
+    }
+}
+
 // MB x rows (x + i * ldx: the kc values of the slice) times the 4 converted w rows at w (row stride ldb).
 // part: the partial sums of these outputs, row stride kPanelNc. After the last slice: the outputs at columns n .. n + 3
 // (those < p.cols) of rows m0 .. m0 + MB - 1.
 template <int MB>
 FDL_AVX2 void panel_tile(const WeightOnly &p, const float *x, const float *w, int64_t ldb, int64_t kc, float *part,
                          bool first, bool last, int64_t m0, int64_t n) {
-    __m256 acc[MB][kPanelNB];
-#pragma GCC unroll 3
-    for (int i = 0; i < MB; ++i) {
-#pragma GCC unroll 4
-        for (int j = 0; j < kPanelNB; ++j) {
-            acc[i][j] = _mm256_setzero_ps();
-        }
-    }
+    __m256 acc[MB][kPanelNB] = {}; // zeros
     const int64_t kfull = kc / 8 * 8;
     int64_t k = 0;
     for (; k < kfull; k += 8) {
-        __m256 xv[MB];
-#pragma GCC unroll 3
-        for (int i = 0; i < MB; ++i) {
-            xv[i] = _mm256_loadu_ps(x + i * p.ldx + k);
-        }
-#pragma GCC unroll 4
-        for (int j = 0; j < kPanelNB; ++j) {
-            const __m256 wv = _mm256_loadu_ps(w + j * ldb + k);
-#pragma GCC unroll 3
-            for (int i = 0; i < MB; ++i) {
-                acc[i][j] = _mm256_fmadd_ps(xv[i], wv, acc[i][j]);
-            }
-        }
+        panel_step<MB, false>(acc, x, p.ldx, w, ldb, k, _mm256_setzero_si256());
     }
     if (k < kc) { // K tail: x read under a mask (nothing past the row), the converted w is zero there
         const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-        const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(kc - k)), lane);
-        __m256 xv[MB];
-#pragma GCC unroll 3
-        for (int i = 0; i < MB; ++i) {
-            xv[i] = _mm256_maskload_ps(x + i * p.ldx + k, m);
-        }
-#pragma GCC unroll 4
-        for (int j = 0; j < kPanelNB; ++j) {
-            const __m256 wv = _mm256_loadu_ps(w + j * ldb + k);
-#pragma GCC unroll 3
-            for (int i = 0; i < MB; ++i) {
-                acc[i][j] = _mm256_fmadd_ps(xv[i], wv, acc[i][j]);
-            }
-        }
+        panel_step<MB, true>(acc, x, p.ldx, w, ldb, k,
+                             _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(kc - k)), lane));
     }
     __m128 sum[MB];
 #pragma GCC unroll 3

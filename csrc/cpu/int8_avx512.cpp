@@ -5,6 +5,7 @@
 // Numbers behind the choices (AMD EPYC, family 26 = Zen 5, 2 cores, measured with stand-alone loops): `vpdpbusd zmm`
 // issues 2 per cycle with a 4-cycle latency, so a register tile needs >= 8 independent accumulators; at ~4.1 GHz that
 // is ~1 TOP/s per core. L1D 48 KiB, L2 1 MiB per core, L3 32 MiB shared.
+#include "../static_dispatch.h"
 #include "int8_kernels.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -82,33 +83,43 @@ FDL_AVX512 inline void store16(void *p, __m512 f, DType dt, __mmask16 m) {
 // every NaN / Inf pattern (>= 0x7f800000) is above every finite value, so one integer max finds amax and detects
 // non-finite rows at once. The same holds for the 16-bit patterns of bf16 and fp16, so those are compared 32 at a time
 // without conversion, and only the maximum is converted (exactly) to fp32 bits.
+// The unsigned max over lanes of 32-bit (fp32) or 16-bit (bf16 / fp16) patterns: one set of vector operations per lane
+// width, the loop of lane_max below written once over them.
+struct Lanes32 {
+    using T = uint32_t;
+    static constexpr int64_t kLanes = 16;
+    FDL_AVX512 static inline __m512i abs_mask() { return _mm512_set1_epi32(0x7fffffff); }
+    FDL_AVX512 static inline __m512i max(__m512i a, __m512i b) { return _mm512_max_epu32(a, b); }
+    FDL_AVX512 static inline __m512i load_tail(const T *p, int64_t n) { return _mm512_maskz_loadu_epi32(mask16(n), p); }
+};
+struct Lanes16 {
+    using T = uint16_t;
+    static constexpr int64_t kLanes = 32;
+    FDL_AVX512 static inline __m512i abs_mask() { return _mm512_set1_epi16(0x7fff); }
+    FDL_AVX512 static inline __m512i max(__m512i a, __m512i b) { return _mm512_max_epu16(a, b); }
+    FDL_AVX512 static inline __m512i load_tail(const T *p, int64_t n) { return _mm512_maskz_loadu_epi16(mask32(n), p); }
+};
+
+// Lane-wise max of |p[k]| (sign bit cleared) over the K patterns of a row, two vectors per step.
+template <class L> FDL_AVX512 inline __m512i lane_max(const typename L::T *p, int64_t K) {
+    const __m512i abs_mask = L::abs_mask();
+    __m512i m0 = _mm512_setzero_si512(), m1 = _mm512_setzero_si512();
+    int64_t k = 0;
+    for (; k + 2 * L::kLanes <= K; k += 2 * L::kLanes) {
+        m0 = L::max(m0, _mm512_and_si512(_mm512_loadu_si512(p + k), abs_mask));
+        m1 = L::max(m1, _mm512_and_si512(_mm512_loadu_si512(p + k + L::kLanes), abs_mask));
+    }
+    for (; k < K; k += L::kLanes) {
+        m0 = L::max(m0, _mm512_and_si512(L::load_tail(p + k, K - k), abs_mask));
+    }
+    return L::max(m0, m1);
+}
+
 template <DType DT> FDL_AVX512 uint32_t amax_bits(const void *row, int64_t K) {
     if constexpr (DT == DType::F32) {
-        const float *p = static_cast<const float *>(row);
-        const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
-        __m512i m0 = _mm512_setzero_si512(), m1 = _mm512_setzero_si512();
-        int64_t k = 0;
-        for (; k + 32 <= K; k += 32) {
-            m0 = _mm512_max_epu32(m0, _mm512_and_si512(_mm512_loadu_si512(p + k), abs_mask));
-            m1 = _mm512_max_epu32(m1, _mm512_and_si512(_mm512_loadu_si512(p + k + 16), abs_mask));
-        }
-        for (; k < K; k += 16) {
-            m0 = _mm512_max_epu32(m0, _mm512_and_si512(_mm512_maskz_loadu_epi32(mask16(K - k), p + k), abs_mask));
-        }
-        return _mm512_reduce_max_epu32(_mm512_max_epu32(m0, m1));
+        return _mm512_reduce_max_epu32(lane_max<Lanes32>(static_cast<const uint32_t *>(row), K));
     } else {
-        const uint16_t *p = static_cast<const uint16_t *>(row);
-        const __m512i abs_mask = _mm512_set1_epi16(0x7fff);
-        __m512i m0 = _mm512_setzero_si512(), m1 = _mm512_setzero_si512();
-        int64_t k = 0;
-        for (; k + 64 <= K; k += 64) {
-            m0 = _mm512_max_epu16(m0, _mm512_and_si512(_mm512_loadu_si512(p + k), abs_mask));
-            m1 = _mm512_max_epu16(m1, _mm512_and_si512(_mm512_loadu_si512(p + k + 32), abs_mask));
-        }
-        for (; k < K; k += 32) {
-            m0 = _mm512_max_epu16(m0, _mm512_and_si512(_mm512_maskz_loadu_epi16(mask32(K - k), p + k), abs_mask));
-        }
-        m0 = _mm512_max_epu16(m0, m1);
+        const __m512i m0 = lane_max<Lanes16>(static_cast<const uint16_t *>(row), K);
         // 32 x u16 -> 16 x u32 (max of the two halves of each dword), then a dword reduction
         const __m512i hi = _mm512_srli_epi32(m0, 16), lo = _mm512_and_si512(m0, _mm512_set1_epi32(0xffff));
         const uint32_t h = _mm512_reduce_max_epu32(_mm512_max_epu32(hi, lo));
@@ -117,26 +128,6 @@ template <DType DT> FDL_AVX512 uint32_t amax_bits(const void *row, int64_t K) {
         std::memcpy(&bits, &f, 4);
         return bits & 0x7fffffffu;
     }
-}
-
-// scale and 1/scale-equivalent multiplier of a row from its amax bits (contract formula, fp32 divisions). inv = 0 for
-// rows of zeros and non-finite rows: their q are all 0.
-inline float row_scale(uint32_t bits, float *inv) {
-    if (bits >= 0x7f800000u) {
-        *inv = 0.0f;
-        float nan;
-        const uint32_t qnan = 0x7fc00000u;
-        std::memcpy(&nan, &qnan, 4);
-        return nan;
-    }
-    if (bits == 0) {
-        *inv = 0.0f;
-        return 0.0f;
-    }
-    float amax;
-    std::memcpy(&amax, &bits, 4);
-    *inv = 127.0f / amax;
-    return amax / 127.0f;
 }
 
 // q = clamp(rne(x * inv), -127, 127) as int32 lanes; one rounded multiply (no FMA), NaN products -> 0. The clamp is
@@ -179,57 +170,14 @@ FDL_AVX512 inline void quant_row(const void *row, int64_t k0, int64_t k1, float 
     }
 }
 
-template <DType DT> FDL_AVX512 void quantize_rows_t(const QuantRows &a) {
-    const char *src = static_cast<const char *>(a.src);
-    for (int64_t r = 0; r < a.rows; ++r) {
-        const void *row = src + r * a.ld * elem_size<DT>();
-        float inv;
-        a.scale[r] = row_scale(amax_bits<DT>(row, a.K), &inv);
-        quant_row<DT, 0>(row, 0, a.K, inv, reinterpret_cast<uint8_t *>(a.q + r * a.ldq));
-    }
-}
-
-void quantize_rows(const QuantRows &a) {
-    if (a.dtype == DType::F32) {
-        quantize_rows_t<DType::F32>(a);
-    } else if (a.dtype == DType::BF16) {
-        quantize_rows_t<DType::BF16>(a);
-    } else {
-        quantize_rows_t<DType::F16>(a);
-    }
-}
-
 // ---------------------------------------------------------------------------------------------------- pack A
-// Slice [k0, k0 + kc) of a packed row whose valid part ends at k1: k >= K is padding, a = 0, i.e. u8 128.
-inline void pad_row(uint8_t *d, int64_t k0, int64_t k1, int64_t kc) {
-    const int64_t from = k1 > k0 ? k1 - k0 : 0;
-    if (kc > from) {
-        std::memset(d + from, 0x80, static_cast<size_t>(kc - from));
-    }
-}
-
-// A block for vpdpbusd: u8 = a + 128, rows of kc bytes. Float rows are read twice (amax, then quantise), the second
-// time from L1/L2: a 4096-wide fp32 row is 16 KiB.
-template <DType DT> FDL_AVX512 void pack_a_float(const APack &p) {
-    const char *src = static_cast<const char *>(p.src);
-    const int64_t k1 = imin(p.K, p.k0 + p.kc);
-    for (int64_t r = 0; r < p.rows; ++r) {
-        const void *row = src + r * p.ld * elem_size<DT>();
-        if (p.compute_scales) {
-            p.scale[r] = row_scale(amax_bits<DT>(row, p.K), &p.inv[r]);
-        }
-        uint8_t *d = static_cast<uint8_t *>(p.dst) + r * p.ldd;
-        if (k1 > p.k0) {
-            quant_row<DT, 0x80>(row, p.k0, k1, p.inv[r], d);
-        }
-        pad_row(d, p.k0, k1, p.kc);
-    }
-}
+// A block for vpdpbusd: u8 = a + 128, rows of kc bytes; padding (k >= K) a = 0, i.e. u8 128.
+constexpr int kAOffset = 0x80;
 
 FDL_AVX512 void pack_a_int8(const APack &p) {
     const int8_t *src = static_cast<const int8_t *>(p.src);
     const int64_t k1 = imin(p.K, p.k0 + p.kc);
-    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(kAOffset));
     for (int64_t r = 0; r < p.rows; ++r) {
         const int8_t *row = src + r * p.ld;
         uint8_t *d = static_cast<uint8_t *>(p.dst) + r * p.ldd;
@@ -237,25 +185,14 @@ FDL_AVX512 void pack_a_int8(const APack &p) {
             const __mmask64 m = mask64(k1 - k);
             _mm512_mask_storeu_epi8(d + (k - p.k0), m, _mm512_xor_si512(_mm512_maskz_loadu_epi8(m, row + k), flip));
         }
-        pad_row(d, p.k0, k1, p.kc);
+        pad_a_row(d, p.k0, k1, p.kc, kAOffset);
     }
 }
 
-void pack_a(const APack &p) {
-    switch (p.dtype) {
-    case DType::F32:
-        pack_a_float<DType::F32>(p);
-        break;
-    case DType::BF16:
-        pack_a_float<DType::BF16>(p);
-        break;
-    case DType::F16:
-        pack_a_float<DType::F16>(p);
-        break;
-    default:
-        pack_a_int8(p);
-    }
-}
+// quantize_rows and pack_a (float rows quantised on the fly, int8 rows by pack_a_int8)
+#define I8_SIMD FDL_AVX512
+#include "int8_pack_a.h"
+#undef I8_SIMD
 
 // ---------------------------------------------------------------------------------------------------- pack B
 // 16 x 16 dword transpose: r[i] holds row i (16 dwords); afterwards r[q] holds dword q of every row.
@@ -413,25 +350,11 @@ FDL_AVX512 void vnni_tile(const GemmBlock &g, int64_t r0, int64_t c0, const int8
 
 using TileFn = void (*)(const GemmBlock &, int64_t, int64_t, const int8_t *, int);
 
-template <int MR> constexpr TileFn tile_for(int nv) {
-    return nv == 1 ? &vnni_tile<MR, 1> : nv == 2 ? &vnni_tile<MR, 2> : nv == 3 ? &vnni_tile<MR, 3> : &vnni_tile<MR, 4>;
-}
-
 TileFn tile_fn(int mr, int nv) {
-    switch (mr) {
-    case 1:
-        return tile_for<1>(nv);
-    case 2:
-        return tile_for<2>(nv);
-    case 3:
-        return tile_for<3>(nv);
-    case 4:
-        return tile_for<4>(nv);
-    case 5:
-        return tile_for<5>(nv);
-    default:
-        return tile_for<6>(nv);
-    }
+    return with_count<1, kMR>(mr, [&](auto MR) {
+        return with_count<1, kNV>(
+            nv, [](auto NV) -> TileFn { return &vnni_tile<decltype(MR)::value, decltype(NV)::value>; });
+    });
 }
 
 // Loop order: 64-column panel outer, row tiles inner, so the panel's B slice (64 x kc bytes, 256 KiB at kc = 4096)
@@ -520,14 +443,7 @@ FDL_AVX512 inline void wo_f32_step(const float *x, int64_t ldx, const int8_t *w,
 // codes: see kCodeChunk (unused without groups).
 template <int MB, int NB, bool Grouped>
 FDL_AVX512 void wo_f32_tile(const WeightOnly &p, int64_t m0, int64_t n0, const float *codes, LinePrefetch pf) {
-    __m512 acc[MB][NB];
-#pragma GCC unroll 4
-    for (int i = 0; i < MB; ++i) {
-#pragma GCC unroll 8
-        for (int j = 0; j < NB; ++j) {
-            acc[i][j] = _mm512_setzero_ps();
-        }
-    }
+    __m512 acc[MB][NB] = {}; // zeros
     const float *x = static_cast<const float *>(p.x) + m0 * p.ldx;
     const int8_t *w = p.w + n0 * p.ldw;
     int64_t k = 0;
@@ -593,14 +509,7 @@ FDL_AVX512BF16 inline void wo_bf16_step(const uint16_t *x, int64_t ldx, const in
 
 template <int MB, int NB, bool Grouped>
 FDL_AVX512BF16 void wo_bf16_tile(const WeightOnly &p, int64_t m0, int64_t n0, const float *codes, LinePrefetch pf) {
-    __m512 acc[MB][NB];
-#pragma GCC unroll 4
-    for (int i = 0; i < MB; ++i) {
-#pragma GCC unroll 8
-        for (int j = 0; j < NB; ++j) {
-            acc[i][j] = _mm512_setzero_ps();
-        }
-    }
+    __m512 acc[MB][NB] = {}; // zeros
     const uint16_t *x = static_cast<const uint16_t *>(p.x) + m0 * p.ldx;
     const int8_t *w = p.w + n0 * p.ldw;
     int64_t k = 0;
@@ -653,16 +562,10 @@ template <bool BF16, bool Grouped, int MB, int NB> constexpr WoTileFn wo_fn() {
 }
 
 template <bool BF16, bool Grouped> WoTileFn wo_tile(int mb, bool full) {
-    switch (mb) {
-    case 1:
-        return full ? wo_fn<BF16, Grouped, 1, nb_for(1)>() : wo_fn<BF16, Grouped, 1, 1>();
-    case 2:
-        return full ? wo_fn<BF16, Grouped, 2, nb_for(2)>() : wo_fn<BF16, Grouped, 2, 1>();
-    case 3:
-        return full ? wo_fn<BF16, Grouped, 3, nb_for(3)>() : wo_fn<BF16, Grouped, 3, 1>();
-    default:
-        return full ? wo_fn<BF16, Grouped, 4, nb_for(4)>() : wo_fn<BF16, Grouped, 4, 1>();
-    }
+    return with_count<1, kMB>(mb, [&](auto MB) {
+        constexpr int m = decltype(MB)::value;
+        return full ? wo_fn<BF16, Grouped, m, nb_for(m)>() : wo_fn<BF16, Grouped, m, 1>();
+    });
 }
 
 // The codes of w rows [n0, n0 + rows) (rows <= kWoCols) as fp32 in the chunked layout of kCodeChunk; entries past
@@ -888,28 +791,11 @@ FDL_AVX512BF16 void wo_panel_tile(const WeightOnly &p, const uint16_t *buf, int6
 using WoPanelFn = void (*)(const WeightOnly &, const uint16_t *, int64_t, int64_t, int64_t, int64_t, float *, bool,
                            bool);
 
-template <int MR> constexpr WoPanelFn wo_panel_for(int nv) {
-    return nv == 1   ? &wo_panel_tile<MR, 1>
-           : nv == 2 ? &wo_panel_tile<MR, 2>
-           : nv == 3 ? &wo_panel_tile<MR, 3>
-                     : &wo_panel_tile<MR, 4>;
-}
-
 WoPanelFn wo_panel_fn(int mr, int nv) {
-    switch (mr) {
-    case 1:
-        return wo_panel_for<1>(nv);
-    case 2:
-        return wo_panel_for<2>(nv);
-    case 3:
-        return wo_panel_for<3>(nv);
-    case 4:
-        return wo_panel_for<4>(nv);
-    case 5:
-        return wo_panel_for<5>(nv);
-    default:
-        return wo_panel_for<6>(nv);
-    }
+    return with_count<1, kMR>(mr, [&](auto MR) {
+        return with_count<1, 4>(
+            nv, [](auto NV) -> WoPanelFn { return &wo_panel_tile<decltype(MR)::value, decltype(NV)::value>; });
+    });
 }
 
 void weight_only_bf16_panels(const WeightOnly &p) {

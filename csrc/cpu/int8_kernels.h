@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 // Which int8 CPU kernels run in this process: "avx512_vnni+bf16", "avx512_vnni", "avx2" or "scalar". Decided once,
 // from the level of cpu_isa.h (cpuid, capped by FASTDL_CPU_ISA). For `fastdl info`.
@@ -49,6 +50,14 @@ struct APack {
     void *dst = nullptr;
     int64_t ldd = 0;
 };
+
+// The padding of a packed A row d (slice [k0, k0 + kc), valid part ending at k1): a = 0 for k >= K, stored as `zero`.
+inline void pad_a_row(uint8_t *d, int64_t k0, int64_t k1, int64_t kc, uint8_t zero) {
+    const int64_t from = k1 > k0 ? k1 - k0 : 0;
+    if (kc > from) {
+        std::memset(d + from, zero, static_cast<size_t>(kc - from));
+    }
+}
 
 // One row block of A (packed, kc k values) times the 16-column blocks [0, cols / 16) of a slice of packed B.
 // K slices: the first slice starts from zero, the others add the int32 partial sums kept in `partial` (rows x cols,

@@ -44,6 +44,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "../static_dispatch.h"
 #include "fused_linear_epilogue.cuh"
 
 namespace fastdl::fused_linear {
@@ -250,24 +251,9 @@ template <typename F> void dispatch_c(at::ScalarType c, F &&f) {
     }
 }
 
+// f(std::integral_constant<int, a>()) for the activation a (its enumerator's value: None 0 .. Silu 4).
 template <typename F> void dispatch_act(Act a, F &&f) {
-    switch (a) {
-    case Act::None:
-        f(std::integral_constant<int, 0>{});
-        break;
-    case Act::Relu:
-        f(std::integral_constant<int, 1>{});
-        break;
-    case Act::Gelu:
-        f(std::integral_constant<int, 2>{});
-        break;
-    case Act::GeluTanh:
-        f(std::integral_constant<int, 3>{});
-        break;
-    case Act::Silu:
-        f(std::integral_constant<int, 4>{});
-        break;
-    }
+    with_count<static_cast<int>(Act::None), static_cast<int>(Act::Silu)>(static_cast<int>(a), f);
 }
 
 cudaDataType_t cuda_dtype(at::ScalarType t) {
@@ -654,21 +640,19 @@ bool lt_matmul(const LtGemm &g, const at::Tensor &like, const char *fn) {
 LtGemm lt_gemm(cublasOperation_t transa, cublasOperation_t transb, int64_t m, int64_t n, int64_t k, const void *A,
                int64_t lda, const void *B, int64_t ldb, cudaDataType_t ab_type, void *D, int64_t ldd,
                cudaDataType_t d_type) {
-    LtGemm g;
-    g.transa = transa;
-    g.transb = transb;
-    g.m = m;
-    g.n = n;
-    g.k = k;
-    g.A = A;
-    g.lda = lda;
-    g.B = B;
-    g.ldb = ldb;
-    g.ab_type = ab_type;
-    g.D = D;
-    g.ldd = ldd;
-    g.d_type = d_type;
-    return g;
+    return LtGemm{.transa = transa,
+                  .transb = transb,
+                  .m = m,
+                  .n = n,
+                  .k = k,
+                  .A = A,
+                  .lda = lda,
+                  .B = B,
+                  .ldb = ldb,
+                  .ab_type = ab_type,
+                  .D = D,
+                  .ldd = ldd,
+                  .d_type = d_type};
 }
 
 // Row-major out[M, N] = x[M, K] @ w[N, K]^T  <=>  column-major out^T[N, M] = w^T (op T on stored K x N) @ x^T.

@@ -28,6 +28,8 @@
 #include <tuple>
 #include <vector>
 
+#include "../static_dispatch.h"
+
 namespace fastdl::int8 {
 namespace {
 
@@ -220,24 +222,18 @@ template <typename T> void launch_quantize(const at::Tensor &x2, at::Tensor &q2,
         TORCH_CHECK_VALUE(blocks <= INT32_MAX, "quantize_per_token: x must have at most ", int64_t{INT32_MAX} * rows,
                           " rows (the product of its leading dimensions) for K = ", K, " (one CUDA block per ", rows,
                           " rows), got ", M);
-        if (vec) {
-            quantize_warp_rows_kernel<T, true>
+        with_flag(vec, [&](auto V) {
+            quantize_warp_rows_kernel<T, decltype(V)::value>
                 <<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(xp, qp, sp, M, K, row_stride);
-        } else {
-            quantize_warp_rows_kernel<T, false>
-                <<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(xp, qp, sp, M, K, row_stride);
-        }
+        });
     } else {
         TORCH_CHECK_VALUE(M <= INT32_MAX, "quantize_per_token: x must have at most ", INT32_MAX,
                           " rows (the product of its leading dimensions) for K = ", K,
                           " (one CUDA block per row), got ", M);
-        if (vec) {
-            quantize_block_rows_kernel<T, true>
+        with_flag(vec, [&](auto V) {
+            quantize_block_rows_kernel<T, decltype(V)::value>
                 <<<static_cast<unsigned>(M), kThreads, 0, stream>>>(xp, qp, sp, M, K, row_stride);
-        } else {
-            quantize_block_rows_kernel<T, false>
-                <<<static_cast<unsigned>(M), kThreads, 0, stream>>>(xp, qp, sp, M, K, row_stride);
-        }
+        });
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
