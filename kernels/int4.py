@@ -72,6 +72,11 @@ __all__ = ["int4_weight_only_linear", "int4_a8_linear"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _USE_RINT = (not _INTERPRET) and libdevice is not None
+# Before triton 3.8, ptxas spills 8-12 bytes in three W4A8 GEMV variants on sm_90a (tests/test_triton_aot.py, triton
+# 3.6: 16 rows x 16 x 256 with groups of 128, 4 x 16 x 512 with groups of 32, 4 x 64 x 256 (8 warps) with groups of
+# 64); triton 3.8 compiles them without spills. There the W4A8 GEMV keeps its 32 x 256 tile only and serves up to 4
+# rows (more rows take the W4A8 GEMM).
+_OLD_TRITON = tuple(int(p) for p in triton.__version__.split(".")[:2] if p.isdigit()) < (3, 8)
 
 _X_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FLOAT = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -267,6 +272,8 @@ def _prune_gemv(configs, named_args, **kwargs):
         return configs
     wide = named_args["M"] > 4
     configs = [c for c in configs if (_gemv_tile(c) in _GEMV_WIDE_SET) == wide] or configs
+    if _OLD_TRITON and kwargs.get("A8", named_args.get("A8")):  # see _OLD_TRITON
+        configs = [c for c in configs if _gemv_tile(c) == _GEMV_GPU[0]] or configs
     if x.device.type != "cuda":
         return configs
     try:
@@ -786,7 +793,7 @@ def int4_a8_linear(x, qweight, scales, zeros, bias, group_size):
     M, K = x2.shape
     N = qweight.shape[0]
     bias = bias.contiguous() if bias is not None else None
-    if M <= GEMV_MAX_M:
+    if M <= (4 if _OLD_TRITON else GEMV_MAX_M):  # (see _OLD_TRITON)
         _launch_gemv(x2, qweight, scales, zeros, bias, out2, group_size, a8=True)
         return out
     q, sx = _quantize_pairs(x2, group_size)
