@@ -1,15 +1,18 @@
-// The kernel-side code of a floating ATen dtype, for the ATen glue files (int8.cpp, sparse24.cpp): each capability's
-// kernel header has its own DType enum (no torch includes there), each with F32, BF16 and F16.
+// The kernel-side code (cpu::DType, cpu_isa.h) of a floating ATen dtype, for the ATen glue files (int8.cpp,
+// sparse24.cpp); the kernel headers include no torch.
 #pragma once
 
 #include <ATen/ATen.h>
 
 #include <optional>
 
+#include "cpu_isa.h"
+
 namespace fastdl {
 
-// D::F32 / D::BF16 / D::F16 for float32 / bfloat16 / float16; nullopt for any other dtype (the caller decides).
-template <typename D> std::optional<D> floating_dtype(at::ScalarType t) {
+// F32 / BF16 / F16 for float32 / bfloat16 / float16; nullopt for any other dtype (the caller decides).
+inline std::optional<cpu::DType> floating_dtype(at::ScalarType t) {
+    using D = cpu::DType;
     switch (t) {
     case at::kFloat:
         return D::F32;

@@ -21,6 +21,10 @@ enum Level : int {
     kAvx512Bf16 = 3, // the above plus AVX512_BF16 (vdpbf16ps: Cooper Lake, Sapphire Rapids, Zen 4 and later)
 };
 
+// Element types the CPU kernels read or write, one enum for every capability (a kernel family says which it accepts;
+// the ATen glue converts anything else first).
+enum class DType : int { F32 = 0, BF16 = 1, F16 = 2, I32 = 3, I8 = 4 };
+
 struct Features {
     bool avx2 = false, fma = false, f16c = false;                               // with the OS saving ymm
     bool avx512f = false, avx512bw = false, avx512dq = false, avx512vl = false; // with the OS saving zmm / opmask

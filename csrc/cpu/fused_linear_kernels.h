@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "cpu_isa.h"
 #include "fused_linear_activation.h"
 
 // The kernel family fused_linear runs in this process, for `fastdl info` (csrc/module.cpp).
@@ -23,8 +24,7 @@ const char *fastdl_fused_linear_cpu_kernels();
 namespace fastdl {
 namespace fused_linear {
 
-// Element types the kernels read or write natively. Anything else is converted by the glue code first.
-enum class DType : int { F32 = 0, BF16 };
+using cpu::DType; // F32 / BF16 / F16 / I32 / I8 (cpu_isa.h)
 
 inline float bf16_to_f32(uint16_t h) {
     const uint32_t u = static_cast<uint32_t>(h) << 16;

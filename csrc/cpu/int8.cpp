@@ -68,7 +68,7 @@ namespace {
 DType dtype_of(at::ScalarType t) {
     if (t == at::kInt)
         return DType::I32;
-    return floating_dtype<DType>(t).value_or(DType::I8);
+    return floating_dtype(t).value_or(DType::I8);
 }
 
 bool is_act_dtype(at::ScalarType t) {

@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "cpu_isa.h"
+
 // Which int8 CPU kernels run in this process: "avx512_vnni+bf16", "avx512_vnni", "avx2" or "scalar". Decided once,
 // from the level of cpu_isa.h (cpuid, capped by FASTDL_CPU_ISA). For `fastdl info`.
 const char *fastdl_int8_isa();
@@ -14,7 +16,7 @@ const char *fastdl_int8_isa();
 namespace fastdl {
 namespace int8 {
 
-enum class DType : int { F32 = 0, BF16, F16, I32, I8 };
+using cpu::DType; // F32 / BF16 / F16 / I32 / I8 (cpu_isa.h)
 
 // ---------------------------------------------------------------------------------------------------------------
 // Per-token quantisation (contract formula): per row, amax = max |x| in fp32; non-finite amax -> scale NaN, q = 0;

@@ -128,7 +128,7 @@ bool linear_rows(int level, const LinearArgs &a, int64_t n0, int64_t n1) {
 namespace {
 
 DType weight_dtype(const at::Tensor &t, const char *op, const char *name) {
-    const std::optional<DType> d = floating_dtype<DType>(t.scalar_type());
+    const std::optional<DType> d = floating_dtype(t.scalar_type());
     TORCH_CHECK_VALUE(d.has_value(), op, ": ", name,
                       " must be a floating tensor: float32, bfloat16 or float16 on the CPU, got ", t.scalar_type());
     return *d;

@@ -19,10 +19,12 @@
 #include <cstdint>
 #include <cstring>
 
+#include "cpu_isa.h"
+
 namespace fastdl {
 namespace sparse24 {
 
-enum class DType : int { F32 = 0, BF16 = 1, F16 = 2 };
+using cpu::DType; // F32 / BF16 / F16 / I32 / I8 (cpu_isa.h)
 
 // Instruction-set levels, lowest first. Avx512Bf16 also needs AVX512_VBMI2 (vpexpandw).
 enum Level : int { Scalar = 0, Avx2 = 1, Avx512 = 2, Avx512Bf16 = 3 };
