@@ -39,24 +39,23 @@ Interpreter mode (``TRITON_INTERPRET=1``, CPU tensors): a single small config is
 the dot operands are upcast to fp32 after rounding to the compute dtype (bf16 ``tl.dot`` is broken in the
 interpreter; the products of two 16-bit values are exact in fp32, so the result is unchanged).
 
-This module imports triton, torch and, of ``fastdl``, only the activation list (``fastdl.ops.fused_linear``);
-it imports without a GPU.
+This module imports triton, torch and its neighbours ``_tuning`` (launch configs) and ``constants`` (the
+activation list); nothing of ``fastdl``. It imports without a GPU.
 """
 
-import functools
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from . import _tuning
+from ._tuning import INTERPRET as _INTERPRET
 from .constants import ACTIVATIONS as _ACTIVATION_NAMES
 
 __all__ = ["fused_linear_fwd", "fused_linear_bwd", "ACTIVATIONS"]
 
 # Decided once, like triton.jit decides whether it builds an InterpretedFunction.
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 # name -> the ACT constexpr of the kernels below: the position in fastdl's one activation list (the op definitions are
 # the one part of fastdl a launcher imports; they do not import triton)
@@ -98,54 +97,15 @@ _GROUP = 8
 
 
 def _configs(tiles, names):
-    tiles = _INTERP_TILES if _INTERPRET else tiles
-    bm, bn, bk = names
-    return [triton.Config({bm: m, bn: n, bk: k, "GROUP": _GROUP}, num_warps=w, num_stages=s) for m, n, k, w, s in tiles]
-
-
-@functools.cache
-def _max_smem(device_index):
-    try:
-        props = torch.cuda.get_device_properties(device_index)
-        return int(getattr(props, "shared_memory_per_block_optin", 0) or props.shared_memory_per_block)
-    except Exception:  # no CUDA (interpreter) or an old torch: do not prune
-        return 1 << 30
-
-
-@functools.cache
-def _capability_major(device_index):
-    try:
-        return int(torch.cuda.get_device_capability(device_index)[0])
-    except Exception:
-        return 0
-
-
-@functools.cache
-def _num_sms(device_index):
-    try:
-        return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
-    except Exception:
-        return 1
-
-
-def _device_index(tensor):
-    return tensor.device.index if tensor.device.index is not None else torch.cuda.current_device()
+    return _tuning.configs(tiles, _INTERP_TILES, names, group=_GROUP)
 
 
 def _prune(configs, tensor, smem_of, regs_of, reg_limit, max_k=None):
-    """Keep the configs whose pipelined operand buffers fit in shared memory, whose per-thread register tiles
-    (fp32 values) stay under reg_limit (above it ptxas spills) and whose K depth is at most max_k. Keeps at least
-    one config (the lightest)."""
-    if tensor.device.type != "cuda":
-        return configs
-    try:
-        fitting = [c for c in configs if smem_of(c) <= _max_smem(_device_index(tensor))]
-        if not fitting:
-            return [min(configs, key=smem_of)]
-        light = [c for c in fitting if regs_of(c) <= reg_limit and (max_k is None or _depth(c) <= max_k)]
-        return light or [min(fitting, key=regs_of)]
-    except Exception:  # pruning is an optimisation only: never let it break a launch
-        return configs
+    """_tuning.prune, with configs deeper than max_k counted as over the register limit."""
+    if max_k is None:
+        return _tuning.prune(configs, tensor, smem_of, regs_of, reg_limit)
+    return _tuning.prune(configs, tensor, smem_of, lambda c: regs_of(c) + (1 << 20 if _depth(c) > max_k else 0),
+                         reg_limit)  # fmt: skip
 
 
 def _depth(c):
@@ -184,7 +144,7 @@ def _prune_fwd(configs, named_args, **kwargs):
     x = named_args["x_ptr"]
     if fma:
         return _prune(configs, x, smem, regs, _FMA_LIMIT, max_k=_FMA_MAX_K)
-    light = not heavy and x.device.type == "cuda" and _capability_major(_device_index(x)) >= 9
+    light = not heavy and x.device.type == "cuda" and _tuning.device_major(x) >= 9
     return _prune(configs, x, smem, regs, _FWD_LIMIT if light else _FWD_LIMIT_HEAVY)
 
 
@@ -217,7 +177,7 @@ def _prune_bwd(configs, named_args, **kwargs):
     g = named_args["g_ptr"]
     if g.device.type != "cuda" or len(configs) <= 1:
         return configs
-    hopper = _capability_major(_device_index(g)) >= 9
+    hopper = _tuning.device_major(g) >= 9
     if fma and not hopper:
         return [c for c in configs if _tile(c) == _BWD_SMALL] or configs
     configs = [c for c in configs if _tile(c) != _BWD_SMALL] or configs
@@ -632,7 +592,7 @@ def _dact_gemm(g, p, act, b, c, out_dtype, orient_w, store_d, row_sum, split=Non
         if orient_w and dev.type == "cuda":
             # Split the M reduction when the (N, K) tile grid cannot fill the GPU (nominal 128x128 tiles).
             tiles = triton.cdiv(P, 128) * triton.cdiv(Q, 128)
-            sms = _num_sms(dev.index if dev.index is not None else torch.cuda.current_device())
+            sms = _tuning.num_sms(_tuning.device_index(dev))
             if tiles < sms:
                 split = max(1, min(triton.cdiv(2 * sms, tiles), R // 2048, 64))
     split = max(1, min(int(split), R))
@@ -678,7 +638,7 @@ def _dbias(g, p, act):
     block_m, block_n = 32, 128
     n_blocks = triton.cdiv(N, block_n)
     if dev.type == "cuda":
-        target = 4 * _num_sms(dev.index if dev.index is not None else torch.cuda.current_device())
+        target = 4 * _tuning.num_sms(_tuning.device_index(dev))
         chunks = max(1, min(triton.cdiv(M, 1024), triton.cdiv(target, n_blocks)))
     else:
         chunks = 1

@@ -55,13 +55,16 @@ fp32 -> bf16 output cast is rounded to nearest even by hand (the interpreter tru
 This module imports triton and torch, nothing of ``fastdl``; it imports without a GPU.
 """
 
-import functools
 import math
 import os
 
 import torch
 import triton
 import triton.language as tl
+
+from . import _tuning
+from ._tuning import INTERPRET as _INTERPRET
+from ._tuning import tile as _tile
 
 try:  # triton >= 3.0
     from triton.language.extra import libdevice
@@ -70,7 +73,6 @@ except ImportError:  # pragma: no cover
 
 __all__ = ["int4_weight_only_linear", "int4_a8_linear"]
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _USE_RINT = (not _INTERPRET) and libdevice is not None
 # Before triton 3.8, ptxas spills 8-12 bytes in three W4A8 GEMV variants on sm_90a (tests/test_triton_aot.py, triton
 # 3.6: 16 rows x 16 x 256 with groups of 128, 4 x 16 x 512 with groups of 32, 4 x 64 x 256 (8 warps) with groups of
@@ -131,10 +133,7 @@ _SUM_BLOCK = 1024
 
 
 def _gemv_configs():
-    return [
-        triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
-        for n, k, w, s in (_GEMV_INTERP if _INTERPRET else _GEMV_GPU + _GEMV_WIDE)
-    ]
+    return _tuning.configs(_GEMV_GPU + _GEMV_WIDE, _GEMV_INTERP, ("BLOCK_N", "BLOCK_K"))
 
 
 def _gemv_tile(c):
@@ -142,46 +141,11 @@ def _gemv_tile(c):
 
 
 def _wo_configs():
-    return [
-        triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP": _GROUP}, num_warps=w, num_stages=s)
-        for m, n, k, w, s in (_WO_INTERP if _INTERPRET else _WO_GPU + _WO_FP32)
-    ]
+    return _tuning.configs(_WO_GPU + _WO_FP32, _WO_INTERP, ("BLOCK_M", "BLOCK_N", "BLOCK_K"), group=_GROUP)
 
 
 def _a8_configs():
-    return [
-        triton.Config({"BLOCK_M": m, "BLOCK_N": n, "GROUP": _GROUP}, num_warps=w, num_stages=s)
-        for m, n, w, s in (_A8_INTERP if _INTERPRET else _A8_GPU)
-    ]
-
-
-@functools.cache
-def _max_smem(device_index):
-    try:
-        props = torch.cuda.get_device_properties(device_index)
-        return int(getattr(props, "shared_memory_per_block_optin", 0) or props.shared_memory_per_block)
-    except Exception:  # no CUDA (interpreter): do not prune
-        return 1 << 30
-
-
-@functools.cache
-def _capability_major(device_index):
-    try:
-        return int(torch.cuda.get_device_capability(device_index)[0])
-    except Exception:
-        return 0
-
-
-@functools.cache
-def _num_sms(device_index):
-    try:
-        return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
-    except Exception:
-        return 1
-
-
-def _device_index(t):
-    return t.device.index if t.device.index is not None else torch.cuda.current_device()
+    return _tuning.configs(_A8_GPU, _A8_INTERP, ("BLOCK_M", "BLOCK_N"), group=_GROUP)
 
 
 def _m_band(bm, M):
@@ -194,27 +158,11 @@ def _m_band(bm, M):
 
 
 def _prune(configs, t, M, smem_of, regs_of, reg_limit):
-    """Keep the configs that fit in shared memory and whose per-thread register estimate stays under reg_limit
-    (above it ptxas spills), preferring the tiles that suit M. Always keeps at least one config (the lightest)."""
-    if len(configs) <= 1:
-        return configs
-    if t.device.type != "cuda":
-        return [c for c in configs if _m_band(c.kwargs.get("BLOCK_M", 0), M)] or configs
-    try:
-        limit = _max_smem(_device_index(t))
-        fitting = [c for c in configs if smem_of(c) <= limit]
-        if not fitting:
-            return [min(configs, key=smem_of)]
-        light = [c for c in fitting if regs_of(c) <= reg_limit]
-        if not light:
-            return [min(fitting, key=regs_of)]
-        return [c for c in light if _m_band(c.kwargs["BLOCK_M"], M)] or light
-    except Exception:  # pruning is an optimisation only: never let it break a launch
-        return configs
+    """_tuning.prune preferring the tiles that suit M."""
+    def prefer(c):
+        return _m_band(c.kwargs.get("BLOCK_M", 0), M)
 
-
-def _tile(c):
-    return (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages)
+    return _tuning.prune(configs, t, smem_of, regs_of, reg_limit, prefer=prefer)
 
 
 _WO_FP32_SET = set(_WO_FP32)
@@ -253,7 +201,7 @@ def _prune_wo(configs, named_args, **kwargs):
 def _prune_a8(configs, named_args, **kwargs):
     q = named_args["q_ptr"]
     G = kwargs.get("BLOCK_K", named_args.get("BLOCK_K", 128))
-    sm80 = q.device.type == "cuda" and _capability_major(_device_index(q)) < 9
+    sm80 = q.device.type == "cuda" and _tuning.device_major(q) < 9
 
     def smem(c):
         kw = c.kwargs
@@ -277,7 +225,7 @@ def _prune_gemv(configs, named_args, **kwargs):
     if x.device.type != "cuda":
         return configs
     try:
-        limit = _max_smem(_device_index(x))
+        limit = _tuning.max_smem(_tuning.device_index(x))
 
         def smem(c):
             return c.num_stages * c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"] // 2
@@ -460,6 +408,29 @@ def _splitk_sum_kernel(
     tl.store(out_ptr + m * stride_om + n * stride_on, _cast_out(acc, out_ptr, RNE_BF16), mask=mask)
 
 
+@triton.jit
+def _tile_offsets(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
+    """The GEMMs' output tile of this program: row and column offsets and their bounds masks."""
+    pid = tl.program_id(0).to(tl.int64)
+    pid_m, pid_n = _grouped_pid(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return offs_m, offs_n, offs_m < M, offs_n < N
+
+
+@triton.jit
+def _store_tile(acc, bias_ptr, out_ptr, offs_m, offs_n, mask_m, mask_n, stride_om, stride_on,
+                HAS_BIAS: tl.constexpr, RNE_BF16: tl.constexpr):  # fmt: skip
+    """The GEMMs' epilogue: + bias, one rounding to the output dtype, a masked store of the tile."""
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    tl.store(
+        out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on,
+        _cast_out(acc, out_ptr, RNE_BF16),
+        mask=mask_m[:, None] & mask_n[None, :],
+    )
+
+
 # --------------------------------------------------------------------------------------------------------------
 # weight-only GEMM (M > 16)
 # --------------------------------------------------------------------------------------------------------------
@@ -477,12 +448,7 @@ def _wo_mm_kernel(
     IN_PREC: tl.constexpr, RNE_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0).to(tl.int64)
-    pid_m, pid_n = _grouped_pid(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
+    offs_m, offs_n, mask_m, mask_n = _tile_offsets(M, N, BLOCK_M, BLOCK_N, GROUP)
     j = tl.arange(0, BLOCK_K // 2)  # packed bytes of a K tile
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + _lo_k(j)[None, :] * stride_xk  # [BM, BK/2]: low-nibble k
     w_ptrs = qw_ptr + j[:, None] * stride_qk + offs_n[None, :] * stride_qn  # [BK/2, BN]
@@ -515,13 +481,7 @@ def _wo_mm_kernel(
         acc = tl.dot(a_hi, hi, acc, input_precision=IN_PREC)
         x_ptrs += x_step
         w_ptrs += w_step
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    tl.store(
-        out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on,
-        _cast_out(acc, out_ptr, RNE_BF16),
-        mask=mask_m[:, None] & mask_n[None, :],
-    )
+    _store_tile(acc, bias_ptr, out_ptr, offs_m, offs_n, mask_m, mask_n, stride_om, stride_on, HAS_BIAS, RNE_BF16)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -569,12 +529,7 @@ def _a8_mm_kernel(
     HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, RNE_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0).to(tl.int64)
-    pid_m, pid_n = _grouped_pid(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
+    offs_m, offs_n, mask_m, mask_n = _tile_offsets(M, N, BLOCK_M, BLOCK_N, GROUP)
     n_groups = K // BLOCK_K
     a_ptrs = q_ptr + offs_m[:, None] * K + tl.arange(0, 32)[None, :]  # [BM, 32] (pairing order)
     w_ptrs = qw_ptr + offs_n[:, None] * stride_qn + tl.arange(0, 16)[None, :] * stride_qk  # [BN, 16] packed bytes
@@ -602,13 +557,7 @@ def _a8_mm_kernel(
         acc += isum.to(tl.float32) * (sx[:, None] * sw[None, :])
         a_ptrs += BLOCK_K
         w_ptrs += (BLOCK_K // 32) * w_step
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    tl.store(
-        out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on,
-        _cast_out(acc, out_ptr, RNE_BF16),
-        mask=mask_m[:, None] & mask_n[None, :],
-    )
+    _store_tile(acc, bias_ptr, out_ptr, offs_m, offs_n, mask_m, mask_n, stride_om, stride_on, HAS_BIAS, RNE_BF16)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -676,7 +625,7 @@ def _split(N, K, device):
     if SPLIT_K > 0:
         split = SPLIT_K
     elif device.type == "cuda":
-        sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+        sms = _tuning.num_sms(_tuning.device_index(device))
         split = triton.cdiv(2 * sms, triton.cdiv(N, 64))
     else:
         split = 1

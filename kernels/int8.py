@@ -36,11 +36,10 @@ Divisions are ``tl.math.div_rn`` (IEEE), never the approximate ``/``.
 Interpreter mode (``TRITON_INTERPRET=1``, CPU tensors): one small config per kernel instead of autotuning; 16-bit
 dot operands are upcast to fp32 (bf16 ``tl.dot`` is broken in the interpreter; int8 dot works there).
 
-This module imports triton, torch and, of ``fastdl``, only the op's constants (``fastdl.ops.int8``); it imports
-without a GPU.
+This module imports triton, torch and its neighbours ``_tuning`` (launch configs) and ``constants`` (the weight
+group); nothing of ``fastdl``. It imports without a GPU.
 """
 
-import functools
 import math
 import os
 import warnings
@@ -49,6 +48,9 @@ import torch
 import triton
 import triton.language as tl
 
+from . import _tuning
+from ._tuning import INTERPRET as _INTERPRET
+from ._tuning import tile as _tile
 from .constants import WEIGHT_GROUP as _WEIGHT_GROUP
 
 try:  # triton >= 3.0
@@ -58,7 +60,6 @@ except ImportError:  # pragma: no cover
 
 __all__ = ["quantize_per_token", "int8_mm", "int8_linear", "int8_weight_only_linear"]
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _USE_RINT = (not _INTERPRET) and libdevice is not None
 
 _X_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -134,38 +135,11 @@ _GEMV_INTERP = [(16, 32, 4, 1)]
 
 
 def _configs(tiles, interp_tiles):
-    return [
-        triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP": _GROUP}, num_warps=w, num_stages=s)
-        for m, n, k, w, s in (interp_tiles if _INTERPRET else tiles)
-    ]
+    return _tuning.configs(tiles, interp_tiles, ("BLOCK_M", "BLOCK_N", "BLOCK_K"), group=_GROUP)
 
 
 def _gemv_configs():
-    return [
-        triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
-        for n, k, w, s in (_GEMV_INTERP if _INTERPRET else _GEMV_GPU)
-    ]
-
-
-@functools.cache
-def _max_smem(device_index):
-    try:
-        props = torch.cuda.get_device_properties(device_index)
-        return int(getattr(props, "shared_memory_per_block_optin", 0) or props.shared_memory_per_block)
-    except Exception:  # no CUDA (interpreter): do not prune
-        return 1 << 30
-
-
-@functools.cache
-def _capability_major(device_index):
-    try:
-        return int(torch.cuda.get_device_capability(device_index)[0])
-    except Exception:
-        return 0
-
-
-def _tile(c):
-    return (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages)
+    return _tuning.configs(_GEMV_GPU, _GEMV_INTERP, ("BLOCK_N", "BLOCK_K"))
 
 
 def _m_band(c, M):
@@ -181,28 +155,8 @@ def _m_band(c, M):
 
 
 def _prune(configs, a, M, smem_of, regs_of, reg_limit):
-    """Keep the configs that fit in shared memory and whose per-thread register estimate stays under reg_limit
-    (above it ptxas spills), preferring the tiles that suit M; fewer candidates also means less autotuning time.
-    Always keeps at least one config (the lightest)."""
-    if len(configs) <= 1:
-        return configs
-    if a.device.type != "cuda":
-        return [c for c in configs if _m_band(c, M)] or configs
-    try:
-        limit = _max_smem(a.device.index if a.device.index is not None else torch.cuda.current_device())
-        fitting = [c for c in configs if smem_of(c) <= limit]
-        if not fitting:
-            return [min(configs, key=smem_of)]
-        light = [c for c in fitting if regs_of(c) <= reg_limit]
-        if not light:
-            return [min(fitting, key=regs_of)]
-        return [c for c in light if _m_band(c, M)] or light
-    except Exception:  # pruning is an optimisation only: never let it break a launch
-        return configs
-
-
-def _device_major(t):
-    return _capability_major(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    """_tuning.prune preferring the tiles that suit M (fewer candidates also means less autotuning time)."""
+    return _tuning.prune(configs, a, smem_of, regs_of, reg_limit, prefer=lambda c: _m_band(c, M))
 
 
 def _smem_of(a, b, b_extra=0):
@@ -233,7 +187,7 @@ def _prune_mm(configs, named_args, **kwargs):
         x_tile = kw["BLOCK_M"] * kw["BLOCK_K"] if quant_a else 0
         return (kw["BLOCK_M"] * kw["BLOCK_N"] + x_tile) / (32 * c.num_warps)
 
-    limit = _MM_LIMIT_SM90 if a.device.type == "cuda" and _device_major(a) >= 9 else _MM_LIMIT_SM80
+    limit = _MM_LIMIT_SM90 if a.device.type == "cuda" and _tuning.device_major(a) >= 9 else _MM_LIMIT_SM80
     if quant_a:
         limit = max(min(limit, _MM_LIMIT_QUANT_A), _MM_LIMIT_SM80)
     return _prune(configs, a, named_args["M"], _smem_of(a, b), regs, limit)
@@ -256,7 +210,8 @@ def _prune_wo(configs, named_args, **kwargs):
         configs = [c for c in configs if (_tile(c) in _WO_FP32_SET) == fp32] or configs
 
     fma = fp32 and kwargs.get("IN_PREC") == "ieee"
-    acc_limit = _WO_ACC_FMA if fma else (_WO_ACC_SM80 if x.device.type == "cuda" and _device_major(x) < 9 else None)
+    ampere = x.device.type == "cuda" and _tuning.device_major(x) < 9
+    acc_limit = _WO_ACC_FMA if fma else (_WO_ACC_SM80 if ampere else None)
 
     def regs(c):  # a config over the accumulator limit counts as over the register limit
         kw = c.kwargs

@@ -11,6 +11,7 @@ import os
 
 import pytest
 import torch
+from _int4_refs import dequant_ref, groups_for, pack_ref, random_int4
 from conftest import cpu_backends, rel_err
 from torch import nn
 
@@ -34,36 +35,6 @@ convert_mod = importlib.import_module("fastdl.convert")  # the module (fastdl.co
 BACKENDS = cpu_backends("int4_weight_only_linear")  # cpp once the extension registers its kernel, and torch
 SHAPES = [(N, K, M) for N in (1, 7, 33) for K in (32, 96, 256) for M in (1, 3, 17)]
 TOL = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 1e-3}  # one rounding of the output
-
-
-def groups_for(K):
-    return [g for g in (32, 64, 128) if K % g == 0]
-
-
-# --------------------------------------------------------------------------------------- independent references
-def pack_ref(u: torch.Tensor) -> torch.Tensor:
-    """The contract's nibble order, element by element: byte 16 b + i = u[32 b + i] | u[32 b + 16 + i] << 4."""
-    N, K = u.shape
-    out = torch.empty((N, K // 2), dtype=torch.uint8)
-    for b in range(K // 32):
-        for i in range(16):
-            out[:, 16 * b + i] = u[:, 32 * b + i] | (u[:, 32 * b + 16 + i] << 4)
-    return out
-
-
-def dequant_ref(u, s, z, G) -> torch.Tensor:
-    """W[n, k] = (u[n, k] - z[n, k // G]) * float32(s[n, k // G]), z = 8 without zeros, in float64 (exact)."""
-    zz = torch.full_like(s, 8, dtype=torch.float64) if z is None else z.double()
-    return (u.double() - zz.repeat_interleave(G, dim=1)) * s.float().double().repeat_interleave(G, dim=1)
-
-
-def random_int4(N, K, G, zeros, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    u = torch.randint(0, 16, (N, K), generator=g, dtype=torch.uint8)
-    s = (torch.rand(N, K // G, generator=g) * 0.02 + 0.001).half()
-    s[:, ::3] = -s[:, ::3]  # scales may be negative (the search's Q4_0-style orientation)
-    z = torch.randint(0, 16, (N, K // G), generator=g, dtype=torch.uint8) if zeros else None
-    return u, s, z
 
 
 def linear_ref(x, W, bias):

@@ -17,6 +17,9 @@ import torch
 
 triton = pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot be tested")
 
+from _int4_refs import dequant_ref, groups_for, pack_ref, random_int4  # noqa: E402
+from conftest import rel_err  # noqa: E402
+
 import fastdl  # noqa: E402
 from fastdl import backends  # noqa: E402
 from fastdl.ops.int4 import int4_a8_linear, int4_weight_only_linear, quantize_groups  # noqa: E402
@@ -45,22 +48,6 @@ OPS = {"weight_only": i4.int4_weight_only_linear, "a8": i4.int4_a8_linear}
 
 
 # --------------------------------------------------------------------------------------- independent references
-def pack_ref(u: torch.Tensor) -> torch.Tensor:
-    """llama.cpp's Q4_0 order, element by element: byte 16 b + i = u[32 b + i] | u[32 b + 16 + i] << 4."""
-    N, K = u.shape
-    out = torch.empty((N, K // 2), dtype=torch.uint8)
-    for b in range(K // 32):
-        for i in range(16):
-            out[:, 16 * b + i] = u[:, 32 * b + i] | (u[:, 32 * b + 16 + i] << 4)
-    return out
-
-
-def dequant_ref(u, s, z, G):
-    """W[n, k] = (u[n, k] - z[n, k // G]) * s[n, k // G] in float64 (exact), z = 8 without zeros."""
-    zz = torch.full(s.shape, 8.0, dtype=torch.float64) if z is None else z.double()
-    return (u.double() - zz.repeat_interleave(G, dim=1)) * s.double().repeat_interleave(G, dim=1)
-
-
 def quant_ref(x2: torch.Tensor, G: int):
     """The activations' contract in numpy float32 per row and group: amax (NaN counts as inf), inv = fp32(127 / amax)
     (IEEE division), q = rint(clamp(fp32(x * inv), -127, 127)) (round half to even), s = fp32(amax / 127); groups
@@ -94,28 +81,8 @@ def ref64(op, x, u, s, z, bias, G):
     return out.reshape(*x.shape[:-1], u.shape[0])
 
 
-def rel_err(out, ref):
-    ref = ref.double()
-    den = ref.norm().item()
-    num = (out.double().cpu() - ref).norm().item()
-    return num / den if den > 0 else num
-
-
-def make(N, K, G, zeros, seed):
-    g = torch.Generator().manual_seed(seed)
-    u = torch.randint(0, 16, (N, K), generator=g, dtype=torch.uint8)
-    s = (torch.rand(N, K // G, generator=g) * 0.02 + 0.001).half()
-    s[:, ::3] = -s[:, ::3]  # negative scales
-    z = torch.randint(0, 16, (N, K // G), generator=g, dtype=torch.uint8) if zeros else None
-    return u, s, z
-
-
 def dev(*ts):
     return [None if t is None else t.to(DEV) for t in ts]
-
-
-def groups_for(K):
-    return [G for G in (32, 64, 128) if K % G == 0]
 
 
 # ------------------------------------------------------------------------------------------------ the launchers
@@ -131,7 +98,7 @@ def test_launchers_match_float64_odd_shapes(op, dtype):
                 for M in (1, 3, 17, 40):
                     i += 1
                     zeros, has_bias = i % 2 == 0, i % 3 != 0
-                    u, s, z = make(N, K, G, zeros, seed=i)
+                    u, s, z = random_int4(N, K, G, zeros, seed=i)
                     x = torch.randn(M, K, generator=g).to(dtype)
                     bias = torch.randn(N, generator=g) if has_bias else None
                     out = OPS[op](*dev(x, pack_ref(u), s, z, bias), G)
@@ -152,7 +119,7 @@ def test_split_k_gemv_and_its_reduction(op, monkeypatch):
             n_split, ks = i4._split(N, K, torch.device(DEV))
             chunks = -(-K // i4._CHUNK)
             assert ks % i4._CHUNK == 0 and n_split == -(-K // ks) and min(2, chunks) <= n_split <= min(split, chunks)
-            u, s, z = make(N, K, G, M % 2 == 0, seed=N + K + split)
+            u, s, z = random_int4(N, K, G, M % 2 == 0, seed=N + K + split)
             x = torch.randn(M, K, generator=g).to(dtype)
             bias = torch.randn(N, generator=g).bfloat16()
             out = OPS[op](*dev(x, pack_ref(u), s, z, bias), G)
@@ -192,7 +159,7 @@ def test_strided_inputs_give_the_same_bits():
     """x transposed and sliced, qweight a column slice of a wider buffer, scales / zeros column-major: the kernels
     read every tensor by its strides (same bits as contiguous inputs)."""
     N, K, G = 33, 256, 64
-    u, s, z = make(N, K, G, True, seed=9)
+    u, s, z = random_int4(N, K, G, True, seed=9)
     q = pack_ref(u)
     bias = torch.randn(N)
     wide = torch.zeros(N, K, dtype=torch.uint8)
@@ -213,7 +180,7 @@ def test_strided_inputs_give_the_same_bits():
 @pytest.mark.parametrize("M", [3, 20])
 def test_nan_rows_zero_rows_empty_and_zero_k(M):
     N, K, G = 9, 128, 32
-    u, s, _ = make(N, K, G, False, seed=2)
+    u, s, _ = random_int4(N, K, G, False, seed=2)
     x = torch.randn(M, K)
     x[1, 40] = float("nan")
     x[2] = 0.0
@@ -231,7 +198,7 @@ def test_nan_rows_zero_rows_empty_and_zero_k(M):
 
 def test_launcher_errors_name_the_argument():
     N, K, G = 8, 64, 32
-    u, s, z = make(N, K, G, True, seed=1)
+    u, s, z = random_int4(N, K, G, True, seed=1)
     q, x = pack_ref(u), torch.randn(2, K)
     cases = [
         (TypeError, "x must be float32, bfloat16 or float16", (x.double(), q, s, z, None, G)),
@@ -274,7 +241,7 @@ def test_ops_route_to_the_launchers_with_the_triton_backend_on_cpu(monkeypatch):
     for name in ("_gemv_kernel", "_wo_mm_kernel", "_a8_quant_kernel", "_a8_mm_kernel", "_splitk_sum_kernel"):
         monkeypatch.setattr(i4, name, _Spy(getattr(i4, name), calls, name))
     N, K, G = 7, 256, 64
-    u, s, z = make(N, K, G, True, seed=4)
+    u, s, z = random_int4(N, K, G, True, seed=4)
     q, bias = pack_ref(u), torch.randn(N)
     monkeypatch.setenv("FASTDL_BACKEND", "triton")
     for fn, op, M, want in [

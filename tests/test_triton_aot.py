@@ -244,14 +244,17 @@ def _record(mods, target):
             if name.endswith("_kernel"):
                 saved.append((mod, name, obj))
                 setattr(mod, name, _Recorder(mname, name, obj, sink))
+    # the device limits every kernel module reads through kernels/_tuning.py (one module, shared by all)
+    tuning = {id(m._tuning): m._tuning for m in mods.values() if hasattr(m, "_tuning")}
+    assert tuning, "no kernel module imports kernels/_tuning.py: the device limits below would not be patched"
+    for mod in tuning.values():
         for helper, value in (
-            ("_max_smem", lambda idx: info["smem"]),
-            ("_capability_major", lambda idx: target // 10),
-            ("_num_sms", lambda idx: info["sms"]),
+            ("max_smem", lambda idx: info["smem"]),
+            ("capability_major", lambda idx: target // 10),
+            ("num_sms", lambda idx: info["sms"]),
         ):
-            if hasattr(mod, helper):
-                saved.append((mod, helper, getattr(mod, helper)))
-                setattr(mod, helper, value)
+            saved.append((mod, helper, getattr(mod, helper)))
+            setattr(mod, helper, value)
     tf32_before = torch.backends.cuda.matmul.allow_tf32
     jobs, launched, seen = [], set(), set()
     try:

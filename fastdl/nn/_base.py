@@ -324,10 +324,16 @@ class VersionedModule(nn.Module):
 
     # ------------------------------------------------------------------------------------------ extra state
     def _record_fields(self) -> dict:
-        return {}
+        """The record's fields: the layer's shape here; a subclass adds its own
+        (``{**super()._record_fields(), ...}``)."""
+        return {"in_features": self.in_features, "out_features": self.out_features}
 
     def _check_record(self, record: dict, where: str) -> None:
-        """Check a loaded record against this module (shapes etc.); called after the format and version checks."""
+        """Check a loaded record against this module; called after the format and version checks. Here: the shape it
+        records is this layer's; a subclass checks its own fields after ``super()._check_record``."""
+        for key, mine in (("in_features", self.in_features), ("out_features", self.out_features)):
+            if key in record and record[key] != mine:
+                raise self._error(where, f"_extra_state records {key} = {record[key]!r}, this layer has {mine}")
 
     def get_extra_state(self) -> torch.Tensor:
         return encode_extra_state({"format": self.FORMAT, "version": self.FORMAT_VERSION, **self._record_fields()})

@@ -248,8 +248,7 @@ class Int4Linear(CheckedForward, RuntimeChoice, VersionedModule):
     # ---------------------------------------------------------------------------------------------- state_dict
     def _record_fields(self) -> dict:
         return {
-            "in_features": self.in_features,
-            "out_features": self.out_features,
+            **super()._record_fields(),
             "group_size": self.group_size,
             "mode": self.mode,
             "symmetric": self.symmetric,
@@ -261,9 +260,7 @@ class Int4Linear(CheckedForward, RuntimeChoice, VersionedModule):
     def _check_record(self, record: dict, where: str) -> None:
         if "mode" in record and record["mode"] not in MODES:
             raise self._error(where, f"_extra_state records mode = {record['mode']!r}; it must be one of {MODES}")
-        for key, mine in (("in_features", self.in_features), ("out_features", self.out_features)):
-            if key in record and record[key] != mine:
-                raise self._error(where, f"_extra_state records {key} = {record[key]!r}, this layer has {mine}")
+        super()._check_record(record, where)
         g = record.get("group_size")
         if "group_size" in record and (g not in GROUP_SIZES or isinstance(g, bool) or self.in_features % g):
             raise self._error(where, f"_extra_state records group_size = {g!r}; it must be 32, 64 or 128 and divide "

@@ -361,10 +361,9 @@ class Int8Linear(CheckedForward, DenseCopyOption, RuntimeChoice, VersionedModule
     # ---------------------------------------------------------------------------------------------- state_dict
     def _record_fields(self) -> dict:
         return {
+            **super()._record_fields(),
             "mode": self.mode,
             "trainable": self.trainable,
-            "in_features": self.in_features,
-            "out_features": self.out_features,
             "group_size": self.group_size,
             "quantization": _QUANT_DOC[self.group_size],
         }

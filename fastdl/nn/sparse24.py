@@ -474,18 +474,9 @@ class Sparse24Linear(DenseCopyOption, RuntimeChoice, VersionedModule):
     # ------------------------------------------------------------------------------------------ state dict
     def _record_fields(self) -> dict:
         return {
-            "in_features": self.in_features,
-            "out_features": self.out_features,
+            **super()._record_fields(),
             "meta_layout": "uint8 [out, ceil(in/8)], 4-bit kept-position mask per group of 4, low nibble first",
         }
-
-    def _check_record(self, record: dict, where: str) -> None:
-        if (record.get("in_features"), record.get("out_features")) != (self.in_features, self.out_features):
-            raise self._error(
-                where,
-                f"the checkpoint is for in_features={record.get('in_features')}, "
-                f"out_features={record.get('out_features')}; this module has {self.in_features}, {self.out_features}",
-            )
 
     def recipe(self) -> dict:
         """How to rebuild this layer from an ``nn.Linear`` of its shape (``fastdl.save``/``load`` use it)."""

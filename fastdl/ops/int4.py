@@ -34,8 +34,9 @@ import math
 
 import torch
 
-# the plain-PyTorch format helpers and the checkpoint importers live in _int4_formats (re-exported here)
+from . import _frozen_linear as _frozen
 from ._checks import check_same_device, check_vector, check_x
+from ._frozen_linear import rows as _rows
 from ._int4_formats import BLOCK, dequantize_int4, import_awq, import_gptq, pack_int4, unpack_int4  # noqa: F401
 from ._library import define, register_autocast_rule, register_autograd, require, require_device, require_dtype
 
@@ -56,11 +57,6 @@ _X_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 SCHEMA = "(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, Tensor? bias, int group_size) -> Tensor"
 _OP = "int4_weight_only_linear"
 _A8_OP = "int4_a8_linear"
-
-
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """``t [..., K]`` as ``[M, K]`` (``reshape(-1, K)`` is ambiguous when K == 0)."""
-    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
 
 
 # ----------------------------------------------------------------------------------------------- argument checks
@@ -145,24 +141,17 @@ def _supports(backend, args):
 
 def _setup_context(ctx, inputs, output):
     x, qweight, scales, zeros, bias, group_size = inputs
-    ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
-    ctx.bias_dtype = bias.dtype if bias is not None else None
-    ctx.group_size = group_size
-    ctx.save_for_backward(qweight, scales, zeros)
+    _frozen.save_context(ctx, x, bias, (qweight, scales, zeros), group_size=group_size)
 
 
 def _frozen_backward(ctx, grad_out):
     """``grad_x = g @ W`` (fp32, fp64 for float64 x; rounded to x's dtype), ``grad_bias = sum g``; no weight grad."""
     qweight, scales, zeros = ctx.saved_tensors
-    g = _rows(grad_out)
-    gx = gb = None
-    ct = torch.float64 if ctx.x_dtype == torch.float64 else torch.float32
-    if ctx.needs_input_grad[0]:
-        w = dequantize_int4(qweight, scales.detach(), zeros, ctx.group_size).to(ct)
-        gx = torch.matmul(g.to(ct), w).to(ctx.x_dtype).reshape(ctx.x_shape)
-    if ctx.needs_input_grad[4]:
-        gb = g.to(ct).sum(0).to(ctx.bias_dtype)
-    return gx, None, None, None, gb, None
+
+    def times_weight(g, ct):
+        return torch.matmul(g.to(ct), dequantize_int4(qweight, scales.detach(), zeros, ctx.group_size).to(ct))
+
+    return _frozen.grads(ctx, grad_out, 4, times_weight)
 
 
 def _define_linear(name: str, reference, check, triton: str):
@@ -183,23 +172,34 @@ def _define_linear(name: str, reference, check, triton: str):
     return op
 
 
+def _public(op, name: str, doc: str):
+    """The public function of one of the two ops (same arguments and defaults), named ``name`` with ``doc``."""
+
+    def linear(
+        x: torch.Tensor,
+        qweight: torch.Tensor,
+        scales: torch.Tensor,
+        zeros: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
+        group_size: int = 128,
+    ) -> torch.Tensor:
+        return op(x, qweight, scales, zeros, bias, group_size)
+
+    linear.__name__ = linear.__qualname__ = name
+    linear.__doc__ = doc
+    return linear
+
+
 # cpp: the extension's CPU kernel once it registers one (until then backends.available() reports "fastdl._C has
 # no CPU kernel" and auto takes torch). triton: kernels/int4.py (split-K GEMV for M <= 16, tiled GEMM above).
 int4_weight_only_linear_op = _define_linear(_OP, _reference, check_int4_linear, "int4:int4_weight_only_linear")
-
-
-def int4_weight_only_linear(
-    x: torch.Tensor,
-    qweight: torch.Tensor,
-    scales: torch.Tensor,
-    zeros: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
-    group_size: int = 128,
-) -> torch.Tensor:
+int4_weight_only_linear = _public(
+    int4_weight_only_linear_op,
+    "int4_weight_only_linear",
     """``x @ W.T + bias`` for the int4 weight ``W = (u - z) * scales`` (see the module docstring): ``x [..., K]``,
     ``qweight`` uint8 ``[N, K / 2]`` (``pack_int4``), ``scales`` float16 ``[N, K / group_size]``, ``zeros`` uint8
-    ``[N, K / group_size]`` or None (symmetric, z = 8). Returns ``[..., N]`` in x's dtype (fp32 accumulation)."""
-    return int4_weight_only_linear_op(x, qweight, scales, zeros, bias, group_size)
+    ``[N, K / group_size]`` or None (symmetric, z = 8). Returns ``[..., N]`` in x's dtype (fp32 accumulation).""",
+)
 
 
 # ------------------------------------------------------------------------------------ W4A8: int4_a8_linear
@@ -248,19 +248,12 @@ def _a8_reference(x, qweight, scales, zeros, bias, group_size):
 # kernel and an int8 tl.dot GEMM). The derivative is straight through the activations' rounding (as int8_linear's):
 # grad_x = g @ W, grad_bias = sum g.
 int4_a8_linear_op = _define_linear(_A8_OP, _a8_reference, check_int4_a8_linear, "int4:int4_a8_linear")
-
-
-def int4_a8_linear(
-    x: torch.Tensor,
-    qweight: torch.Tensor,
-    scales: torch.Tensor,
-    zeros: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
-    group_size: int = 128,
-) -> torch.Tensor:
+int4_a8_linear = _public(
+    int4_a8_linear_op,
+    "int4_a8_linear",
     """W4A8: ``int4_weight_only_linear`` with x quantized to int8 per row and group first (see above): the same
-    arguments, integer products. Returns ``[..., N]`` in x's dtype."""
-    return int4_a8_linear_op(x, qweight, scales, zeros, bias, group_size)
+    arguments, integer products. Returns ``[..., N]`` in x's dtype.""",
+)
 
 
 # --------------------------------------------------------------------------------------------------- quantizer

@@ -50,10 +50,10 @@ dtype; weights and scales are never cast.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
+from . import _frozen_linear as _frozen
+from ._frozen_linear import rows as _rows
 from ._int8_checks import check_linear, check_mm, check_pack, check_qat, check_quantize, check_weight_only
 from ._int8_formats import (  # the formats and their exact formulas in PyTorch
     WEIGHT_GROUP,  # noqa: F401  (re-exported: fastdl.nn.int8 reads it here)
@@ -100,12 +100,6 @@ LINEAR_SCHEMA = (
 )
 WEIGHT_ONLY_SCHEMA = "(Tensor x, Tensor w_q, Tensor w_scale, Tensor? bias, Tensor? w_group_scale=None) -> Tensor"
 QAT_SCHEMA = "(Tensor x, Tensor weight, Tensor? bias, bool weight_only=False) -> Tensor"
-
-
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """``t [..., K]`` as ``[M, K]`` (``reshape(-1, K)`` is ambiguous when K == 0)."""
-    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
-
 
 
 # ------------------------------------------------------------------------------------------- quantize_per_token
@@ -203,25 +197,19 @@ int8_weight_only_linear_op = define("int8_weight_only_linear", WEIGHT_ONLY_SCHEM
 def _frozen_setup_context(ctx, inputs, output, grouped=False):
     x, w_q, w_scale, bias = inputs[:4]
     extra = inputs[4] if len(inputs) > 4 else None  # int8_linear: w_packed; weight-only: w_group_scale
-    ctx.x_shape = x.shape
-    ctx.x_dtype = x.dtype
-    ctx.bias_dtype = bias.dtype if bias is not None else None
-    ctx.grouped = grouped
-    ctx.save_for_backward(w_q, w_scale, extra)
+    _frozen.save_context(ctx, x, bias, (w_q, w_scale, extra), grouped=grouped)
 
 
 def _frozen_backward(ctx, grad_out):
     """Straight through the activation quantization: grad_x = g @ dequant(W) in x's dtype, grad_bias = sum g."""
     w_q, w_scale, extra = ctx.saved_tensors
-    g = _rows(grad_out)
-    gx = gb = None
-    if ctx.needs_input_grad[0]:
+
+    def times_weight(g, ct):
         c = ctx.x_dtype
         w = grouped_weight(w_q, extra) if ctx.grouped else plain_weight(w_q, extra)
-        gx = torch.matmul((g.float() * w_scale.float()[None, :]).to(c), w.to(c)).reshape(ctx.x_shape)
-    if ctx.needs_input_grad[3]:
-        gb = g.float().sum(0).to(ctx.bias_dtype)
-    return (gx, None, None, gb) + (None,) * (len(ctx.needs_input_grad) - 4)
+        return torch.matmul((g.to(ct) * w_scale.float()[None, :]).to(c), w.to(c))
+
+    return _frozen.grads(ctx, grad_out, 3, times_weight)
 
 
 def _straight_through(value: torch.Tensor, surrogate: torch.Tensor) -> torch.Tensor:
