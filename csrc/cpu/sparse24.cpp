@@ -1,8 +1,8 @@
 // 2:4 sparsity, CPU: ATen glue for fastdl_cpp::{mask_2_4, compress_2_4, decompress_2_4, sparse24_linear,
 // sparse24_linear_backward}.
 // Checks arguments, makes inputs contiguous, allocates outputs and splits the work between threads with
-// at::parallel_for; the kernels of the active instruction-set level (sparse24_avx512.cpp, sparse24_avx2.cpp,
-// sparse24_scalar.cpp; no torch headers) run on row ranges. The schemas are defined in Python
+// at::parallel_for; the kernels of this process's instruction-set family (kernels(): sparse24_avx512.cpp,
+// sparse24_avx2.cpp, sparse24_scalar.cpp; no torch headers) run on row ranges. The schemas are defined in Python
 // (fastdl/ops/sparse24.py), which documents the semantics and the meta layout.
 #include "sparse24_kernels.h"
 
@@ -31,99 +31,35 @@ namespace fastdl {
 namespace sparse24 {
 
 // ================================================================================================== dispatch
-// The level comes from the one CPU-capability module (cpu_isa.h: cpuid + XGETBV, capped by FASTDL_CPU_ISA). The
-// AVX512-BF16 kernel also needs AVX512_VBMI2 (vpexpandw).
-int active_level() {
-    static const int level = [] {
-        const cpu::Level l = cpu::level();
-        if (l >= cpu::kAvx512Bf16 && cpu::features().avx512_vbmi2)
-            return static_cast<int>(Avx512Bf16);
-        if (l >= cpu::kAvx512)
-            return static_cast<int>(Avx512);
-        return l >= cpu::kAvx2 ? static_cast<int>(Avx2) : static_cast<int>(Scalar);
+// The family of this process, from the one CPU-capability module (cpu_isa.h: cpuid + XGETBV, capped by
+// FASTDL_CPU_ISA). The AVX512-BF16 kernels also need AVX512_VBMI2 (vpexpandw); a non-x86 build has only the portable
+// family.
+const Kernels &kernels() {
+    static const Kernels &k = []() -> const Kernels & {
+#ifdef FASTDL_SP24_X86
+        const cpu::Level level = cpu::level();
+        if (level >= cpu::kAvx512Bf16 && cpu::features().avx512_vbmi2)
+            return *kernels_avx512_bf16();
+        if (level >= cpu::kAvx512)
+            return *kernels_avx512();
+        if (level >= cpu::kAvx2)
+            return *kernels_avx2();
+#endif
+        return *kernels_scalar();
     }();
-    return level;
+    return k;
 }
 
-// The levels are numbered as cpu_isa.h's, so their names are its names.
-static_assert(int{Scalar} == int{cpu::kScalar} && int{Avx2} == int{cpu::kAvx2} && int{Avx512} == int{cpu::kAvx512} &&
-              int{Avx512Bf16} == int{cpu::kAvx512Bf16});
-const char *level_name(int level) {
-    return cpu::level_name(static_cast<cpu::Level>(level));
+} // namespace sparse24
+} // namespace fastdl
+
+// The family of this process, for `fastdl info` (csrc/module.cpp).
+const char *fastdl_sparse24_cpu_kernels() {
+    return fastdl::sparse24::kernels().name;
 }
 
-namespace {
-// The row kernels of a level, or the scalar ones where the level's code is not compiled in (a non-x86 build).
-const RowKernels &row_kernels(int level) {
-    const RowKernels &rk = level >= Avx512 ? avx512::kRows : level >= Avx2 ? avx2::kRows : scalar::kRows;
-    return rk.compress[0] ? rk : scalar::kRows;
-}
-} // namespace
-
-void compress_rows(int level, DType dt, const void *w, int64_t ld, int64_t K, int64_t r0, int64_t r1, void *values,
-                   uint8_t *meta, bool *mask) {
-    const auto row = row_kernels(level).compress[dt == DType::F32 ? 0 : dt == DType::BF16 ? 1 : 2];
-    const size_t es = dt == DType::F32 ? 4 : 2;
-    const int64_t half = K / 2, mb = (K + 7) / 8;
-    for (int64_t r = r0; r < r1; ++r) {
-        const char *wr = static_cast<const char *>(w) + r * ld * es;
-        row(wr, K, values ? static_cast<char *>(values) + r * half * es : nullptr, meta ? meta + r * mb : nullptr,
-            mask ? mask + r * K : nullptr);
-    }
-}
-
-bool decompress_rows(int level, DType dt, const void *values, const uint8_t *meta, int64_t K, int64_t r0, int64_t r1,
-                     void *out) {
-    const size_t es = dt == DType::F32 ? 4 : 2;
-    const auto row = row_kernels(level).decompress[es == 4 ? 1 : 0];
-    const int64_t half = K / 2, mb = (K + 7) / 8;
-    for (int64_t r = r0; r < r1; ++r)
-        if (!row(static_cast<const char *>(values) + r * half * es, meta + r * mb, K,
-                 static_cast<char *>(out) + r * K * es))
-            return false;
-    return true;
-}
-
-bool decompress_rows_f32(int level, DType vdt, const void *values, const uint8_t *meta, int64_t K, int64_t r0,
-                         int64_t r1, float *out) {
-    if (level >= Avx2)
-        return avx2::decompress_rows_f32(vdt, values, meta, K, r0, r1, out);
-    return scalar::decompress_rows_f32(vdt, values, meta, K, r0, r1, out);
-}
-
-// fp32 x with bf16 values runs the AVX2 kernels on AVX-512 CPUs too: they widen the bf16 values in registers, where
-// the AVX-512 kernels need the values converted to fp32 first (a 2x larger copy of the weight written and read on
-// every call). Measured (Zen 4, 1 thread, K = N = 4096, ms AVX-512 with the conversion / AVX2 kernels, separate
-// processes): M = 1 44.4 / 3.2, M = 16 55.5 / 15.1, M = 128 157 / 86.
-bool avx2_kernels(int level, const LinearArgs &a) {
-    return level == Avx2 || (level >= Avx512 && a.dt == DType::F32 && a.vdt == DType::BF16);
-}
-
-bool linear_accepts(int level, const LinearArgs &a) {
-    if (avx2_kernels(level, a))
-        return avx2::linear_accepts(a);
-    if (level >= Avx512)
-        return a.vdt == a.dt;
-    return true;
-}
-
-bool linear_wants_f32_x(int level, const LinearArgs &a) {
-    return avx2_kernels(level, a) && avx2::linear_wants_f32_x(a);
-}
-
-int64_t linear_split(int level, const LinearArgs &a) {
-    if (avx2_kernels(level, a))
-        return avx2::linear_split(a);
-    return 24; // a multiple of every NR of the AVX-512 kernels (4, 6, 8)
-}
-
-bool linear_rows(int level, const LinearArgs &a, int64_t n0, int64_t n1) {
-    if (avx2_kernels(level, a))
-        return avx2::linear_rows(a, n0, n1);
-    if (level >= Avx512)
-        return avx512::linear_rows(level >= Avx512Bf16, a, n0, n1);
-    return scalar::linear_rows(a, n0, n1);
-}
+namespace fastdl {
+namespace sparse24 {
 
 namespace {
 
@@ -231,11 +167,11 @@ at::Tensor mask_2_4(const at::Tensor &w_in) {
     at::Tensor mask = at::empty({N, K}, w.options().dtype(at::kBool));
     if (N == 0 || K == 0)
         return mask;
-    const int level = active_level();
+    const RowKernels &rk = kernels().rows;
     bool *mp = mask.data_ptr<bool>();
     const void *wp = w.data_ptr();
     parallel_range(N, row_grain(K),
-                   [&](int64_t r0, int64_t r1) { compress_rows(level, dt, wp, K, K, r0, r1, nullptr, nullptr, mp); });
+                   [&](int64_t r0, int64_t r1) { compress_rows(rk, dt, wp, K, K, r0, r1, nullptr, nullptr, mp); });
     return mask;
 }
 
@@ -248,12 +184,12 @@ std::tuple<at::Tensor, at::Tensor> compress_2_4(const at::Tensor &w_in) {
     at::Tensor meta = at::empty({N, (K + 7) / 8}, w.options().dtype(at::kByte));
     if (N == 0 || K == 0)
         return {values, meta};
-    const int level = active_level();
+    const RowKernels &rk = kernels().rows;
     void *vp = values.data_ptr();
     uint8_t *mp = meta.data_ptr<uint8_t>();
     const void *wp = w.data_ptr();
     parallel_range(N, row_grain(K),
-                   [&](int64_t r0, int64_t r1) { compress_rows(level, dt, wp, K, K, r0, r1, vp, mp, nullptr); });
+                   [&](int64_t r0, int64_t r1) { compress_rows(rk, dt, wp, K, K, r0, r1, vp, mp, nullptr); });
     return {values, meta};
 }
 
@@ -265,13 +201,13 @@ at::Tensor decompress_impl(const at::Tensor &values_in, const at::Tensor &meta_i
     if (N == 0 || K == 0)
         return out;
     const at::Tensor values = values_in.contiguous(), meta = meta_in.contiguous();
-    const int level = active_level();
+    const RowKernels &rk = kernels().rows;
     const void *vp = values.data_ptr();
     const uint8_t *mp = meta.data_ptr<uint8_t>();
     void *outp = out.data_ptr();
     std::atomic<bool> bad{false};
     parallel_range(N, row_grain(K), [&](int64_t r0, int64_t r1) {
-        if (!decompress_rows(level, dt, vp, mp, K, r0, r1, outp))
+        if (!decompress_rows(rk, dt, vp, mp, K, r0, r1, outp))
             bad.store(true, std::memory_order_relaxed);
     });
     if (bad.load())
@@ -299,24 +235,22 @@ at::Tensor decompress_2_4(const at::Tensor &values_in, const at::Tensor &meta_in
 //    of the scalar kernel's time).
 //  * avx2 (capped, fp32 x with bf16 values / bf16 x): M = 512: 716-813 (sparse) / 716 (F.linear fp32): never (the
 //    broadcast kernel runs the dense GEMM's multiply-adds at ~84% of the FMA peak and reads half the weight).
-// FASTDL_SPARSE24_DENSE_ROWS=<rows> overrides it (read once per process: the tests run both routes at every level,
-// and benchmarks measure the crossover with it).
-int64_t dense_route_min_rows(int level, at::ScalarType xdt, int64_t N, int64_t K) {
+// Each family's Kernels::dense_min_rows / dense_min_weight hold these numbers. FASTDL_SPARSE24_DENSE_ROWS=<rows>
+// overrides them (read once per process: the tests run both routes at every level, and benchmarks measure the
+// crossover with it).
+int64_t dense_route_min_rows(const Kernels &kr, int64_t N, int64_t K) {
     static const int64_t forced = [] {
         const char *env = std::getenv("FASTDL_SPARSE24_DENSE_ROWS");
         return env && *env ? std::max<int64_t>(1, std::atoll(env)) : int64_t(0);
     }();
     if (forced)
         return forced;
-    (void)xdt;
-    if (level == Scalar)
-        return 1;
-    return level >= Avx512 && N * K >= (int64_t{8} << 20) ? 128 : INT64_MAX;
+    return N * K >= kr.dense_min_weight ? kr.dense_min_rows : INT64_MAX;
 }
 
 // out = x @ decompress(values, meta).T + bias, the weight decompressed in blocks of rows (at most 16 MiB in x's dtype)
 // and each block multiplied by fused_linear's forward (fp32 accumulation, bias in its epilogue, one rounding).
-at::Tensor dense_route(int level, const at::Tensor &x, const at::Tensor &values_in, const at::Tensor &meta_in,
+at::Tensor dense_route(const Kernels &kr, const at::Tensor &x, const at::Tensor &values_in, const at::Tensor &meta_in,
                        const at::Tensor &bias, at::Tensor &out) {
     // W is rounded to x's dtype (the contract): fp32 values for bf16 x become bf16 first
     const bool bf16 = x.scalar_type() == at::kBFloat16;
@@ -338,8 +272,8 @@ at::Tensor dense_route(int level, const at::Tensor &x, const at::Tensor &values_
         void *wp = wblock.data_ptr();
         std::atomic<bool> bad{false};
         parallel_range(rows, row_grain(K), [&](int64_t r0, int64_t r1) {
-            const bool ok = bf16 ? decompress_rows(level, vdt, vb, mb, K, r0, r1, wp)
-                                 : decompress_rows_f32(level, vdt, vb, mb, K, r0, r1, static_cast<float *>(wp));
+            const bool ok = bf16 ? decompress_rows(kr.rows, vdt, vb, mb, K, r0, r1, wp)
+                                 : kr.decompress_rows_f32(vdt, vb, mb, K, r0, r1, static_cast<float *>(wp));
             if (!ok)
                 bad.store(true, std::memory_order_relaxed);
         });
@@ -392,17 +326,20 @@ at::Tensor sparse24_linear(const at::Tensor &x_in, const at::Tensor &values_in, 
         return out;
     }
     const at::Tensor x = x_in.reshape({M, K}).contiguous();
-    const int level = active_level();
-    if (M >= dense_route_min_rows(level, x.scalar_type(), N, K))
-        return dense_route(level, x, values_in, meta, bias, out);
+    const Kernels &kr = kernels();
+    if (M >= dense_route_min_rows(kr, N, K))
+        return dense_route(kr, x, values_in, meta, bias, out);
     LinearArgs a;
     a.dt = x.scalar_type() == at::kFloat ? DType::F32 : DType::BF16;
     a.vdt = values_in.scalar_type() == at::kFloat ? DType::F32 : DType::BF16;
-    // A kernel that does not read this (x, values) dtype pair directly gets the values in x's dtype: fp32 values for
+    // A family that does not read this (x, values) dtype pair directly gets the values in x's dtype: fp32 values for
     // bf16 x are rounded to bf16 (the contract; a copy per call: store the values in x's dtype to avoid it). bf16
-    // values for fp32 x are read directly at every level (widened in registers).
-    if (!linear_accepts(level, a))
+    // values for fp32 x are read directly by every family (widened in registers).
+    const LinearKernel *lk = &kr.linear[a.dt == DType::BF16][a.vdt == DType::BF16];
+    if (!lk->rows) {
         a.vdt = a.dt;
+        lk = &kr.linear[a.dt == DType::BF16][a.dt == DType::BF16];
+    }
     const at::Tensor values = (a.vdt == a.dt ? values_in.to(x.scalar_type()) : values_in).contiguous();
     a.x = x.data_ptr();
     a.ldx = K;
@@ -415,16 +352,16 @@ at::Tensor sparse24_linear(const at::Tensor &x_in, const at::Tensor &values_in, 
     a.out = out.data_ptr();
     a.ldo = N;
     at::Tensor xf; // x widened to fp32 once, for kernels that read it many times (shared by the threads)
-    if (linear_wants_f32_x(level, a)) {
+    if (lk->wants_f32_x && lk->wants_f32_x(a)) {
         xf = x.to(at::kFloat);
         a.xf = xf.data_ptr<float>();
         a.ldxf = K;
     }
-    const int64_t split = linear_split(level, a);
+    const int64_t split = lk->split;
     const int64_t blocks = (N + split - 1) / split;
     std::atomic<bool> bad{false}; // a kernel met invalid meta (it checks each block of weight rows as it reads them)
     parallel_range(blocks, 1, [&](int64_t b0, int64_t b1) {
-        if (!linear_rows(level, a, b0 * split, std::min(N, b1 * split)))
+        if (!lk->rows(a, b0 * split, std::min(N, b1 * split)))
             bad.store(true, std::memory_order_relaxed);
     });
     if (bad.load())
@@ -514,10 +451,6 @@ sparse24_linear_backward(const at::Tensor &grad_out, const at::Tensor &x_in, con
 } // namespace
 } // namespace sparse24
 } // namespace fastdl
-
-const char *fastdl_sparse24_cpu_kernels() {
-    return fastdl::sparse24::level_name(fastdl::sparse24::active_level());
-}
 
 TORCH_LIBRARY_IMPL(fastdl_cpp, CPU, m) {
     m.impl("mask_2_4", &fastdl::sparse24::mask_2_4);

@@ -26,10 +26,11 @@
 //  in one vector, x gathered to match with vpermps, the AVX-512 kernel's trick) 18-20 / 11-33, and a transposed-x
 //  tile (every FMA useful: broadcast each kept value, load the 8-24 x rows of its position) 21-32 / 12-17: vpermps
 //  and the extra loads cost more than the zero lanes save.
+// These inner loops stay apart from sparse24_avx512.cpp's because they genuinely differ (AVX2 has no vexpandps /
+// vpexpandw: a byte-table vpshufb expands 8 positions); the loop nest and tile helpers are shared (sparse24_kernels.h).
 #include "sparse24_kernels.h"
 
-#if defined(__x86_64__) || defined(_M_X64)
-#define FASTDL_SP24_AVX2 1
+#ifdef FASTDL_SP24_X86
 #include <immintrin.h>
 #endif
 
@@ -37,9 +38,9 @@
 
 namespace fastdl {
 namespace sparse24 {
-namespace avx2 {
 
-#ifdef FASTDL_SP24_AVX2
+#ifdef FASTDL_SP24_X86
+namespace avx2 {
 namespace {
 
 using namespace detail;
@@ -336,8 +337,7 @@ SP24_AVX2 bool run_direct(const LinearArgs &a, const float *x, int64_t ldx, int6
     const int64_t half = a.K / 2, mb = (a.K + 7) / 8;
     const int rows = static_cast<int>(std::min<int64_t>(MR, a.M - m0));
     const float *xr[MR];
-    for (int i = 0; i < MR; ++i)
-        xr[i] = x + (m0 + std::min(i, rows - 1)) * ldx;
+    tile_x_rows<MR>(x, ldx, m0, a.M, 0, xr);
     for (int64_t n = n0; n < n1; n += NR) {
         if (m0 == 0 && !block_meta_ok(a, n, NR, n1)) // the first pass over these rows checks their meta
             return false;
@@ -441,12 +441,8 @@ template <typename XT, typename VT> SP24_AVX2 bool linear_panel(const LinearArgs
     const int64_t mc = std::min(a.M, kPMC);
     std::vector<float> panel(static_cast<size_t>(kPNR * kPKC));
     std::vector<float> accs(static_cast<size_t>((mc + kPMR - 1) / kPMR * kPMR * kPNR * 8));
-    for (int64_t m0 = 0; m0 < a.M; m0 += kPMC) {
-        const int64_t m1 = std::min(a.M, m0 + kPMC);
-        for (int64_t n = n0; n < n1; n += kPNR) {
-            const int cols = static_cast<int>(std::min<int64_t>(kPNR, n1 - n));
-            if (m0 == 0 && !block_meta_ok(a, n, kPNR, n1)) // the first pass over these rows checks their meta
-                return false;
+    return for_panels<kPNR>(
+        a, n0, n1, kPMC, meta_bytes_ok_avx2, [&](int64_t m0, int64_t m1, int64_t n, int cols) SP24_AVX2 {
             const auto [vr, mr] = block_rows<kPNR>(a, v, n, n1); // past n1: the last row again (result discarded)
             for (int64_t kb = 0; kb < nkb; ++kb) {
                 const int64_t k0 = kb * kPKC, len = std::min(kPKC, K8 - k0);
@@ -458,8 +454,7 @@ template <typename XT, typename VT> SP24_AVX2 bool linear_panel(const LinearArgs
                 for (int64_t m = m0; m < m1; m += kPMR) {
                     const int rows = static_cast<int>(std::min<int64_t>(kPMR, m1 - m));
                     const float *xr[kPMR];
-                    for (int i = 0; i < kPMR; ++i)
-                        xr[i] = x + (m + std::min(i, rows - 1)) * ldx + k0;
+                    tile_x_rows<kPMR>(x, ldx, m, m1, k0, xr);
                     float *acc_io = accs.data() + (m - m0) / kPMR * kPMR * kPNR * 8;
                     float sums[kPMR * kPNR];
                     panel_tile(xr, panel.data(), len, kb ? acc_io : nullptr, last ? nullptr : acc_io, sums);
@@ -472,9 +467,7 @@ template <typename XT, typename VT> SP24_AVX2 bool linear_panel(const LinearArgs
                     store_tile<XT, kPNR>(a, sums, m, rows, n, cols);
                 }
             }
-        }
-    }
-    return true;
+        });
 }
 
 // ----------------------------------------------------------------------------------------------- broadcast (large M)
@@ -621,8 +614,7 @@ template <typename XT, typename VT> SP24_AVX2 bool linear_bcast(const LinearArgs
                 for (int64_t m = m0; m < m1; m += kBMR) {
                     const int rows = static_cast<int>(std::min<int64_t>(kBMR, m1 - m));
                     const float *xr[kBMR];
-                    for (int i = 0; i < kBMR; ++i)
-                        xr[i] = x + (m + std::min(i, rows - 1)) * ldx + k0;
+                    tile_x_rows<kBMR>(x, ldx, m, m1, k0, xr);
                     float *ct = C + m * ldc + (n - n0);
                     if (rows == kBMR && cols == kBNR) { // full tile: straight to / from C and out
                         TileOut o;
@@ -680,18 +672,26 @@ template <typename XT, typename VT> SP24_AVX2 bool linear_typed(const LinearArgs
     return linear_panel<XT, VT>(a, n0, n1);
 }
 
-} // namespace
+// Entry points of the table: one per (x, values) dtype pair read directly.
+template <typename XT, typename VT> bool linear_rows(const LinearArgs &a, int64_t n0, int64_t n1) {
+    if (n0 >= n1 || a.M <= 0)
+        return true;
+    return linear_typed<XT, VT>(a, n0, n1);
+}
 
-const RowKernels kRows = {{compress_row<0>, compress_row<1>, compress_row<2>}, {decompress_row<2>, decompress_row<4>}};
-#else
-const RowKernels kRows = {};
-#endif // FASTDL_SP24_AVX2
+// bf16 x is widened to fp32 once per call for the panel and broadcast kernels (the direct kernel widens its <= 4 rows
+// itself).
+bool wants_f32_x(const LinearArgs &a) {
+    return a.dt == DType::BF16 && a.M > kDirectMaxM && a.K >= 8;
+}
+
+constexpr RowKernels kRows = {{compress_row<0>, compress_row<1>, compress_row<2>},
+                              {decompress_row<2>, decompress_row<4>}};
 
 bool decompress_rows_f32(DType vdt, const void *values, const uint8_t *meta, int64_t K, int64_t r0, int64_t r1,
                          float *out) {
-#ifdef FASTDL_SP24_AVX2
     if (vdt == DType::F32)
-        return sparse24::decompress_rows(Avx2, vdt, values, meta, K, r0, r1, out);
+        return sparse24::decompress_rows(kRows, vdt, values, meta, K, r0, r1, out);
     const int64_t half = K / 2, mb = (K + 7) / 8;
     for (int64_t r = r0; r < r1; ++r) {
         if (!meta_rows_ok(meta + r * mb, K, 1, meta_bytes_ok_avx2))
@@ -699,41 +699,29 @@ bool decompress_rows_f32(DType vdt, const void *values, const uint8_t *meta, int
         expand_row_f32(static_cast<const uint16_t *>(values) + r * half, meta + r * mb, K, out + r * K);
     }
     return true;
-#else
-    return scalar::decompress_rows_f32(vdt, values, meta, K, r0, r1, out);
-#endif
 }
 
-bool linear_accepts(const LinearArgs &a) {
-    return a.vdt == a.dt || (a.dt == DType::F32 && a.vdt == DType::BF16); // bf16 values widen exactly for fp32 x
-}
-
-bool linear_wants_f32_x(const LinearArgs &a) {
-#ifdef FASTDL_SP24_AVX2
-    return a.dt == DType::BF16 && a.M > kDirectMaxM && a.K >= 8;
-#else
-    (void)a;
-    return false;
-#endif
-}
-
-int64_t linear_split(const LinearArgs &a) {
-    (void)a;
-    return 48; // a multiple of every NR (8, 6, 4, 3, 16)
-}
-
-bool linear_rows(const LinearArgs &a, int64_t n0, int64_t n1) {
-    if (n0 >= n1 || a.M <= 0)
-        return true;
-#ifdef FASTDL_SP24_AVX2
-    if (a.dt == DType::F32)
-        return a.vdt == DType::F32 ? linear_typed<float, float>(a, n0, n1) : linear_typed<float, uint16_t>(a, n0, n1);
-    if (a.vdt == DType::BF16)
-        return linear_typed<uint16_t, uint16_t>(a, n0, n1);
-#endif
-    return scalar::linear_rows(a, n0, n1); // a pair linear_accepts rejects (the glue converts first): reference loop
-}
-
+} // namespace
 } // namespace avx2
+
+// Every pair but bf16 x with fp32 values (the glue rounds those values to bf16 first); bf16 values widen exactly for
+// fp32 x. Columns are split by 48, a multiple of every NR (8, 6, 4, 3, 16). Never the dense route (sparse24.cpp,
+// dense_route_min_rows).
+const Kernels *kernels_avx2() {
+    static const Kernels k = [] {
+        using namespace avx2;
+        Kernels t;
+        t.name = cpu::level_name(cpu::kAvx2);
+        t.rows = kRows;
+        t.decompress_rows_f32 = decompress_rows_f32;
+        t.linear[0][0] = LinearKernel{linear_rows<float, float>, nullptr, 48};
+        t.linear[0][1] = LinearKernel{linear_rows<float, uint16_t>, nullptr, 48};
+        t.linear[1][1] = LinearKernel{linear_rows<uint16_t, uint16_t>, wants_f32_x, 48};
+        return t;
+    }();
+    return &k;
+}
+#endif // FASTDL_SP24_X86
+
 } // namespace sparse24
 } // namespace fastdl

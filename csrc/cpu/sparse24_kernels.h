@@ -21,28 +21,26 @@
 
 #include "cpu_isa.h"
 
+// The x86 kernels (sparse24_avx2.cpp, sparse24_avx512.cpp) are compiled in.
+#if defined(__x86_64__) || defined(__i386__)
+#define FASTDL_SP24_X86 1
+#endif
+
 namespace fastdl {
 namespace sparse24 {
 
 using cpu::DType; // F32 / BF16 / F16 / I32 / I8 (cpu_isa.h)
 
-// Instruction-set levels, lowest first. Avx512Bf16 also needs AVX512_VBMI2 (vpexpandw).
-enum Level : int { Scalar = 0, Avx2 = 1, Avx512 = 2, Avx512Bf16 = 3 };
-
-// The level of the 2:4 kernels in this process, from cpu_isa.h (cpuid, capped by FASTDL_CPU_ISA; decided once).
-int active_level();
-const char *level_name(int level);
-
 // out[m][n] = round(sum_k x[m][k] * W[n][k] + bias[n]) for all M rows and the output columns n in [n0, n1);
 // W = decompress(values, meta); out has x's dtype; fp32 accumulation.
 struct LinearArgs {
     DType dt = DType::F32;   // x and out: F32 or BF16
-    DType vdt = DType::F32;  // values: F32 or BF16 (linear_accepts tells which (dt, vdt) a level reads directly)
+    DType vdt = DType::F32;  // values: F32 or BF16 (Kernels::linear tells which (dt, vdt) a family reads directly)
     const void *x = nullptr; // [M][ldx]
     int64_t ldx = 0;
     int64_t M = 0;
     int64_t K = 0;
-    const float *xf = nullptr; // x as fp32 [M][ldxf], where linear_wants_f32_x asked for it (else nullptr)
+    const float *xf = nullptr; // x as fp32 [M][ldxf], where LinearKernel::wants_f32_x asked for it (else nullptr)
     int64_t ldxf = 0;
     const void *values = nullptr;  // [N][K/2]
     const uint8_t *meta = nullptr; // [N][ceil(K/8)]
@@ -52,66 +50,82 @@ struct LinearArgs {
     int64_t ldo = 0;
 };
 
-// ------------------------------------------------------------------------------------- dispatch (sparse24.cpp)
-// Prune+compress rows [r0, r1) of the dense weight w (row stride ld elements, K columns, K % 4 == 0). Each output
-// may be nullptr (not written): values [rows][K/2] in w's dtype, meta [rows][ceil(K/8)], mask [rows][K] bool bytes.
-void compress_rows(int level, DType dt, const void *w, int64_t ld, int64_t K, int64_t r0, int64_t r1, void *values,
-                   uint8_t *meta, bool *mask);
-// Dense rows [r0, r1) (K columns, zeros at pruned positions) from values / meta. Element size of dt; the bits are
-// copied (no conversion), so any 16-bit type works as BF16. Returns false (rows left unwritten) where meta is not
-// valid 2:4 meta (detail::meta_rows_ok): the kernels check each row's meta as they start reading it.
-bool decompress_rows(int level, DType dt, const void *values, const uint8_t *meta, int64_t K, int64_t r0, int64_t r1,
-                     void *out);
-// Dense fp32 rows [r0, r1) (K columns, zeros at pruned positions) from values of dtype vdt (F32, or BF16 widened
-// exactly): the weight of the dense route (decompress + at::mm), without a 16-bit copy in between. Returns false as
-// decompress_rows.
-bool decompress_rows_f32(int level, DType vdt, const void *values, const uint8_t *meta, int64_t K, int64_t r0,
-                         int64_t r1, float *out);
-// Whether the level's kernel reads values of dtype a.vdt with x of dtype a.dt directly (else the glue converts the
-// values to x's dtype first).
-bool linear_accepts(int level, const LinearArgs &a);
-// Whether the level's kernel wants x as fp32 in a.xf (the glue converts once per call, shared by the threads).
-bool linear_wants_f32_x(int level, const LinearArgs &a);
-// Column count the glue should split N by between threads (a multiple of every kernel's block of rows).
-int64_t linear_split(int level, const LinearArgs &a);
-// Returns false where the meta of a weight row in [n0, n1) is not valid 2:4 meta: each kernel checks the meta of a
-// block of weight rows (detail::meta_rows_ok, from L1 right before it reads them) the first time it reads them, and
-// stops at the first invalid one (out is then partly unwritten: the glue raises).
-bool linear_rows(int level, const LinearArgs &a, int64_t n0, int64_t n1);
-
-// ------------------------------------------------------------------------------------- per-level kernels
-// Each level's row kernels, walked over rows [r0, r1) by compress_rows / decompress_rows above (sparse24.cpp):
-// compress[kind] (kind 0 = F32, 1 = BF16, 2 = F16) prunes+compresses one row of K elements, an output passed as nullptr
-// is not written; decompress[bytes == 4] expands one row of K elements from its values and meta, or returns false
-// (nothing written) where the row's meta is invalid. A level whose code is not compiled in (a non-x86 build) has a
-// table of nullptrs: the dispatch then takes the scalar one.
+// ------------------------------------------------------------------------------------- one family's kernels
+// Row kernels: compress[kind] (kind 0 = F32, 1 = BF16, 2 = F16) prunes+compresses one row of K elements, an output
+// passed as nullptr is not written; decompress[bytes == 4] expands one row of K elements from its values and meta
+// (the bits are copied: any 16-bit type works as BF16), or returns false (nothing written) where the row's meta is
+// invalid (detail::meta_rows_ok).
 struct RowKernels {
     void (*compress[3])(const void *w, int64_t K, void *vals, uint8_t *meta, bool *mask);
     bool (*decompress[2])(const void *vals, const uint8_t *meta, int64_t K, void *out);
 };
 
-namespace scalar {
-extern const RowKernels kRows;
-bool decompress_rows_f32(DType vdt, const void *values, const uint8_t *meta, int64_t K, int64_t r0, int64_t r1,
-                         float *out);
-bool linear_rows(const LinearArgs &a, int64_t n0, int64_t n1); // any (dt, vdt)
-} // namespace scalar
+// The linear kernel of one (x dtype, values dtype) pair. rows computes the output columns [n0, n1) for all M rows;
+// it returns false where the meta of a weight row in [n0, n1) is not valid 2:4 meta: each kernel checks the meta of a
+// block of weight rows (detail::meta_rows_ok, from L1 right before it reads them) the first time it reads them, and
+// stops at the first invalid one (out is then partly unwritten: the glue raises).
+struct LinearKernel {
+    bool (*rows)(const LinearArgs &a, int64_t n0, int64_t n1) = nullptr; // nullptr: the glue converts the values first
+    bool (*wants_f32_x)(const LinearArgs &a) = nullptr; // x as fp32 in a.xf (converted once, shared by the threads)
+    int64_t split = 24; // columns the glue splits N by between threads: a multiple of every NR of the kernel
+};
 
-namespace avx2 {
-extern const RowKernels kRows;
-bool decompress_rows_f32(DType vdt, const void *values, const uint8_t *meta, int64_t K, int64_t r0, int64_t r1,
-                         float *out);
-bool linear_accepts(const LinearArgs &a);
-bool linear_wants_f32_x(const LinearArgs &a);
-int64_t linear_split(const LinearArgs &a);
-bool linear_rows(const LinearArgs &a, int64_t n0, int64_t n1);
-} // namespace avx2
+// One instruction-set family's kernels, chosen once per process (sparse24.cpp: kernels()) from the level of
+// cpu_isa.h, as fused_linear and int8 choose theirs.
+struct Kernels {
+    const char *name = "scalar"; // cpu::level_name of the family's level (for `fastdl info`)
+    RowKernels rows;
+    // Dense fp32 rows [r0, r1) (K columns, zeros at pruned positions) from values of dtype vdt (F32, or BF16 widened
+    // exactly): the weight of the dense route (decompress + GEMM), without a 16-bit copy in between. Returns false
+    // where a row's meta is invalid.
+    bool (*decompress_rows_f32)(DType vdt, const void *values, const uint8_t *meta, int64_t K, int64_t r0, int64_t r1,
+                                float *out) = nullptr;
+    LinearKernel linear[2][2]; // [x is BF16][values are BF16]
+    // sparse24_linear decompresses the weight and runs a dense GEMM from dense_min_rows rows of x on, for weights of
+    // at least dense_min_weight elements (the measurements are in sparse24.cpp, dense_route_min_rows).
+    int64_t dense_min_rows = INT64_MAX;
+    int64_t dense_min_weight = 0;
+};
 
-namespace avx512 {
-extern const RowKernels kRows;
-// bf16_dot: the AVX512-BF16 + VBMI2 kernels for bf16 (else bf16 runs through the fp32 kernels). vdt == dt.
-bool linear_rows(bool bf16_dot, const LinearArgs &a, int64_t n0, int64_t n1);
-} // namespace avx512
+// The tables of the families, as fused_linear and int8 have theirs (the caller, kernels(), checks the CPU). The x86
+// ones exist where FASTDL_SP24_X86 is set.
+const Kernels *kernels_scalar(); // sparse24_scalar.cpp: portable C++
+#ifdef FASTDL_SP24_X86
+const Kernels *kernels_avx2();        // sparse24_avx2.cpp: AVX2 + FMA
+const Kernels *kernels_avx512();      // sparse24_avx512.cpp: AVX-512 F/BW/VL/DQ (bf16 through the fp32 kernels)
+const Kernels *kernels_avx512_bf16(); // sparse24_avx512.cpp: the above + AVX512_BF16 + AVX512_VBMI2
+#endif
+// The family of this process, chosen once (sparse24.cpp).
+const Kernels &kernels();
+
+// Prune+compress rows [r0, r1) of the dense weight w (row stride ld elements, K columns, K % 4 == 0) with the row
+// kernels rk. Each output may be nullptr (not written): values [rows][K/2] in w's dtype, meta [rows][ceil(K/8)], mask
+// [rows][K] bool bytes.
+inline void compress_rows(const RowKernels &rk, DType dt, const void *w, int64_t ld, int64_t K, int64_t r0, int64_t r1,
+                          void *values, uint8_t *meta, bool *mask) {
+    const auto row = rk.compress[dt == DType::F32 ? 0 : dt == DType::BF16 ? 1 : 2];
+    const size_t es = dt == DType::F32 ? 4 : 2;
+    const int64_t half = K / 2, mb = (K + 7) / 8;
+    for (int64_t r = r0; r < r1; ++r) {
+        const char *wr = static_cast<const char *>(w) + r * ld * es;
+        row(wr, K, values ? static_cast<char *>(values) + r * half * es : nullptr, meta ? meta + r * mb : nullptr,
+            mask ? mask + r * K : nullptr);
+    }
+}
+
+// Dense rows [r0, r1) (K columns, zeros at pruned positions) from values / meta, element size of dt (bits copied).
+// Returns false (rows from the first bad one on unwritten) where meta is not valid 2:4 meta.
+inline bool decompress_rows(const RowKernels &rk, DType dt, const void *values, const uint8_t *meta, int64_t K,
+                            int64_t r0, int64_t r1, void *out) {
+    const size_t es = dt == DType::F32 ? 4 : 2;
+    const auto row = rk.decompress[es == 4 ? 1 : 0];
+    const int64_t half = K / 2, mb = (K + 7) / 8;
+    for (int64_t r = r0; r < r1; ++r)
+        if (!row(static_cast<const char *>(values) + r * half * es, meta + r * mb, K,
+                 static_cast<char *>(out) + r * K * es))
+            return false;
+    return true;
+}
 
 // ------------------------------------------------------------------------------------- scalar helpers (all levels)
 namespace detail {
@@ -308,6 +322,33 @@ inline BlockRows<NR, VT> block_rows(const LinearArgs &a, const VT *v, int64_t n,
         b.m[j] = a.meta + r * mb;
     }
     return b;
+}
+
+// The MR rows of x of a tile at row m, from column k0: rows at or past m1 repeat row m1 - 1 (results discarded).
+template <int MR, typename T>
+inline void tile_x_rows(const T *x, int64_t ldx, int64_t m, int64_t m1, int64_t k0, const T **xr) {
+    for (int i = 0; i < MR; ++i)
+        xr[i] = x + std::min<int64_t>(m + i, m1 - 1) * ldx + k0;
+}
+
+// The outer loops of a blocked linear kernel: blocks of up to mblk rows of x [m0, m1) > panels of NR weight rows from
+// n (cols of them valid, n < n1); body(m0, m1, n, cols) runs one panel on one block. The meta of a panel is checked
+// (bytes_ok: the level's form of meta_bytes_ok) on its first pass, right before the body reads it; returns false at
+// the first invalid one.
+template <int NR, class Body>
+inline bool for_panels(const LinearArgs &a, int64_t n0, int64_t n1, int64_t mblk,
+                       bool (*bytes_ok)(const uint8_t *, int64_t), const Body &body) {
+    const int64_t mb = (a.K + 7) / 8;
+    for (int64_t m0 = 0; m0 < a.M; m0 += mblk) {
+        const int64_t m1 = std::min(a.M, m0 + mblk);
+        for (int64_t n = n0; n < n1; n += NR) {
+            const int cols = static_cast<int>(std::min<int64_t>(NR, n1 - n));
+            if (m0 == 0 && !meta_rows_ok(a.meta + n * mb, a.K, cols, bytes_ok))
+                return false;
+            body(m0, m1, n, cols);
+        }
+    }
+    return true;
 }
 } // namespace
 

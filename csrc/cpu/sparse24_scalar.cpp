@@ -66,10 +66,6 @@ template <typename XT, typename VT> bool linear(const LinearArgs &a, int64_t n0,
     return true;
 }
 
-} // namespace
-
-const RowKernels kRows = {{compress_row<0>, compress_row<1>, compress_row<2>}, {decompress_row<2>, decompress_row<4>}};
-
 bool decompress_rows_f32(DType vdt, const void *values, const uint8_t *meta, int64_t K, int64_t r0, int64_t r1,
                          float *out) {
     const int64_t half = K / 2, mb = (K + 7) / 8;
@@ -98,13 +94,27 @@ bool decompress_rows_f32(DType vdt, const void *values, const uint8_t *meta, int
     return true;
 }
 
-bool linear_rows(const LinearArgs &a, int64_t n0, int64_t n1) {
-    const bool xf = a.dt == DType::F32, vf = a.vdt == DType::F32;
-    if (xf)
-        return vf ? linear<float, float>(a, n0, n1) : linear<float, uint16_t>(a, n0, n1);
-    return vf ? linear<uint16_t, float>(a, n0, n1) : linear<uint16_t, uint16_t>(a, n0, n1);
+} // namespace
+} // namespace scalar
+
+// Every (x, values) dtype pair read directly, split by the default 24 columns; the dense route from the first row of
+// x (sparse24.cpp, dense_route_min_rows).
+const Kernels *kernels_scalar() {
+    using namespace scalar;
+    static const Kernels k = [] {
+        Kernels t;
+        t.linear[0][0].rows = linear<float, float>;
+        t.linear[0][1].rows = linear<float, uint16_t>;
+        t.linear[1][0].rows = linear<uint16_t, float>;
+        t.linear[1][1].rows = linear<uint16_t, uint16_t>;
+        t.dense_min_rows = 1;
+        t.rows = {{compress_row<0>, compress_row<1>, compress_row<2>}, {decompress_row<2>, decompress_row<4>}};
+        t.decompress_rows_f32 = decompress_rows_f32;
+        t.name = cpu::level_name(cpu::kScalar);
+        return t;
+    }();
+    return &k;
 }
 
-} // namespace scalar
 } // namespace sparse24
 } // namespace fastdl
