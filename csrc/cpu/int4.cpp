@@ -20,6 +20,10 @@
 #include "fused_linear_kernels.h"
 #include "parallel.h"
 
+const char *fastdl_int4_cpu_kernels() {
+    return fastdl::int4::kernels().name;
+}
+
 namespace fastdl {
 namespace int4 {
 
@@ -45,8 +49,23 @@ void check_cpu(const char *op, const at::Tensor &t, const char *name) {
 }
 
 struct Checked {
-    int64_t M = 0, K = 0, N = 0, groups = 0;
+    int64_t M = 0, K = 0, N = 0, group = 0, groups = 0;
     at::Tensor q, s, z, b, out;
+    // What both kernels' arguments (Int4Args, A8Args) hold: the shapes, the weights, the bias and the fp32 output.
+    template <class A> A args(float *fp32_out) const {
+        A a;
+        a.M = M;
+        a.K = K;
+        a.N = N;
+        a.group = group;
+        a.q = q.data_ptr<uint8_t>();
+        a.scales = reinterpret_cast<const uint16_t *>(s.data_ptr<at::Half>());
+        a.zeros = z.defined() ? z.data_ptr<uint8_t>() : nullptr;
+        a.bias = b.defined() ? b.data_ptr<float>() : nullptr;
+        a.out = fp32_out;
+        a.ldo = N;
+        return a;
+    }
 };
 
 // The arguments of both int4 ops (same schema), checked; out allocated ([..., N] in x's dtype).
@@ -63,6 +82,7 @@ Checked check_args(const char *op, const at::Tensor &x, const at::Tensor &qweigh
     TORCH_CHECK_TYPE(qweight.scalar_type() == at::kByte, op, ": qweight must be uint8, got ", qweight.scalar_type());
     TORCH_CHECK_VALUE(qweight.dim() == 2, op, ": qweight must be 2-D [N, K / 2], got ", qweight.sizes());
     Checked c;
+    c.group = group_size;
     c.K = x.size(-1);
     c.N = qweight.size(0);
     const int64_t K = c.K, N = c.N;
@@ -144,45 +164,30 @@ template <class F> void over_columns(int64_t M, int64_t N, int64_t K, const F &f
     });
 }
 
-at::Tensor int4_weight_only_linear(const at::Tensor &x, const at::Tensor &qweight, const at::Tensor &scales,
-                                   const c10::optional<at::Tensor> &zeros, const c10::optional<at::Tensor> &bias,
-                                   int64_t group_size) {
-    Checked c = check_args("int4_weight_only_linear", x, qweight, scales, zeros, bias, group_size);
-    if (trivial(c))
-        return c.out;
-    const int64_t M = c.M, N = c.N, K = c.K;
-    const at::Tensor &q = c.q, &s = c.s, &z = c.z, &b = c.b, &out = c.out;
+// Float x: the streaming kernel, the tile kernel or fgemm by M (the family's limits).
+at::Tensor weight_only_route(const at::Tensor &x, const Checked &c) {
     const Kernels &kr = kernels();
+    const int64_t M = c.M, N = c.N, K = c.K;
     const bool tiles = M > kr.stream_max_rows && M <= kr.tiles_max_rows && kr.tiles;
     const bool fgemm = M > kr.stream_max_rows && !tiles && x.scalar_type() != at::kHalf;
     if (fgemm) { // x fp32 / bf16 as it is
         namespace fl = fastdl::fused_linear;
         const at::Tensor x2 = x.reshape({M, K}).contiguous();
         fl::Int4Weight w4;
-        w4.q = q.data_ptr<uint8_t>();
-        w4.scales = reinterpret_cast<const uint16_t *>(s.data_ptr<at::Half>());
-        w4.zeros = z.defined() ? z.data_ptr<uint8_t>() : nullptr;
-        w4.group = group_size;
+        w4.q = c.q.data_ptr<uint8_t>();
+        w4.scales = reinterpret_cast<const uint16_t *>(c.s.data_ptr<at::Half>());
+        w4.zeros = c.z.defined() ? c.z.data_ptr<uint8_t>() : nullptr;
+        w4.group = c.group;
         const fl::DType xd = x2.scalar_type() == at::kFloat ? fl::DType::F32 : fl::DType::BF16;
         if (fl::fgemm_quantized_weight(x2.data_ptr(), xd, K, M, fl::Int8Weight{}, w4, N, K,
-                                       b.defined() ? b.data_ptr<float>() : nullptr, out.data_ptr(), xd))
-            return out;
+                                       c.b.defined() ? c.b.data_ptr<float>() : nullptr, c.out.data_ptr(), xd))
+            return c.out;
     }
     const at::Tensor xf = x.reshape({M, K}).to(at::kFloat).contiguous();
-    F32Out of(out, M, N);
-    Int4Args a;
+    F32Out of(c.out, M, N);
+    Int4Args a = c.args<Int4Args>(of.ptr());
     a.x = xf.data_ptr<float>();
     a.ldx = K;
-    a.M = M;
-    a.K = K;
-    a.N = N;
-    a.group = group_size;
-    a.q = q.data_ptr<uint8_t>();
-    a.scales = reinterpret_cast<const uint16_t *>(s.data_ptr<at::Half>());
-    a.zeros = z.defined() ? z.data_ptr<uint8_t>() : nullptr;
-    a.bias = b.defined() ? b.data_ptr<float>() : nullptr;
-    a.out = of.ptr();
-    a.ldo = N;
     const auto fn = tiles ? kr.tiles : kr.stream;
     over_columns(M, N, K, [&](int64_t n0, int64_t n1) { fn(a, n0, n1); });
     return of.finish();
@@ -190,12 +195,7 @@ at::Tensor int4_weight_only_linear(const at::Tensor &x, const at::Tensor &qweigh
 
 // W4A8: x quantized per row and group (threads over rows), then the integer kernel over slices of N (every M: the
 // weight rows of a block stay in cache while all row tiles run over them).
-at::Tensor int4_a8_linear(const at::Tensor &x, const at::Tensor &qweight, const at::Tensor &scales,
-                          const c10::optional<at::Tensor> &zeros, const c10::optional<at::Tensor> &bias,
-                          int64_t group_size) {
-    Checked c = check_args("int4_a8_linear", x, qweight, scales, zeros, bias, group_size);
-    if (trivial(c))
-        return c.out;
+at::Tensor a8_route(const at::Tensor &x, const Checked &c) {
     const int64_t M = c.M, N = c.N, K = c.K, G = c.groups;
     const Kernels &kr = kernels();
     const at::Tensor xf = x.reshape({M, K}).to(at::kFloat).contiguous();
@@ -207,39 +207,37 @@ at::Tensor int4_a8_linear(const at::Tensor &x, const at::Tensor &qweight, const 
     qp.x = xf.data_ptr<float>();
     qp.ldx = K;
     qp.K = K;
-    qp.group = group_size;
+    qp.group = c.group;
     qp.qx = qx.data_ptr<int8_t>();
     qp.sx = sx.data_ptr<float>();
     qp.sumx = sumx.data_ptr<int32_t>();
     parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t m0, int64_t m1) { kr.quantize_x(qp, m0, m1); });
     F32Out of(c.out, M, N);
-    A8Args a;
+    A8Args a = c.args<A8Args>(of.ptr());
     a.qx = qp.qx;
     a.sx = qp.sx;
     a.sumx = qp.sumx;
-    a.M = M;
-    a.K = K;
-    a.N = N;
-    a.group = group_size;
-    a.q = c.q.data_ptr<uint8_t>();
-    a.scales = reinterpret_cast<const uint16_t *>(c.s.data_ptr<at::Half>());
-    a.zeros = c.z.defined() ? c.z.data_ptr<uint8_t>() : nullptr;
-    a.bias = c.b.defined() ? c.b.data_ptr<float>() : nullptr;
-    a.out = of.ptr();
-    a.ldo = N;
     over_columns(M, N, K, [&](int64_t n0, int64_t n1) { kr.a8(a, n0, n1); });
     return of.finish();
+}
+
+// int4_weight_only_linear (A8 false) and int4_a8_linear (A8 true): one schema, the same checks, then the op's route.
+template <bool A8>
+at::Tensor int4_linear(const at::Tensor &x, const at::Tensor &qweight, const at::Tensor &scales,
+                       const c10::optional<at::Tensor> &zeros, const c10::optional<at::Tensor> &bias,
+                       int64_t group_size) {
+    Checked c =
+        check_args(A8 ? "int4_a8_linear" : "int4_weight_only_linear", x, qweight, scales, zeros, bias, group_size);
+    if (trivial(c))
+        return c.out;
+    return A8 ? a8_route(x, c) : weight_only_route(x, c);
 }
 
 } // namespace
 } // namespace int4
 } // namespace fastdl
 
-const char *fastdl_int4_cpu_kernels() {
-    return fastdl::int4::kernels().name;
-}
-
 TORCH_LIBRARY_IMPL(fastdl_cpp, CPU, m) {
-    m.impl("int4_weight_only_linear", TORCH_FN(fastdl::int4::int4_weight_only_linear));
-    m.impl("int4_a8_linear", TORCH_FN(fastdl::int4::int4_a8_linear));
+    m.impl("int4_weight_only_linear", TORCH_FN(fastdl::int4::int4_linear<false>));
+    m.impl("int4_a8_linear", TORCH_FN(fastdl::int4::int4_linear<true>));
 }

@@ -19,10 +19,8 @@ namespace {
 
 // 16 packed bytes -> 32 values u - z: low nibbles are k 0..15, high nibbles k 16..31 (int4_kernels.h); the byte
 // subtraction is exact (|u - z| <= 15), then 8 bytes at a time are sign-extended and converted (exact).
-struct Avx2Traits : I4Common256 {
-    using F = __m256;
+struct Avx2Traits : I4Common256, I4Float<Ymm> {
     using Z = __m128i;
-    static constexpr int kLanes = 8;
     static I4_SIMD inline Z zp(int z) { return _mm_set1_epi8(static_cast<char>(z)); }
     static I4_SIMD inline void codes(const uint8_t *p, Z z, F (&w)[4]) {
         const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i *>(p));
@@ -34,13 +32,9 @@ struct Avx2Traits : I4Common256 {
         w[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
         w[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
     }
-    static I4_SIMD inline F zero() { return _mm256_setzero_ps(); }
     static I4_SIMD inline F set1(float v) { return _mm256_set1_ps(v); }
     static constexpr int kTileM = 3, kTileN = 3; // i4_tiles' register tile (9 accumulators)
-    static I4_SIMD inline void store(float *p, F v) { _mm256_storeu_ps(p, v); }
-    static I4_SIMD inline F loadx(const float *p) { return _mm256_loadu_ps(p); }
     static I4_SIMD inline F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
-    static I4_SIMD inline F add(F a, F b) { return _mm256_add_ps(a, b); }
     // the 8 lanes reduced by op (add or max), halving the width three times
     template <class Op> static I4_SIMD inline float reduce(F v, Op op) {
         __m128 r = op(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -61,7 +55,6 @@ struct Avx2Traits : I4Common256 {
     static I4_SIMD inline float hmax(F v) {
         return reduce(v, [](__m128 a, __m128 b) I4_SIMD { return _mm_max_ps(a, b); });
     }
-    static I4_SIMD inline F mul(F a, F b) { return _mm256_mul_ps(a, b); }
     static I4_SIMD inline F roundc(F v) {
         v = _mm256_min_ps(_mm256_max_ps(v, _mm256_set1_ps(-127.f)), _mm256_set1_ps(127.f));
         return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);

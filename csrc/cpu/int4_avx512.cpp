@@ -21,10 +21,8 @@ namespace {
 // (vpmovzxbd), then vpermps picks table[u] = u - z from a 16-float register, reading only the low 4 bits of each lane
 // (the low nibble as it is, the high one after a 4-bit shift). 4 zmm instructions per 32 weights instead of 4 zmm
 // (sign-extend + convert) and 6 xmm (mask, shift, subtract): the float kernel at M = 1 is bound by this step.
-struct Avx512Traits : I4Common256 {
-    using F = __m512;
+struct Avx512Traits : I4Common256, I4Float<Zmm> {
     using Z = __m512; // the table u -> u - z (exact small integers)
-    static constexpr int kLanes = 16;
     static I4_SIMD inline Z zp(int z) {
         const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
         return _mm512_sub_ps(iota, _mm512_set1_ps(static_cast<float>(z)));
@@ -34,13 +32,9 @@ struct Avx512Traits : I4Common256 {
         w[0] = _mm512_permutexvar_ps(v, table);
         w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
     }
-    static I4_SIMD inline F zero() { return _mm512_setzero_ps(); }
     static I4_SIMD inline F set1(float v) { return _mm512_set1_ps(v); }
     static constexpr int kTileM = 4, kTileN = 6; // i4_tiles' register tile (24 accumulators)
-    static I4_SIMD inline void store(float *p, F v) { _mm512_storeu_ps(p, v); }
-    static I4_SIMD inline F loadx(const float *p) { return _mm512_loadu_ps(p); }
     static I4_SIMD inline F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
-    static I4_SIMD inline F add(F a, F b) { return _mm512_add_ps(a, b); }
     static I4_SIMD inline float hsum(F v) { return _mm512_reduce_add_ps(v); }
     // W4A8: 256-bit vpdpbusd (AVX512-VNNI + VL), u (0..15, unsigned) x q_x (signed), 4 products per lane, exact
     static I4_SIMD inline I dot(I acc, I u, const int8_t *x) {
@@ -49,7 +43,6 @@ struct Avx512Traits : I4Common256 {
     static I4_SIMD inline F abs(F v) { return _mm512_abs_ps(v); }
     static I4_SIMD inline F max(F a, F b) { return _mm512_max_ps(a, b); }
     static I4_SIMD inline float hmax(F v) { return _mm512_reduce_max_ps(v); }
-    static I4_SIMD inline F mul(F a, F b) { return _mm512_mul_ps(a, b); }
     static I4_SIMD inline F roundc(F v) {
         v = _mm512_min_ps(_mm512_max_ps(v, _mm512_set1_ps(-127.f)), _mm512_set1_ps(127.f));
         return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);

@@ -1,10 +1,39 @@
-// What the AVX2 and AVX-512 traits of the int4 kernels share (int4_stream.h's W4A8 part runs 256-bit integer code in
-// both): included by each family's file after it defines I4_SIMD, and inherited by its traits.
+// What the AVX2 and AVX-512 traits of the int4 kernels share: I4Common256 (int4_stream.h's W4A8 part runs 256-bit
+// integer code in both) and I4Float (the fp32 operations written once over the vector type). Included by each
+// family's file after it defines I4_SIMD, and inherited by its traits. In an unnamed namespace: each translation unit
+// compiles these for its own target, so no copy may stand for another unit's (as an inline function of one name would).
 #pragma once
 
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstring>
+
+namespace {
+
+// The fp32 vector operations that need no intrinsic, written once over the vector type V::F (Ymm: __m256, Zmm:
+// __m512; a tag, as a vector type given as a template argument would lose its may_alias attribute): these are GCC
+// vector types, whose + and * are what _mm256_add_ps / _mm512_add_ps and the _mul_ps are defined as, {} is setzero,
+// and a memcpy of one vector is the unaligned load / store (vmovups) of loadu / storeu.
+struct Ymm {
+    using F = __m256;
+};
+struct Zmm {
+    using F = __m512;
+};
+template <class V> struct I4Float {
+    using F = typename V::F;
+    static constexpr int kLanes = sizeof(F) / sizeof(float);
+    static I4_SIMD inline F zero() { return F{}; }
+    static I4_SIMD inline F add(F a, F b) { return a + b; }
+    static I4_SIMD inline F mul(F a, F b) { return a * b; }
+    static I4_SIMD inline F loadx(const float *p) {
+        F v;
+        std::memcpy(&v, p, sizeof(F));
+        return v;
+    }
+    static I4_SIMD inline void store(float *p, F v) { std::memcpy(p, &v, sizeof(F)); }
+};
 
 struct I4Common256 {
     using I = __m256i;
@@ -17,3 +46,5 @@ struct I4Common256 {
     static I4_SIMD inline I izero() { return _mm256_setzero_si256(); }
     static I4_SIMD inline float half(uint16_t h) { return _cvtsh_ss(h); }
 };
+
+} // namespace

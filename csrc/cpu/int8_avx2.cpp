@@ -20,17 +20,6 @@ namespace fastdl {
 namespace int8 {
 namespace {
 
-inline int64_t imin(int64_t a, int64_t b) {
-    return a < b ? a : b;
-}
-inline int64_t imax(int64_t a, int64_t b) {
-    return a > b ? a : b;
-}
-
-template <DType DT> constexpr int64_t elem_size() {
-    return DT == DType::F32 ? 4 : 2;
-}
-
 // 8 consecutive values as fp32 (exact conversions). The tail variant copies the first n into a zeroed buffer, so no
 // byte past the end is read.
 template <DType DT> FDL_AVX2 inline __m256 load8(const void *p) {
@@ -167,9 +156,11 @@ void pack_a_int8(const APack &p) {
     }
 }
 
-// quantize_rows and pack_a (float rows quantised on the fly, int8 rows by pack_a_int8)
+// quantize_rows and pack_a (float rows quantised on the fly, int8 rows by pack_a_int8); the weight-only dot form's
+// driver (over the traits Avx2Wo below)
 #define I8_SIMD FDL_AVX2
 #include "int8_pack_a.h"
+#include "int8_weight_only.h"
 #undef I8_SIMD
 
 // --------------------------------------------------------------------------------------------------------- GEMM
@@ -219,9 +210,7 @@ template <int MR> FDL_AVX2 void avx2_tile(const GemmBlock &g, int64_t r0, int64_
         }
 #pragma GCC unroll 4
         for (int i = 0; i < MR; ++i) {
-            int32_t a4;
-            std::memcpy(&a4, a + i * g.lda + 4 * q, 4);
-            const __m256i av = _mm256_set1_epi32(a4);
+            const __m256i av = _mm256_set1_epi32(a_quad(a + i * g.lda, q));
             acc[i][0] = _mm256_add_epi32(acc[i][0], _mm256_madd_epi16(_mm256_maddubs_epi16(u0, sign_by(av, bq)), ones));
             acc[i][1] =
                 _mm256_add_epi32(acc[i][1], _mm256_madd_epi16(_mm256_maddubs_epi16(u1, sign_by(av, bq + 1)), ones));
@@ -420,61 +409,29 @@ FDL_AVX2 void wo_tile(const WeightOnly &p, int64_t m0, int64_t n0, const float *
     }
 }
 
-// The codes of w rows [n0, n0 + rows) (rows <= kWoCols) as fp32 in the chunked layout above.
-FDL_AVX2 void wo_codes(const WeightOnly &p, int64_t n0, int64_t rows, float *buf) {
-    const int64_t G = (p.K + kWeightGroup - 1) / kWeightGroup;
-    for (int64_t r = 0; r < rows; ++r) {
-        const uint8_t *src = p.w_group + (n0 + r) * p.ldg;
-        float *dst = buf + r * kCodeChunk;
-        int64_t g = 0;
-        for (; g + 8 <= G; g += 8) { // 8 | kCodeChunk: never two chunks
-            int64_t b8;
-            std::memcpy(&b8, src + g, 8);
-            _mm256_storeu_ps(dst + code_offset(g), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(b8))));
-        }
-        for (; g < G; ++g) {
-            dst[code_offset(g)] = static_cast<float>(src[g]);
+// Group codes, 8 at a time (int8_weight_only.h's Codes); the tail one by one (no byte past the row is read).
+struct Avx2Codes {
+    static constexpr int64_t kLanes = 8;
+    FDL_AVX2 static inline void convert(const uint8_t *src, float *dst) {
+        int64_t b8;
+        std::memcpy(&b8, src, 8);
+        _mm256_storeu_ps(dst, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(b8))));
+    }
+    static inline void convert_tail(const uint8_t *src, int64_t n, float *dst) {
+        for (int64_t i = 0; i < n; ++i) {
+            dst[i] = static_cast<float>(src[i]);
         }
     }
-}
+};
 
-template <bool Grouped> void weight_only_t(const WeightOnly &p) {
-    constexpr int64_t kXBlockBytes = 256 << 10;
-    const int64_t row_bytes = (p.K > 0 ? p.K : 1) * 4;
-    int64_t mc = kXBlockBytes / row_bytes;
-    mc = mc < 2 ? 2 : mc / 2 * 2;
-    float *codes = Grouped ? scratch_of<float>(kScratchA, code_buffer_floats(p.K)) : nullptr;
-    for (int64_t mb0 = 0; mb0 < p.rows; mb0 += mc) {
-        const int64_t mb1 = imin(p.rows, mb0 + mc);
-        for (int64_t g0 = 0; g0 < p.cols; g0 += kWoCols) {
-            const int64_t g1 = imin(p.cols, g0 + kWoCols);
-            if (Grouped) { // once per row block and 24 w rows: 1/16 of their weights
-                wo_codes(p, g0, g1 - g0, codes);
-            }
-            for (int64_t m0 = mb0; m0 < mb1; m0 += 2) {
-                const bool two = m0 + 2 <= mb1;
-                const int nb = two ? 6 : 8;
-                int64_t n = g0;
-                for (; n + nb <= g1; n += nb) {
-                    const float *c = Grouped ? codes + (n - g0) * kCodeChunk : nullptr;
-                    LinePrefetch pf; // the first row tile of a row block fetches the next tile's weights
-                    if (m0 == mb0) {
-                        pf.base = p.w + (n + nb) * p.ldw;
-                        pf.ldw = p.ldw;
-                        pf.K = p.K;
-                        pf.rows = imin(nb, p.cols - (n + nb));
-                    }
-                    two ? wo_tile<2, 6, Grouped>(p, m0, n, c, pf) : wo_tile<1, 8, Grouped>(p, m0, n, c, pf);
-                }
-                for (; n < g1; ++n) {
-                    const float *c = Grouped ? codes + (n - g0) * kCodeChunk : nullptr;
-                    two ? wo_tile<2, 1, Grouped>(p, m0, n, c, LinePrefetch())
-                        : wo_tile<1, 1, Grouped>(p, m0, n, c, LinePrefetch());
-                }
-            }
-        }
-    }
-}
+// The dot form's traits (int8_weight_only.h): tiles of 1 row x 8 w rows or 2 x 6.
+struct Avx2Wo {
+    static constexpr int64_t kXBytes = 4;
+    static constexpr int kMB = 2;
+    static constexpr int nb_for(int mb) { return mb == 1 ? 8 : 6; }
+    template <int MB, int NB, bool G> static constexpr WoTileFn tile() { return &wo_tile<MB, NB, G>; }
+    using Codes = Avx2Codes;
+};
 
 // ---------------------------------------------------------------------------------------------------------------
 // Weight-only, many rows: a GEMM on dequantised blocks. A block of kPanelNc w rows x kPanelKc k is converted once (per
@@ -667,10 +624,8 @@ void weight_only_f32(const WeightOnly &p) {
         } else {
             weight_only_panels<false>(p);
         }
-    } else if (p.w_group) {
-        weight_only_t<true>(p);
     } else {
-        weight_only_t<false>(p);
+        weight_only_dot<Avx2Wo>(p);
     }
 }
 
@@ -693,16 +648,6 @@ const Kernels *kernels_avx2() {
     return &k;
 }
 
-} // namespace int8
-} // namespace fastdl
-
-#else // not x86-64
-
-namespace fastdl {
-namespace int8 {
-const Kernels *kernels_avx2() {
-    return nullptr;
-}
 } // namespace int8
 } // namespace fastdl
 

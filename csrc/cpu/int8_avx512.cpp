@@ -22,11 +22,6 @@ namespace fastdl {
 namespace int8 {
 namespace {
 
-// No std:: templates in target code: an inline function instantiated here with AVX-512 enabled could be the copy
-// the linker keeps for the generic translation units.
-inline int64_t imin(int64_t a, int64_t b) {
-    return a < b ? a : b;
-}
 // Masks of the first n lanes (n <= 0: none).
 inline __mmask16 mask16(int64_t n) {
     return n >= 16 ? __mmask16(0xffff) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1u);
@@ -37,14 +32,17 @@ inline __mmask32 mask32(int64_t n) {
 inline __mmask64 mask64(int64_t n) {
     return n >= 64 ? ~__mmask64(0) : n <= 0 ? __mmask64(0) : (__mmask64(1) << n) - 1;
 }
+// Block j of 16 columns of a tile's output from column c0: its first column and its lanes below n_valid (none when
+// the valid columns end before it: the tile's stores stop there).
+struct ColBlock {
+    int64_t col;
+    __mmask16 m;
+    ColBlock(int64_t c0, int j, int64_t n_valid) : col(c0 + 16 * j), m(mask16(n_valid - col)) {}
+};
 
 constexpr int kRne = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
 
 // ------------------------------------------------------------------------------------------------ element access
-template <DType DT> constexpr int64_t elem_size() {
-    return DT == DType::F32 ? 4 : 2;
-}
-
 // 16 consecutive values (the first n of them, the rest 0) as fp32. bf16 -> fp32 is exact (a shift); fp16 -> fp32
 // with vcvtph2ps is exact too, subnormals included.
 template <DType DT> FDL_AVX512 inline __m512 load16(const void *p, __mmask16 m) {
@@ -83,25 +81,30 @@ FDL_AVX512 inline void store16(void *p, __m512 f, DType dt, __mmask16 m) {
 // every NaN / Inf pattern (>= 0x7f800000) is above every finite value, so one integer max finds amax and detects
 // non-finite rows at once. The same holds for the 16-bit patterns of bf16 and fp16, so those are compared 32 at a time
 // without conversion, and only the maximum is converted (exactly) to fp32 bits.
-// The unsigned max over lanes of 32-bit (fp32) or 16-bit (bf16 / fp16) patterns: one set of vector operations per lane
-// width, the loop of lane_max below written once over them.
-struct Lanes32 {
-    using T = uint32_t;
-    static constexpr int64_t kLanes = 16;
-    FDL_AVX512 static inline __m512i abs_mask() { return _mm512_set1_epi32(0x7fffffff); }
-    FDL_AVX512 static inline __m512i max(__m512i a, __m512i b) { return _mm512_max_epu32(a, b); }
-    FDL_AVX512 static inline __m512i load_tail(const T *p, int64_t n) { return _mm512_maskz_loadu_epi32(mask16(n), p); }
-};
-struct Lanes16 {
-    using T = uint16_t;
-    static constexpr int64_t kLanes = 32;
-    FDL_AVX512 static inline __m512i abs_mask() { return _mm512_set1_epi16(0x7fff); }
-    FDL_AVX512 static inline __m512i max(__m512i a, __m512i b) { return _mm512_max_epu16(a, b); }
-    FDL_AVX512 static inline __m512i load_tail(const T *p, int64_t n) { return _mm512_maskz_loadu_epi16(mask32(n), p); }
+// The unsigned max over lanes of 32-bit (fp32: T = uint32_t) or 16-bit (bf16 / fp16: uint16_t) patterns, for the loop
+// of lane_max below.
+template <class T> struct Lanes {
+    static constexpr int64_t kLanes = 64 / sizeof(T);
+    FDL_AVX512 static inline __m512i abs_mask() { return _mm512_set1_epi32(sizeof(T) == 4 ? 0x7fffffff : 0x7fff7fff); }
+    FDL_AVX512 static inline __m512i max(__m512i a, __m512i b) {
+        if constexpr (sizeof(T) == 4) {
+            return _mm512_max_epu32(a, b);
+        } else {
+            return _mm512_max_epu16(a, b);
+        }
+    }
+    FDL_AVX512 static inline __m512i load_tail(const T *p, int64_t n) {
+        if constexpr (sizeof(T) == 4) {
+            return _mm512_maskz_loadu_epi32(mask16(n), p);
+        } else {
+            return _mm512_maskz_loadu_epi16(mask32(n), p);
+        }
+    }
 };
 
 // Lane-wise max of |p[k]| (sign bit cleared) over the K patterns of a row, two vectors per step.
-template <class L> FDL_AVX512 inline __m512i lane_max(const typename L::T *p, int64_t K) {
+template <class T> FDL_AVX512 inline __m512i lane_max(const T *p, int64_t K) {
+    using L = Lanes<T>;
     const __m512i abs_mask = L::abs_mask();
     __m512i m0 = _mm512_setzero_si512(), m1 = _mm512_setzero_si512();
     int64_t k = 0;
@@ -117,9 +120,9 @@ template <class L> FDL_AVX512 inline __m512i lane_max(const typename L::T *p, in
 
 template <DType DT> FDL_AVX512 uint32_t amax_bits(const void *row, int64_t K) {
     if constexpr (DT == DType::F32) {
-        return _mm512_reduce_max_epu32(lane_max<Lanes32>(static_cast<const uint32_t *>(row), K));
+        return _mm512_reduce_max_epu32(lane_max(static_cast<const uint32_t *>(row), K));
     } else {
-        const __m512i m0 = lane_max<Lanes16>(static_cast<const uint16_t *>(row), K);
+        const __m512i m0 = lane_max(static_cast<const uint16_t *>(row), K);
         // 32 x u16 -> 16 x u32 (max of the two halves of each dword), then a dword reduction
         const __m512i hi = _mm512_srli_epi32(m0, 16), lo = _mm512_and_si512(m0, _mm512_set1_epi32(0xffff));
         const uint32_t h = _mm512_reduce_max_epu32(_mm512_max_epu32(hi, lo));
@@ -189,9 +192,11 @@ FDL_AVX512 void pack_a_int8(const APack &p) {
     }
 }
 
-// quantize_rows and pack_a (float rows quantised on the fly, int8 rows by pack_a_int8)
+// quantize_rows and pack_a (float rows quantised on the fly, int8 rows by pack_a_int8); the weight-only dot form's
+// driver (over the traits WoF32 / WoBf16 below)
 #define I8_SIMD FDL_AVX512
 #include "int8_pack_a.h"
+#include "int8_weight_only.h"
 #undef I8_SIMD
 
 // ---------------------------------------------------------------------------------------------------- pack B
@@ -295,9 +300,7 @@ FDL_AVX512 void vnni_tile(const GemmBlock &g, int64_t r0, int64_t c0, const int8
         }
 #pragma GCC unroll 8
         for (int i = 0; i < MR; ++i) {
-            int32_t a4;
-            std::memcpy(&a4, a + i * g.lda + 4 * q, 4);
-            const __m512i av = _mm512_set1_epi32(a4);
+            const __m512i av = _mm512_set1_epi32(a_quad(a + i * g.lda, q));
 #pragma GCC unroll 4
             for (int j = 0; j < NV; ++j) {
                 acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], av, bv[j]);
@@ -318,22 +321,21 @@ FDL_AVX512 void vnni_tile(const GemmBlock &g, int64_t r0, int64_t c0, const int8
     // (the _round_ forms cannot be contracted into an FMA), cast, masked store of the valid columns.
 #pragma GCC unroll 4
     for (int j = 0; j < NV; ++j) {
-        const int64_t col = c0 + 16 * j;
-        if (col >= g.n_valid) {
+        const ColBlock cb(c0, j, g.n_valid);
+        if (!cb.m) {
             break;
         }
-        const __mmask16 m = mask16(g.n_valid - col);
-        const __m512i comp = _mm512_loadu_si512(g.comp + col);
+        const __m512i comp = _mm512_loadu_si512(g.comp + cb.col);
         if (g.out_dtype == DType::I32) {
 #pragma GCC unroll 8
             for (int i = 0; i < MR; ++i) {
-                _mm512_mask_storeu_epi32(static_cast<int32_t *>(g.out) + (r0 + i) * g.ldo + col, m,
+                _mm512_mask_storeu_epi32(static_cast<int32_t *>(g.out) + (r0 + i) * g.ldo + cb.col, cb.m,
                                          _mm512_sub_epi32(acc[i][j], comp));
             }
             continue;
         }
-        const __m512 bs = _mm512_maskz_loadu_ps(m, g.b_scale + col);
-        const __m512 bias = g.bias ? _mm512_maskz_loadu_ps(m, g.bias + col) : _mm512_setzero_ps();
+        const __m512 bs = _mm512_maskz_loadu_ps(cb.m, g.b_scale + cb.col);
+        const __m512 bias = g.bias ? _mm512_maskz_loadu_ps(cb.m, g.bias + cb.col) : _mm512_setzero_ps();
         const int64_t esz = g.out_dtype == DType::F32 ? 4 : 2;
 #pragma GCC unroll 8
         for (int i = 0; i < MR; ++i) {
@@ -343,7 +345,7 @@ FDL_AVX512 void vnni_tile(const GemmBlock &g, int64_t r0, int64_t c0, const int8
             if (g.bias) { // no bias: no "+ 0", which would turn -0 into +0
                 f = _mm512_add_round_ps(f, bias, kRne);
             }
-            store16(static_cast<char *>(g.out) + ((r0 + i) * g.ldo + col) * esz, f, g.out_dtype, m);
+            store16(static_cast<char *>(g.out) + ((r0 + i) * g.ldo + cb.col) * esz, f, g.out_dtype, cb.m);
         }
     }
 }
@@ -440,39 +442,6 @@ FDL_AVX512 inline void wo_f32_step(const float *x, int64_t ldx, const int8_t *w,
     }
 }
 
-// codes: see kCodeChunk (unused without groups).
-template <int MB, int NB, bool Grouped>
-FDL_AVX512 void wo_f32_tile(const WeightOnly &p, int64_t m0, int64_t n0, const float *codes, LinePrefetch pf) {
-    __m512 acc[MB][NB] = {}; // zeros
-    const float *x = static_cast<const float *>(p.x) + m0 * p.ldx;
-    const int8_t *w = p.w + n0 * p.ldw;
-    int64_t k = 0;
-    if constexpr (Grouped) {
-        const int64_t kfull = p.K / 16 * 16;
-        for (const float *c = codes; k < kfull; c += kCodeChunkStride) { // a chunk of codes at a time
-            const int64_t ke = imin(kfull, k + 16 * kCodeChunk);
-            for (const float *cc = c; k < ke; k += 16, ++cc) {
-                pf.step();
-                pf.step();
-                wo_f32_step<MB, NB, false, true>(x, p.ldx, w, p.ldw, k, 0xffff, cc, acc);
-            }
-        }
-        if (k < p.K) {
-            wo_f32_step<MB, NB, true, true>(x, p.ldx, w, p.ldw, k, mask16(p.K - k), code_at(codes, k / 16), acc);
-        }
-    } else {
-        for (; k + 16 <= p.K; k += 16) {
-            pf.step();
-            pf.step();
-            wo_f32_step<MB, NB, false, false>(x, p.ldx, w, p.ldw, k, 0xffff, nullptr, acc);
-        }
-        if (k < p.K) {
-            wo_f32_step<MB, NB, true, false>(x, p.ldx, w, p.ldw, k, mask16(p.K - k), nullptr, acc);
-        }
-    }
-    wo_store<MB, NB>(p, m0, n0, acc);
-}
-
 // bf16 x: int8 weights are exact in bf16 (8 significant bits), and vdpbf16ps multiplies exactly and accumulates in
 // fp32, so this is the fp32 computation with another summation order. 32 k per step: 5 uops convert 32 weights
 // (2 x vpmovsxbd, 2 x vcvtdq2ps, vcvtne2ps2bf16), then one vdpbf16ps per row. Grouped: a step is the groups k / 16
@@ -507,124 +476,68 @@ FDL_AVX512BF16 inline void wo_bf16_step(const uint16_t *x, int64_t ldx, const in
     }
 }
 
-template <int MB, int NB, bool Grouped>
-FDL_AVX512BF16 void wo_bf16_tile(const WeightOnly &p, int64_t m0, int64_t n0, const float *codes, LinePrefetch pf) {
-    __m512 acc[MB][NB] = {}; // zeros
-    const uint16_t *x = static_cast<const uint16_t *>(p.x) + m0 * p.ldx;
-    const int8_t *w = p.w + n0 * p.ldw;
-    int64_t k = 0;
-    if constexpr (Grouped) {
-        const int64_t kfull = p.K / 32 * 32;
-        for (const float *c = codes; k < kfull; c += kCodeChunkStride) { // a chunk of codes: 32 steps
-            const int64_t ke = imin(kfull, k + 16 * kCodeChunk);
-            for (const float *cc = c; k < ke; k += 32, cc += 2) {
-                pf.step();
-                pf.step();
-                pf.step();
-                pf.step();
-                wo_bf16_step<MB, NB, false, true>(x, p.ldx, w, p.ldw, k, 0xffffffffu, cc, true, acc);
-            }
-        }
-        if (k < p.K) {
-            wo_bf16_step<MB, NB, true, true>(x, p.ldx, w, p.ldw, k, mask32(p.K - k), code_at(codes, k / 16),
-                                             k + 16 < p.K, acc);
-        }
-    } else {
-        for (; k + 32 <= p.K; k += 32) {
-            pf.step();
-            pf.step();
-            pf.step();
-            pf.step();
-            wo_bf16_step<MB, NB, false, false>(x, p.ldx, w, p.ldw, k, 0xffffffffu, nullptr, false, acc);
-        }
-        if (k < p.K) {
-            wo_bf16_step<MB, NB, true, false>(x, p.ldx, w, p.ldw, k, mask32(p.K - k), nullptr, false, acc);
-        }
+// The x types of the dot form, for its tile (int8_wo_tile_avx512.h, one body per target) and its driver
+// (int8_weight_only.h): MB rows x NB w rows: MB <= 2 -> NB = 8 (8-16 accumulators), MB 3-4 -> NB = 6 (18-24
+// accumulators + MB x + 1 w <= 29 zmm). Leftover w rows use NB = 1.
+struct F32X {
+    using T = float;
+    static constexpr int64_t kStep = 16;
+    static constexpr __mmask16 kAll = 0xffff;
+    static inline __mmask16 mask(int64_t n) { return mask16(n); }
+    template <int MB, int NB, bool Masked, bool Grouped>
+    FDL_AVX512 static inline void step(const float *x, int64_t ldx, const int8_t *w, int64_t ldw, int64_t k,
+                                       __mmask16 m, const float *c, bool, __m512 (&acc)[MB][NB]) {
+        wo_f32_step<MB, NB, Masked, Grouped>(x, ldx, w, ldw, k, m, c, acc);
     }
-    wo_store<MB, NB>(p, m0, n0, acc);
-}
-
-using WoTileFn = void (*)(const WeightOnly &, int64_t, int64_t, const float *, LinePrefetch);
-
-// MB rows x NB w rows: MB <= 2 -> NB = 8 (8-16 accumulators), MB 3-4 -> NB = 6 (18-24 accumulators + MB x + 1 w
-// <= 29 zmm). Leftover w rows use NB = 1.
-constexpr int kMB = 4;
-constexpr int nb_for(int mb) {
-    return mb <= 2 ? 8 : 6;
-}
-
-template <bool BF16, bool Grouped, int MB, int NB> constexpr WoTileFn wo_fn() {
-    if constexpr (BF16) {
-        return &wo_bf16_tile<MB, NB, Grouped>;
-    } else {
-        return &wo_f32_tile<MB, NB, Grouped>;
+};
+struct Bf16X {
+    using T = uint16_t;
+    static constexpr int64_t kStep = 32;
+    static constexpr __mmask32 kAll = 0xffffffffu;
+    static inline __mmask32 mask(int64_t n) { return mask32(n); }
+    template <int MB, int NB, bool Masked, bool Grouped>
+    FDL_AVX512BF16 static inline void step(const uint16_t *x, int64_t ldx, const int8_t *w, int64_t ldw, int64_t k,
+                                           __mmask32 m, const float *c, bool hi_valid, __m512 (&acc)[MB][NB]) {
+        wo_bf16_step<MB, NB, Masked, Grouped>(x, ldx, w, ldw, k, m, c, hi_valid, acc);
     }
-}
+};
 
-template <bool BF16, bool Grouped> WoTileFn wo_tile(int mb, bool full) {
-    return with_count<1, kMB>(mb, [&](auto MB) {
-        constexpr int m = decltype(MB)::value;
-        return full ? wo_fn<BF16, Grouped, m, nb_for(m)>() : wo_fn<BF16, Grouped, m, 1>();
-    });
-}
+namespace f32x {
+#define I8_WO_SIMD FDL_AVX512
+#include "int8_wo_tile_avx512.h"
+#undef I8_WO_SIMD
+} // namespace f32x
+namespace bf16x {
+#define I8_WO_SIMD FDL_AVX512BF16
+#include "int8_wo_tile_avx512.h"
+#undef I8_WO_SIMD
+} // namespace bf16x
 
-// The codes of w rows [n0, n0 + rows) (rows <= kWoCols) as fp32 in the chunked layout of kCodeChunk; entries past
-// the last group are left as they are (never read).
-FDL_AVX512 void wo_codes(const WeightOnly &p, int64_t n0, int64_t rows, float *buf) {
-    const int64_t G = (p.K + kWeightGroup - 1) / kWeightGroup;
-    for (int64_t r = 0; r < rows; ++r) {
-        const uint8_t *src = p.w_group + (n0 + r) * p.ldg;
-        float *dst = buf + r * kCodeChunk;
-        int64_t g = 0;
-        for (; g + 16 <= G; g += 16) { // 16 | kCodeChunk: 16 groups never straddle two chunks
-            const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i *>(src + g));
-            _mm512_storeu_ps(dst + code_offset(g), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)));
-        }
-        if (g < G) {
-            const __m128i b = _mm_maskz_loadu_epi8(mask16(G - g), src + g);
-            _mm512_storeu_ps(dst + code_offset(g), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)));
-        }
+// Group codes, 16 at a time (int8_weight_only.h's Codes)
+struct Codes512 {
+    static constexpr int64_t kLanes = 16;
+    FDL_AVX512 static inline void convert(const uint8_t *src, float *dst) {
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i *>(src));
+        _mm512_storeu_ps(dst, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)));
     }
-}
-
-// Rows in blocks whose x slice stays in L2 (<= 256 KiB), w rows in groups of 24 (a multiple of both NB; 24 x K
-// bytes, L2) inside, row tiles of MB innermost: each w row comes from L3 once per row block. Grouped: the codes of
-// the 24 w rows are converted to fp32 once per row block (24 x ceil(K / 16) floats, 1/4 of their weight bytes).
-template <bool BF16, bool Grouped> void weight_only(const WeightOnly &p) {
-    constexpr int64_t kXBlockBytes = 256 << 10;
-    const int64_t row_bytes = (p.K > 0 ? p.K : 1) * (BF16 ? 2 : 4);
-    int64_t mc = kXBlockBytes / row_bytes;
-    mc = mc < kMB ? kMB : mc / kMB * kMB;
-    float *codes = Grouped ? scratch_of<float>(kScratchA, code_buffer_floats(p.K)) : nullptr;
-    for (int64_t mb0 = 0; mb0 < p.rows; mb0 += mc) {
-        const int64_t mb1 = imin(p.rows, mb0 + mc);
-        for (int64_t g0 = 0; g0 < p.cols; g0 += kWoCols) {
-            const int64_t g1 = imin(p.cols, g0 + kWoCols);
-            if (Grouped) {
-                wo_codes(p, g0, g1 - g0, codes);
-            }
-            for (int64_t m0 = mb0; m0 < mb1; m0 += kMB) {
-                const int mb = static_cast<int>(imin(kMB, mb1 - m0));
-                const int nb = nb_for(mb);
-                int64_t n = g0;
-                for (; n + nb <= g1; n += nb) {
-                    LinePrefetch pf; // the first row tile of a row block fetches the next tile's weights
-                    if (m0 == mb0) {
-                        pf.base = p.w + (n + nb) * p.ldw;
-                        pf.ldw = p.ldw;
-                        pf.K = p.K;
-                        pf.rows = imin(nb, p.cols - (n + nb));
-                    }
-                    wo_tile<BF16, Grouped>(mb, true)(p, m0, n, Grouped ? codes + (n - g0) * kCodeChunk : nullptr, pf);
-                }
-                for (; n < g1; ++n) {
-                    wo_tile<BF16, Grouped>(mb, false)(p, m0, n, Grouped ? codes + (n - g0) * kCodeChunk : nullptr,
-                                                      LinePrefetch());
-                }
-            }
-        }
+    FDL_AVX512 static inline void convert_tail(const uint8_t *src, int64_t n, float *dst) {
+        _mm512_storeu_ps(dst, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask16(n), src))));
     }
-}
+};
+
+struct Wo512 {
+    static constexpr int kMB = 4;
+    static constexpr int nb_for(int mb) { return mb <= 2 ? 8 : 6; }
+    using Codes = Codes512;
+};
+struct WoF32 : Wo512 {
+    static constexpr int64_t kXBytes = 4;
+    template <int MB, int NB, bool G> static constexpr WoTileFn tile() { return &f32x::wo_dot_tile<F32X, MB, NB, G>; }
+};
+struct WoBf16 : Wo512 {
+    static constexpr int64_t kXBytes = 2;
+    template <int MB, int NB, bool G> static constexpr WoTileFn tile() { return &bf16x::wo_dot_tile<Bf16X, MB, NB, G>; }
+};
 
 // ---------------------------------------------------------------------------------------------------------------
 // Weight-only, bf16 x, many rows: the dot-product form above converts every weight once per 4-row tile and peaks at
@@ -770,20 +683,19 @@ FDL_AVX512BF16 void wo_panel_tile(const WeightOnly &p, const uint16_t *buf, int6
     const int64_t esz = p.out_dtype == DType::F32 ? 4 : 2;
 #pragma GCC unroll 4
     for (int j = 0; j < NV; ++j) {
-        const int64_t col = n0 + 16 * j;
-        if (col >= p.cols) {
+        const ColBlock cb(n0, j, p.cols);
+        if (!cb.m) {
             break;
         }
-        const __mmask16 m = mask16(p.cols - col);
-        const __m512 ws = _mm512_maskz_loadu_ps(m, p.w_scale + col);
-        const __m512 bias = p.bias ? _mm512_maskz_loadu_ps(m, p.bias + col) : _mm512_setzero_ps();
+        const __m512 ws = _mm512_maskz_loadu_ps(cb.m, p.w_scale + cb.col);
+        const __m512 bias = p.bias ? _mm512_maskz_loadu_ps(cb.m, p.bias + cb.col) : _mm512_setzero_ps();
 #pragma GCC unroll 8
         for (int i = 0; i < MR; ++i) {
             __m512 f = _mm512_mul_ps(acc[i][j], ws);
             if (p.bias) {
                 f = _mm512_add_ps(f, bias);
             }
-            store16(static_cast<char *>(p.out) + ((r0 + i) * p.ldo + col) * esz, f, p.out_dtype, m);
+            store16(static_cast<char *>(p.out) + ((r0 + i) * p.ldo + cb.col) * esz, f, p.out_dtype, cb.m);
         }
     }
 }
@@ -824,20 +736,11 @@ void weight_only_bf16_panels(const WeightOnly &p) {
     }
 }
 
-void weight_only_f32(const WeightOnly &p) {
-    if (p.w_group) {
-        weight_only<false, true>(p);
-    } else {
-        weight_only<false, false>(p);
-    }
-}
 void weight_only_bf16(const WeightOnly &p) {
     if (p.rows >= kWoPanelRows) {
         weight_only_bf16_panels(p);
-    } else if (p.w_group) {
-        weight_only<true, true>(p);
     } else {
-        weight_only<true, false>(p);
+        weight_only_dot<WoBf16>(p);
     }
 }
 
@@ -850,7 +753,7 @@ const Kernels *kernels_avx512() {
                            .pack_a = &pack_a,
                            .gemm_block = &gemm_block,
                            .pack_b = &pack_b,
-                           .weight_only_f32 = &weight_only_f32};
+                           .weight_only_f32 = &weight_only_dot<WoF32>};
     return &k;
 }
 
@@ -864,19 +767,6 @@ const Kernels *kernels_avx512_bf16() {
     return &k;
 }
 
-} // namespace int8
-} // namespace fastdl
-
-#else // not x86-64
-
-namespace fastdl {
-namespace int8 {
-const Kernels *kernels_avx512() {
-    return nullptr;
-}
-const Kernels *kernels_avx512_bf16() {
-    return nullptr;
-}
 } // namespace int8
 } // namespace fastdl
 

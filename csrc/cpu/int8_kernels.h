@@ -154,6 +154,28 @@ struct PackB {
 };
 void pack_b_portable(const PackB &p); // int8_scalar.cpp, also used by the AVX2 kernels
 
+namespace {
+// Helpers of the SIMD families. No std:: templates in target code: an inline function instantiated in a SIMD
+// translation unit could be the copy the linker keeps for the generic ones; these have internal linkage, one copy per
+// unit.
+inline int64_t imin(int64_t a, int64_t b) {
+    return a < b ? a : b;
+}
+inline int64_t imax(int64_t a, int64_t b) {
+    return a > b ? a : b;
+}
+// The 4 bytes of k-quad q of a packed A row as one int32, for the GEMM tiles' broadcast.
+inline int32_t a_quad(const void *row, int64_t q) {
+    int32_t v;
+    std::memcpy(&v, static_cast<const char *>(row) + 4 * q, 4);
+    return v;
+}
+// Bytes of one element of a float dtype (F32, BF16, F16).
+template <DType DT> constexpr int64_t elem_size() {
+    return DT == DType::F32 ? 4 : 2;
+}
+} // namespace
+
 // Walks the cache lines of `rows` w rows (K bytes each, row stride ldw) one prefetch (into L2, prefetcht1) per step:
 // the weight-only kernels of int8_avx2.cpp and int8_avx512.cpp fetch the next tile's weights while a tile computes;
 // the runs of K bytes per row are too short for the hardware prefetcher (K = 1024: 16 lines). Generic code (no target
@@ -205,11 +227,24 @@ struct Kernels {
     int64_t wo_serial_macs = kSerialMacs;
 };
 
-// Each returns nullptr when the TU was compiled for another architecture. The caller checks cpuid.
+// The tables of the families; the caller checks cpuid. The SIMD families are x86 code: their files compile to nothing
+// elsewhere, where these return nullptr.
+#if defined(__x86_64__) || defined(_M_X64)
 const Kernels *kernels_avx512();      // AVX512 F/BW/VL/DQ + VNNI
 const Kernels *kernels_avx512_bf16(); // the same plus the AVX512-BF16 weight-only kernel
 const Kernels *kernels_avx2();        // AVX2 + FMA + F16C
-const Kernels *kernels_scalar();      // portable C++
+#else
+inline const Kernels *kernels_avx512() {
+    return nullptr;
+}
+inline const Kernels *kernels_avx512_bf16() {
+    return nullptr;
+}
+inline const Kernels *kernels_avx2() {
+    return nullptr;
+}
+#endif
+const Kernels *kernels_scalar(); // portable C++
 
 // The kernels chosen for this process (see fastdl_int8_isa).
 const Kernels &kernels();

@@ -1,10 +1,9 @@
 // The row loops of the W8A8 kernels' A side, quantize_rows (per-token quantisation) and pack_a (a block of A rows for
 // the GEMM), written once for the SIMD families and included by int8_avx2.cpp and int8_avx512.cpp inside their
-// unnamed namespace (fastdl::int8::{}) after they define:
+// unnamed namespace (fastdl::int8::{}) after they define (imin and elem_size<DT>() come from int8_kernels.h):
 //   I8_SIMD                    the family's target attribute
 //   kAOffset                   how a packed activation is stored: the byte a xor kAOffset (AVX2: 0, int8 for
 //                              vpmaddubsw's sign trick; AVX512-VNNI: 0x80, u8 = a + 128 for vpdpbusd)
-//   imin, elem_size<DT>()      helpers
 //   amax_bits<DT>(row, K)      max |x| of a row as fp32 bits (NaN / Inf rows above every finite value)
 //   quant_row<DT, Xor>(row, k0, k1, inv, uint8_t *dst)   k in [k0, k1) of a row as int8 (xor Xor) into dst
 //   pack_a_int8(const APack &) an int8 A block (AVX2: copied; AVX-512: copied + 128)
