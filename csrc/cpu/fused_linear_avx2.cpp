@@ -135,41 +135,14 @@ FA FA_INLINE void v_store(void *p, DType dt, int64_t i, __m256 v, int64_t n) {
 
 // ------------------------------------------------------------------------------------------------------------
 // Vector math. The activations dominate the epilogue, and for a short K the whole layer (M = 4096, K = 64, N = 512
-// gelu: the GEMM ~2.5 ms, gelu on the 2M outputs ~2 ms on one core), so these are cheaper forms of the AVX-512
-// kernels' functions, fitted for this file, accurate to ~1e-6 relative: exp with a degree-5 polynomial (2.2e-7) and
-// 2^n built in the exponent bits for arguments clamped to >= -87.3 (the result stays normal; below e^-87.3 = 1.2e-38
-// the activations' results are 0 or denormal in fp32 anyway), 1 / d as vrcpps + one Newton step (~1e-7) instead of
-// vdivps, gelu and its derivative as odd rational functions (no exp: v_gelu, v_gelu_grad). Cycles per 8 elements on
-// one core (Zen 4, AVX2): silu 17 -> 13, gelu_tanh 20 -> 16 (PyTorch's AVX2 gelu: ~25); gelu (Zen 2): 17.8 with erfc
-// and exp, 9.0 as a rational function.
+// gelu: the GEMM ~2.5 ms, gelu on the 2M outputs ~2 ms on one core), so the level's own parts of them (below; the rest
+// is fused_linear_simd.h's) are cheaper forms of the AVX-512 kernels', fitted for this file, accurate to ~1e-6
+// relative: exp's 2^n built in the exponent bits for arguments clamped to >= -87.3 (the result stays normal; below
+// e^-87.3 = 1.2e-38 the activations' results are 0 or denormal in fp32 anyway), 1 / d as vrcpps + one Newton step
+// (~1e-7) instead of vdivps, gelu and its derivative as odd rational functions (no exp: v_gelu, v_gelu_grad). Cycles
+// per 8 elements on one core (Zen 4, AVX2): silu 17 -> 13, gelu_tanh 20 -> 16 (PyTorch's AVX2 gelu: ~25); gelu
+// (Zen 2): 17.8 with erfc and exp, 9.0 as a rational function.
 // ------------------------------------------------------------------------------------------------------------
-// exp(x) for x <= 0: Cody-Waite reduction to r in [-ln2/2, ln2/2], degree-5 minimax polynomial. NaN is kept (vmaxps
-// returns the second operand when one is NaN). Below -87.3 (where 2^n would leave the normal range) the result is 0,
-// not the clamp's e^-87.3 = 1.2e-38: otherwise silu(-1e38) = -1e38 * 1.2e-38 = -1.22 and silu(-inf) = -inf instead of
-// PyTorch's -0 and NaN (issue 34); the true e^x there is below 1.2e-38, so silu is off by at most 1.3e-36 absolute.
-FA FA_INLINE __m256 v_exp_neg(__m256 x) {
-    const __m256 under = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_LT_OQ); // false for NaN
-    x = _mm256_max_ps(_mm256_set1_ps(-87.3f), x);
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(0.008297819644212723f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.04191580414772034f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.16667574644088745f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.4999889135360718f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.9999997019767761f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0000001192092896f));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e))); // n in [-126, 0]: 2^n is normal
-}
-
-// 1 / d for d >= 1 (vrcpps + one Newton step).
-FA FA_INLINE __m256 v_rcp(__m256 d) {
-    const __m256 r = _mm256_rcp_ps(d);
-    return _mm256_mul_ps(r, _mm256_fnmadd_ps(d, r, _mm256_set1_ps(2.f)));
-}
-
 // x P(x^2) / Q(x^2), P and Q by Horner (the coefficients highest power first); vdivps for the quotient: it runs
 // beside the FMA pipes (Zen 2, L1-resident loop: gelu 9.0 cycles per 8 elements with vdivps, 11.2 with vrcpps + a
 // Newton step).
@@ -222,64 +195,13 @@ FA FA_INLINE __m256 v_gelu_grad(__m256 x) {
     return _mm256_fmadd_ps(x, _mm256_setzero_ps(), d); // d + x * 0: NaN at x = +-inf, d (exactly) elsewhere
 }
 
-// sigmoid(z) and, in oms, 1 - sigmoid(z), without cancellation or overflow: with e = exp(-|z|) in (0, 1], the pair is
-// (1, e) / (1 + e) for z >= 0 and (e, 1) / (1 + e) for z < 0 (NaN propagates through e).
-FA FA_INLINE __m256 v_sigmoid(__m256 z, __m256 &oms) {
-    const __m256 e = v_exp_neg(_mm256_or_ps(z, _mm256_set1_ps(-0.f))); // -|z|
-    const __m256 r = v_rcp(_mm256_add_ps(_mm256_set1_ps(1.f), e));
-    const __m256 er = _mm256_mul_ps(e, r);
-    const __m256 neg = _mm256_cmp_ps(z, _mm256_setzero_ps(), _CMP_LT_OQ);
-    oms = _mm256_blendv_ps(er, r, neg);
-    return _mm256_blendv_ps(r, er, neg);
-}
-
-FA FA_INLINE __m256 v_gelu_tanh_2u(__m256 x) { // 2 u = 2 sqrt(2/pi) (x + c x^3)
-    const __m256 x2 = _mm256_mul_ps(x, x);
-    return _mm256_mul_ps(_mm256_mul_ps(x, _mm256_set1_ps(2.f * kSqrt2OverPi)),
-                         _mm256_fmadd_ps(x2, _mm256_set1_ps(kGeluTanhC), _mm256_set1_ps(1.f)));
-}
-
-template <Act A> FA FA_INLINE __m256 v_act(__m256 x) {
-    __m256 tmp;
-    if constexpr (A == Act::Relu) {
-        return _mm256_max_ps(_mm256_setzero_ps(), x); // NaN propagates (second operand)
-    } else if constexpr (A == Act::Gelu) {
-        return v_gelu(x);
-    } else if constexpr (A == Act::GeluTanh) {
-        return _mm256_mul_ps(x, v_sigmoid(v_gelu_tanh_2u(x), tmp)); // x * sigmoid(2u) == 0.5 x (1 + tanh u)
-    } else if constexpr (A == Act::Silu) {
-        return _mm256_mul_ps(x, v_sigmoid(x, tmp));
-    } else {
-        return x;
-    }
-}
-
-template <Act A> FA FA_INLINE __m256 v_act_grad(__m256 p) {
-    if constexpr (A == Act::Relu) {
-        return _mm256_and_ps(_mm256_cmp_ps(p, _mm256_setzero_ps(), _CMP_GT_OQ), _mm256_set1_ps(1.f));
-    } else if constexpr (A == Act::Gelu) {
-        return v_gelu_grad(p);
-    } else if constexpr (A == Act::GeluTanh) {
-        __m256 oms;
-        const __m256 s = v_sigmoid(v_gelu_tanh_2u(p), oms);
-        // d = s + 2 p s (1 - s) sqrt(2/pi) (1 + 3 c p^2)
-        const __m256 inner =
-            _mm256_fmadd_ps(_mm256_mul_ps(p, p), _mm256_set1_ps(3.f * kGeluTanhC), _mm256_set1_ps(1.f));
-        const __m256 k = _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(s, oms), p), _mm256_set1_ps(2.f * kSqrt2OverPi));
-        return _mm256_fmadd_ps(k, inner, s);
-    } else if constexpr (A == Act::Silu) {
-        __m256 oms;
-        const __m256 s = v_sigmoid(p, oms);
-        return _mm256_mul_ps(s, _mm256_fmadd_ps(p, oms, _mm256_set1_ps(1.f)));
-    } else {
-        return _mm256_set1_ps(1.f);
-    }
-}
-
 // ------------------------------------------------------------------------------------------------------------
-// Epilogue and backward elementwise pass: fused_linear_epilogue.h over these 8-lane vectors, the last ones masked by a
-// count of valid lanes.
+// The vector traits of this level (fused_linear_simd.h, fused_linear_epilogue.h): 8 fp32 lanes, the last ones masked
+// by a count of valid lanes.
 // ------------------------------------------------------------------------------------------------------------
+#define FL_SIMD FA
+#include "fused_linear_simd.h"
+
 struct Avx2Vec {
     using Vec = __m256;
     using Mask = int64_t; // valid lanes (>= 8: all)
@@ -291,17 +213,57 @@ struct Avx2Vec {
     static FA FA_INLINE void storef(float *p, Vec v, Mask n) { v_store(p, DType::F32, 0, v, n); }
     static FA FA_INLINE Vec load(const void *p, DType dt, int64_t i, Mask n) { return v_load(p, dt, i, n); }
     static FA FA_INLINE void store(void *p, DType dt, int64_t i, Vec v, Mask n) { v_store(p, dt, i, v, n); }
-    static FA FA_INLINE Vec add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
-    static FA FA_INLINE Vec mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
     static FA FA_INLINE Vec round_bf16(Vec v) { return v_round_bf16(v); }
     static FA FA_INLINE void stream(float *p, Vec v) { _mm256_stream_ps(p, v); }
     static FA FA_INLINE void fence() { _mm_sfence(); }
     static FA FA_INLINE void zero(float *p, int64_t n) { std::fill(p, p + n, 0.f); }
-    template <Act A> static FA FA_INLINE Vec act(Vec x) { return v_act<A>(x); }
-    template <Act A> static FA FA_INLINE Vec act_grad(Vec p) { return v_act_grad<A>(p); }
+    static FA FA_INLINE Vec set1(float f) { return _mm256_set1_ps(f); }
+    static FA FA_INLINE Vec setzero() { return _mm256_setzero_ps(); }
+    static FA FA_INLINE Vec fmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+    static FA FA_INLINE Vec fnmadd(Vec a, Vec b, Vec c) { return _mm256_fnmadd_ps(a, b, c); }
+    static FA FA_INLINE Vec max(Vec a, Vec b) { return _mm256_max_ps(a, b); }
+    static FA FA_INLINE Vec round(Vec v) { return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+    static FA FA_INLINE Vec neg_abs(Vec v) { return _mm256_or_ps(v, _mm256_set1_ps(-0.f)); }
+    static FA FA_INLINE Vec blend_neg(Vec z, Vec a, Vec b) {
+        return _mm256_blendv_ps(a, b, _mm256_cmp_ps(z, _mm256_setzero_ps(), _CMP_LT_OQ));
+    }
+    static FA FA_INLINE Vec pos_mask(Vec p, Vec v) {
+        return _mm256_and_ps(_mm256_cmp_ps(p, _mm256_setzero_ps(), _CMP_GT_OQ), v);
+    }
+    static FA FA_INLINE Vec rcp_approx(Vec d) { return _mm256_rcp_ps(d); } // vrcpps: 12 bits
+    // exp(x) for x <= 0 (exp_poly). NaN is kept (vmaxps returns the second operand when one is NaN). Below -87.3
+    // (where 2^n would leave the normal range) the result is 0, not the clamp's e^-87.3 = 1.2e-38: otherwise
+    // silu(-1e38) = -1e38 * 1.2e-38 = -1.22 and silu(-inf) = -inf instead of PyTorch's -0 and NaN (issue 34); the true
+    // e^x there is below 1.2e-38, so silu is off by at most 1.3e-36 absolute.
+    static FA FA_INLINE Vec exp_neg(Vec x) {
+        const __m256 under = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_LT_OQ); // false for NaN
+        __m256 n;
+        const __m256 p = exp_poly<Avx2Vec>(_mm256_max_ps(_mm256_set1_ps(-87.3f), x), n);
+        const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+        return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e))); // n in [-126, 0]: 2^n is normal
+    }
+    static FA FA_INLINE Vec gelu(Vec x) { return v_gelu(x); }
+    static FA FA_INLINE Vec gelu_grad(Vec x) { return v_gelu_grad(x); }
+    static FA FA_INLINE float hsum(Vec v) {
+        __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        s = _mm_add_ss(s, _mm_movehdup_ps(s));
+        return _mm_cvtss_f32(s);
+    }
+    static FA FA_INLINE Vec unpacklo32(Vec a, Vec b) { return _mm256_unpacklo_ps(a, b); }
+    static FA FA_INLINE Vec unpackhi32(Vec a, Vec b) { return _mm256_unpackhi_ps(a, b); }
+    static FA FA_INLINE Vec unpacklo64(Vec a, Vec b) { return _mm256_shuffle_ps(a, b, _MM_SHUFFLE(1, 0, 1, 0)); }
+    static FA FA_INLINE Vec unpackhi64(Vec a, Vec b) { return _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 2, 3, 2)); }
+    static FA FA_INLINE void transpose_lanes(Vec (&r)[8], Vec (&)[8]) {
+#pragma GCC unroll 4
+        for (int q = 0; q < 4; ++q) {
+            const __m256 a = r[q], b = r[4 + q];
+            r[q] = _mm256_permute2f128_ps(a, b, 0x20);
+            r[q + 4] = _mm256_permute2f128_ps(a, b, 0x31);
+        }
+    }
 };
 
-#define FL_SIMD FA
 #include "fused_linear_epilogue.h"
 #undef FL_SIMD
 
@@ -312,26 +274,6 @@ struct Avx2Vec {
 //   B block (one strip of NC columns, one K block): bp[(jr * KC + k) * NR + j] = B[pc + k][nc + jr * NR + j].
 // Out-of-range rows / columns are packed as zeros; k beyond K is never read (the micro kernel runs kc steps).
 // ------------------------------------------------------------------------------------------------------------
-FA FA_INLINE void transpose8(__m256 r[8]) {
-    __m256 t[8], s[8];
-#pragma GCC unroll 4
-    for (int i = 0; i < 4; ++i) {
-        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-    }
-#pragma GCC unroll 2
-    for (int h = 0; h < 2; ++h) {
-        s[4 * h + 0] = _mm256_shuffle_ps(t[4 * h + 0], t[4 * h + 2], _MM_SHUFFLE(1, 0, 1, 0));
-        s[4 * h + 1] = _mm256_shuffle_ps(t[4 * h + 0], t[4 * h + 2], _MM_SHUFFLE(3, 2, 3, 2));
-        s[4 * h + 2] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], _MM_SHUFFLE(1, 0, 1, 0));
-        s[4 * h + 3] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], _MM_SHUFFLE(3, 2, 3, 2));
-    }
-#pragma GCC unroll 4
-    for (int q = 0; q < 4; ++q) {
-        r[q] = _mm256_permute2f128_ps(s[q], s[4 + q], 0x20);
-        r[q + 4] = _mm256_permute2f128_ps(s[q], s[4 + q], 0x31);
-    }
-}
 
 // 8 elements of an operand row as fp32 (n valid, zeros beyond), fp32 values optionally rounded to bf16.
 FA FA_INLINE __m256 load_operand(const void *p, DType dt, int64_t i, int64_t n, bool round) {
@@ -382,7 +324,7 @@ FA void fgemm_pack_a_avx2(const FgemmArgs &g, int64_t panel0, int64_t panel1, fl
                     r[q] =
                         q < rows ? v_load(base + (i0 + q) * a.ld * esz, a.dtype, pc + k, kc - k) : _mm256_setzero_ps();
                 r[6] = r[7] = _mm256_setzero_ps();
-                transpose8(r);
+                transpose<Avx2Vec>(r);
                 const int64_t kn = std::min<int64_t>(8, kc - k);
                 for (int64_t q = 0; q < kn; ++q) {
                     _mm_storeu_ps(dst + (k + q) * kFgMR, _mm256_castps256_ps128(r[q]));
@@ -425,8 +367,10 @@ FA FA_INLINE __m256 load_int4_weight(const Int4Weight &w, int64_t K, int64_t j, 
 }
 
 // The columns [nc, nc + 16 * njr) of B over the whole K into the strip buffer bp (layout above): B trans 8 weight rows
-// at a time, each read over its whole K in order; B rows row by row (only for short K: see fgemm_strip_mode).
-FA void fgemm_pack_b(const FgemmArgs &g, int64_t nc, int64_t njr, float *bp) {
+// at a time, each read over its whole K in order; B rows row by row (only for short K: see fgemm_strip_mode). Not
+// inlined into its one caller, fgemm_block_strips: inlined there, 64 x 4096 x 4096 bf16 gelu forward ran 6 % slower
+// (Zen 4 capped to AVX2, 1 thread, 25.4 -> 27.1 ms).
+FA __attribute__((noinline)) void fgemm_pack_b(const FgemmArgs &g, int64_t nc, int64_t njr, float *bp) {
     const GemmOperand &b = g.b;
     const int64_t N = g.N, K = g.K;
     const size_t esz = b.dtype == DType::F32 ? 4 : 2;
@@ -459,7 +403,7 @@ FA void fgemm_pack_b(const FgemmArgs &g, int64_t nc, int64_t njr, float *bp) {
                            : g.bq.q  ? load_int8_weight(g.bq, j0 + q, k, K - k)
                            : g.b4.q  ? load_int4_weight(g.b4, K, j0 + q, k)
                                      : load_operand(base + (j0 + q) * b.ld * esz, b.dtype, k, K - k, rnd);
-                transpose8(r);
+                transpose<Avx2Vec>(r);
                 float *dst = at(jr, k) + 8 * h;
                 const int64_t kn = std::min<int64_t>(8, K - k);
                 for (int64_t q = 0; q < kn; ++q)
@@ -523,8 +467,8 @@ FA void fgemm_micro_epi(int64_t kc, const float *a, const float *b, const float 
         }
 #pragma GCC unroll 6
     for (int r = 0; r < kFgMR; ++r) {
-        c0[r] = v_act<A>(c0[r]);
-        c1[r] = v_act<A>(c1[r]);
+        c0[r] = act<Avx2Vec, A>(c0[r]);
+        c1[r] = act<Avx2Vec, A>(c1[r]);
     }
 #pragma GCC unroll 6
     for (int r = 0; r < kFgMR; ++r) {
@@ -693,75 +637,49 @@ FA void stream_pack_x(const void *x, DType xd, int64_t ldx, int64_t M, int64_t K
     }
 }
 
-FA FA_INLINE float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 // WT: 0 = fp32 weight, 1 = bf16 weight, 2 = fp32 weight rounded to bf16. One 16-element step of an MT x R tile (TAIL:
 // only rem < 16 elements are valid; the weight beyond them is never read and x is zero-padded).
-template <int MT, int R, int WT, bool TAIL>
-FA FA_INLINE void stream_step(__m256 (&acc)[MT][R], const float *xp, int64_t kp, const char *w, int64_t ldw_bytes,
-                              int64_t k, int64_t rem) {
+// x: the packed x rows (stream_pack_x, row stride kp), w / ldw: the weight rows and their stride in bytes.
+template <int MT, int R, int WT> struct StreamStep : DotRows<float, char> {
+    template <bool TAIL> FA FA_INLINE void run(__m256 (&acc)[MT][R], int64_t k, int64_t rem) const {
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-        __m256 lo, hi;
-        if constexpr (WT == kWBF16) {
-            const uint16_t *h = reinterpret_cast<const uint16_t *>(w + r * ldw_bytes) + k;
-            __m256i v;
-            if constexpr (TAIL) {
-                alignas(32) uint16_t t[16] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
-                std::memcpy(t, h, 2 * rem);
-                v = _mm256_load_si256(reinterpret_cast<const __m256i *>(t));
+        for (int r = 0; r < R; ++r) {
+            __m256 lo, hi;
+            if constexpr (WT == kWBF16) {
+                const uint16_t *h = reinterpret_cast<const uint16_t *>(w + r * ldw) + k;
+                __m256i v;
+                if constexpr (TAIL) {
+                    alignas(32) uint16_t t[16] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+                    std::memcpy(t, h, 2 * rem);
+                    v = _mm256_load_si256(reinterpret_cast<const __m256i *>(t));
+                } else {
+                    v = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(h));
+                }
+                lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), v));
+                hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), v));
             } else {
-                v = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(h));
+                const float *f = reinterpret_cast<const float *>(w + r * ldw) + k;
+                lo = TAIL ? v_loadf(f, rem) : _mm256_loadu_ps(f);
+                hi = TAIL ? v_loadf(f + 8, rem - 8) : _mm256_loadu_ps(f + 8);
+                if constexpr (WT == kWF32Round) {
+                    lo = v_round_bf16(lo);
+                    hi = v_round_bf16(hi);
+                }
             }
-            lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), v));
-            hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), v));
-        } else {
-            const float *f = reinterpret_cast<const float *>(w + r * ldw_bytes) + k;
-            lo = TAIL ? v_loadf(f, rem) : _mm256_loadu_ps(f);
-            hi = TAIL ? v_loadf(f + 8, rem - 8) : _mm256_loadu_ps(f + 8);
-            if constexpr (WT == kWF32Round) {
-                lo = v_round_bf16(lo);
-                hi = v_round_bf16(hi);
-            }
-        }
 #pragma GCC unroll 4
-        for (int m = 0; m < MT; ++m) {
-            acc[m][r] = _mm256_fmadd_ps(_mm256_load_ps(xp + m * kp + k), lo, acc[m][r]);
-            acc[m][r] = _mm256_fmadd_ps(_mm256_load_ps(xp + m * kp + k + 8), hi, acc[m][r]);
+            for (int m = 0; m < MT; ++m) {
+                acc[m][r] = _mm256_fmadd_ps(_mm256_load_ps(x + m * ldx + k), lo, acc[m][r]);
+                acc[m][r] = _mm256_fmadd_ps(_mm256_load_ps(x + m * ldx + k + 8), hi, acc[m][r]);
+            }
         }
     }
-}
+};
 
-// A tile of register accumulators set to zero.
-template <int A, int B> FA FA_INLINE void zero_tile(__m256 (&acc)[A][B]) {
-#pragma GCC unroll 8
-    for (int i = 0; i < A; ++i)
-#pragma GCC unroll 8
-        for (int j = 0; j < B; ++j)
-            acc[i][j] = _mm256_setzero_ps();
-}
-
+// (Software prefetching 512 B - 4 KB ahead in every row: no gain at 512 B, 15-30 % slower beyond; M = 1, K = 11008,
+// N = 4096 bf16 streams ~21 GB/s on one core, eager fp32 F.linear ~19 GB/s.)
 template <int MT, int R, int WT>
 FA void stream_tile(const float *xp, int64_t K, const char *w, int64_t ldw_bytes, float *c, int64_t ldc) {
-    __m256 acc[MT][R];
-    zero_tile(acc);
-    const int64_t kp = stream_kp(K), kmain = K & ~int64_t{15};
-    // (Software prefetching 512 B - 4 KB ahead in every row: no gain at 512 B, 15-30 % slower beyond; M = 1,
-    // K = 11008, N = 4096 bf16 streams ~21 GB/s on one core, eager fp32 F.linear ~19 GB/s.)
-    for (int64_t k = 0; k < kmain; k += 16)
-        stream_step<MT, R, WT, false>(acc, xp, kp, w, ldw_bytes, k, 16);
-    if (kmain < K)
-        stream_step<MT, R, WT, true>(acc, xp, kp, w, ldw_bytes, kmain, K - kmain);
-#pragma GCC unroll 4
-    for (int m = 0; m < MT; ++m)
-#pragma GCC unroll 8
-        for (int r = 0; r < R; ++r)
-            c[m * ldc + r] = hsum(acc[m][r]);
+    dot_tile<Avx2Vec, MT, R, 16>(StreamStep<MT, R, WT>{{xp, stream_kp(K), w, ldw_bytes}}, K, c, ldc);
 }
 
 // R (weight rows per tile) by MT: MT * R accumulators + the weight vectors within 16 ymm registers.
@@ -769,30 +687,15 @@ template <int MT> constexpr int stream_r() {
     return MT == 1 ? 8 : MT == 2 ? 4 : MT == 3 ? 4 : 3;
 }
 
-template <int MT, int WT>
-FA void stream_rows(const float *xp, int64_t K, const char *w, int64_t ldw_bytes, int64_t nrows, float *c,
-                    int64_t ldc) {
-    constexpr int R = stream_r<MT>();
-    int64_t r = 0;
-    for (; r + R <= nrows; r += R)
-        stream_tile<MT, R, WT>(xp, K, w + r * ldw_bytes, ldw_bytes, c + r, ldc);
-    for (; r < nrows; ++r)
-        stream_tile<MT, 1, WT>(xp, K, w + r * ldw_bytes, ldw_bytes, c + r, ldc);
-}
-
+// The nrows weight rows at w against mt (1-4) rows of x.
 template <int WT>
-FA void stream_rows_mt(int64_t mt, const float *xp, int64_t K, const char *w, int64_t ldw_bytes, int64_t nrows,
-                       float *c, int64_t ldc) {
-    switch (mt) {
-    case 1:
-        return stream_rows<1, WT>(xp, K, w, ldw_bytes, nrows, c, ldc);
-    case 2:
-        return stream_rows<2, WT>(xp, K, w, ldw_bytes, nrows, c, ldc);
-    case 3:
-        return stream_rows<3, WT>(xp, K, w, ldw_bytes, nrows, c, ldc);
-    default:
-        return stream_rows<4, WT>(xp, K, w, ldw_bytes, nrows, c, ldc);
-    }
+FA void stream_rows(int64_t mt, const float *xp, int64_t K, const char *w, int64_t ldw_bytes, int64_t nrows, float *c,
+                    int64_t ldc) {
+    by_count<4>(mt, [&](auto MT) FA {
+        by_row_tiles<stream_r<MT>()>(nrows, [&](int64_t r, auto R) FA {
+            stream_tile<MT, R, WT>(xp, K, w + r * ldw_bytes, ldw_bytes, c + r, ldc);
+        });
+    });
 }
 
 constexpr int64_t kStreamMaxM = 4;
@@ -820,11 +723,11 @@ FA void stream_forward(const void *x, DType xd, int64_t ldx, int64_t M, const vo
             const float *xm = xp + m * kp;
             float *cm = cb + m * kStreamNB;
             if (wt == kWBF16)
-                stream_rows_mt<kWBF16>(mt, xm, K, wrows, ldw * esz, nr, cm, kStreamNB);
+                stream_rows<kWBF16>(mt, xm, K, wrows, ldw * esz, nr, cm, kStreamNB);
             else if (wt == kWF32Round)
-                stream_rows_mt<kWF32Round>(mt, xm, K, wrows, ldw * esz, nr, cm, kStreamNB);
+                stream_rows<kWF32Round>(mt, xm, K, wrows, ldw * esz, nr, cm, kStreamNB);
             else
-                stream_rows_mt<kWF32>(mt, xm, K, wrows, ldw * esz, nr, cm, kStreamNB);
+                stream_rows<kWF32>(mt, xm, K, wrows, ldw * esz, nr, cm, kStreamNB);
         }
         simd_epilogue<Avx2Vec>(epi, cb, kStreamNB, 0, M, nb, nr);
     }
@@ -851,7 +754,7 @@ FA void bcast_pack_xt(const void *x, DType xd, int64_t ldx, int64_t M, int64_t K
                 const int64_t m = 8 * j + q;
                 r[q] = m < M ? v_load(static_cast<const char *>(x) + m * ldx * esz, xd, k, K - k) : _mm256_setzero_ps();
             }
-            transpose8(r);
+            transpose<Avx2Vec>(r);
             const int64_t kn = std::min<int64_t>(8, K - k);
             for (int64_t q = 0; q < kn; ++q)
                 _mm256_store_ps(xt + ((k + q) * J + j) * 8, r[q]);
@@ -922,7 +825,7 @@ FA FA_INLINE void bcast_kpair(__m256 (&acc)[RW][J], const char *w, int64_t ldw_b
 template <int RW, int J, int WT>
 FA void bcast_tile(const char *w, int64_t ldw_bytes, const float *xt, int64_t K, float *c, int64_t ldc, int64_t M) {
     __m256 acc[RW][J];
-    zero_tile(acc);
+    zero_tile<Avx2Vec>(acc);
     // Blocks of 16 k pairs / k: the prefetch (1 KB ahead in every row) sits outside the inner loop - a test inside it
     // made GCC keep the accumulators on the stack.
     if constexpr (WT == kWBF16) {
@@ -995,36 +898,23 @@ template <int J, int WT> constexpr int bcast_rw() {
     return J == 1 ? 8 : J == 2 ? (WT == kWBF16 ? 5 : 6) : J == 3 ? 3 : 2;
 }
 
-// nr (<= kStreamNB) weight rows from w against x^T into c[m][0..nr). A last partial tile is computed as the last RW
-// rows (recomputing a few columns, with the same results).
-template <int J, int WT>
-FA void bcast_rows(const char *w, int64_t ldw_bytes, const float *xt, int64_t K, int64_t M, int64_t nr, float *c,
-                   int64_t ldc) {
-    constexpr int RW = bcast_rw<J, WT>();
-    if (nr < RW) {
-        for (int64_t t = 0; t < nr; ++t)
-            bcast_tile<1, J, WT>(w + t * ldw_bytes, ldw_bytes, xt, K, c + t, ldc, M);
-        return;
-    }
-    for (int64_t t0 = 0; t0 < nr; t0 += RW) {
-        const int64_t t = std::min(t0, nr - RW);
-        bcast_tile<RW, J, WT>(w + t * ldw_bytes, ldw_bytes, xt, K, c + t, ldc, M);
-    }
-}
-
+// nr (<= kStreamNB) weight rows from w against x^T (J = 1-4 vectors of 8 m) into c[m][0..nr). A last partial tile is
+// computed as the last RW rows (recomputing a few columns, with the same results).
 template <int WT>
-FA void bcast_rows_j(int64_t J, const char *w, int64_t ldw_bytes, const float *xt, int64_t K, int64_t M, int64_t nr,
-                     float *c, int64_t ldc) {
-    switch (J) {
-    case 1:
-        return bcast_rows<1, WT>(w, ldw_bytes, xt, K, M, nr, c, ldc);
-    case 2:
-        return bcast_rows<2, WT>(w, ldw_bytes, xt, K, M, nr, c, ldc);
-    case 3:
-        return bcast_rows<3, WT>(w, ldw_bytes, xt, K, M, nr, c, ldc);
-    default:
-        return bcast_rows<4, WT>(w, ldw_bytes, xt, K, M, nr, c, ldc);
-    }
+FA void bcast_rows(int64_t J, const char *w, int64_t ldw_bytes, const float *xt, int64_t K, int64_t M, int64_t nr,
+                   float *c, int64_t ldc) {
+    by_count<4>(J, [&](auto JV) FA {
+        constexpr int RW = bcast_rw<JV, WT>();
+        if (nr < RW) {
+            for (int64_t t = 0; t < nr; ++t)
+                bcast_tile<1, JV, WT>(w + t * ldw_bytes, ldw_bytes, xt, K, c + t, ldc, M);
+            return;
+        }
+        for (int64_t t0 = 0; t0 < nr; t0 += RW) {
+            const int64_t t = std::min(t0, nr - RW);
+            bcast_tile<RW, JV, WT>(w + t * ldw_bytes, ldw_bytes, xt, K, c + t, ldc, M);
+        }
+    });
 }
 
 size_t bcast_workspace_bytes(int64_t M, int64_t K) {
@@ -1046,11 +936,11 @@ FA void bcast_forward(const void *x, DType xd, int64_t ldx, int64_t M, const voi
         const int64_t nr = std::min(kStreamNB, n1 - nb);
         const char *wrows = static_cast<const char *>(w) + nb * ldb;
         if (wt == kWBF16)
-            bcast_rows_j<kWBF16>(J, wrows, ldb, xt, K, M, nr, cb, kStreamNB);
+            bcast_rows<kWBF16>(J, wrows, ldb, xt, K, M, nr, cb, kStreamNB);
         else if (wt == kWF32Round)
-            bcast_rows_j<kWF32Round>(J, wrows, ldb, xt, K, M, nr, cb, kStreamNB);
+            bcast_rows<kWF32Round>(J, wrows, ldb, xt, K, M, nr, cb, kStreamNB);
         else
-            bcast_rows_j<kWF32>(J, wrows, ldb, xt, K, M, nr, cb, kStreamNB);
+            bcast_rows<kWF32>(J, wrows, ldb, xt, K, M, nr, cb, kStreamNB);
         simd_epilogue<Avx2Vec>(epi, cb, kStreamNB, 0, M, nb, nr);
     }
 }
@@ -1091,14 +981,9 @@ Kernels make_avx2() {
 } // namespace
 
 const Kernels *kernels_avx2() {
-    static const Kernels k = make_avx2();
-    return &k;
+    return cached_table<make_avx2>();
 }
-#else
-const Kernels *kernels_avx2() {
-    return nullptr;
-}
-#endif // FA_X86
+#endif // FA_X86 (other builds: fused_linear_scalar.cpp)
 
 } // namespace fused_linear
 } // namespace fastdl

@@ -74,117 +74,17 @@ FL_AVX512 FL_INLINE void v_store(void *p, DType dt, int64_t i, __m512 v, __mmask
         _mm256_mask_storeu_epi16(static_cast<uint16_t *>(p) + i, m, v_to_bf16(v));
 }
 
-// Vector math, accurate to ~1e-6 relative (the activations dominate the epilogue and the backward pass, and for a
-// short K the whole layer: M = 4096, K = 64, N = 512 gelu). Polynomials fitted for these kernels (see also
-// fused_linear_avx2.cpp): exp of degree 5 (2.2e-7 in fp32), erfc's Q of degree 7 (5.8e-7), 1 / d as vrcp14ps + one
-// Newton step instead of vdivps. Cycles per 16 elements on one core (Zen 4): gelu 36 -> 29 (silu 18, gelu_tanh
-// 23: unchanged within noise).
-// exp(x): Cody-Waite reduction to r in [-ln2/2, ln2/2], degree-5 minimax polynomial, 2^n applied with vscalefps. Input
-// clamped to [-104, 88] (NaN kept: vmaxps / vminps return the second operand when one is NaN).
-FL_AVX512 FL_INLINE __m512 v_exp(__m512 x) {
-    x = _mm512_min_ps(_mm512_set1_ps(88.f), _mm512_max_ps(_mm512_set1_ps(-104.f), x));
-    const __m512 n =
-        _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(0.008297819644212723f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.04191580414772034f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.16667574644088745f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.4999889135360718f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.9999997019767761f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0000001192092896f));
-    return _mm512_scalef_ps(p, n);
-}
-
-// 1 / d for d >= 1 (vrcp14ps + one Newton step, ~1e-8 relative).
-FL_AVX512 FL_INLINE __m512 v_rcp(__m512 d) {
-    const __m512 r = _mm512_rcp14_ps(d);
-    return _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.f)));
-}
-
-// Phi(x) = 0.5 erfc(-x / sqrt2) and exp(-x^2 / 2): with a = |x| / sqrt2, erfc(a) = t exp(-a^2) Q(t),
-// t = 1 / (1 + 0.4 a), Q of degree 7 (0.5 Q is evaluated: its coefficients halved); the relative accuracy holds in
-// the tails. Beyond |x| = 14.5 both results are 0 in fp32 and are set to 0 (NaN is kept).
-FL_AVX512 FL_INLINE __m512 v_phi(__m512 x, __m512 &gauss) {
-    const __m512 ax = _mm512_min_ps(_mm512_set1_ps(14.5f), _mm512_abs_ps(x));
-    const __m512 t = v_rcp(_mm512_fmadd_ps(ax, _mm512_set1_ps(0.4f * kSqrt1_2), _mm512_set1_ps(1.f)));
-    __m512 e = v_exp(_mm512_mul_ps(ax, _mm512_mul_ps(ax, _mm512_set1_ps(-0.5f))));
-    e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(ax, _mm512_set1_ps(14.5f), _CMP_LT_OQ), e);
-    gauss = e;
-    __m512 q = _mm512_set1_ps(0.5f * 0.05051371082663536f);
-    q = _mm512_fmadd_ps(q, t, _mm512_set1_ps(0.5f * -0.2890283167362213f));
-    q = _mm512_fmadd_ps(q, t, _mm512_set1_ps(0.5f * 0.48907604813575745f));
-    q = _mm512_fmadd_ps(q, t, _mm512_set1_ps(0.5f * -0.17893093824386597f));
-    q = _mm512_fmadd_ps(q, t, _mm512_set1_ps(0.5f * 0.29553842544555664f));
-    q = _mm512_fmadd_ps(q, t, _mm512_set1_ps(0.5f * 0.1778354048728943f));
-    q = _mm512_fmadd_ps(q, t, _mm512_set1_ps(0.5f * 0.22952547669410706f));
-    q = _mm512_fmadd_ps(q, t, _mm512_set1_ps(0.5f * 0.22546973824501038f));
-    const __m512 half_erfc = _mm512_mul_ps(_mm512_mul_ps(t, e), q);
-    const __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
-    return _mm512_mask_blend_ps(neg, _mm512_sub_ps(_mm512_set1_ps(1.f), half_erfc), half_erfc);
-}
-
-// sigmoid(z) and, in oms, 1 - sigmoid(z), both without cancellation or overflow: with e = exp(-|z|) in (0, 1],
-// the pair is (1, e) / (1 + e) for z >= 0 and (e, 1) / (1 + e) for z < 0 (NaN propagates through e).
-FL_AVX512 FL_INLINE __m512 v_sigmoid(__m512 z, __m512 &oms) {
-    const __m512 e = v_exp(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(z)));
-    const __m512 r = v_rcp(_mm512_add_ps(_mm512_set1_ps(1.f), e));
-    const __m512 er = _mm512_mul_ps(e, r);
-    const __mmask16 neg = _mm512_cmp_ps_mask(z, _mm512_setzero_ps(), _CMP_LT_OQ);
-    oms = _mm512_mask_blend_ps(neg, er, r);
-    return _mm512_mask_blend_ps(neg, r, er);
-}
-
-FL_AVX512 FL_INLINE __m512 v_gelu_tanh_u(__m512 x) {
-    const __m512 x2 = _mm512_mul_ps(x, x);
-    return _mm512_mul_ps(_mm512_mul_ps(x, _mm512_set1_ps(kSqrt2OverPi)),
-                         _mm512_fmadd_ps(x2, _mm512_set1_ps(kGeluTanhC), _mm512_set1_ps(1.f)));
-}
-
-template <Act A> FL_AVX512 FL_INLINE __m512 v_act(__m512 x) {
-    __m512 tmp;
-    if constexpr (A == Act::Relu) {
-        return _mm512_max_ps(_mm512_setzero_ps(), x); // NaN propagates (second operand)
-    } else if constexpr (A == Act::Gelu) {
-        return _mm512_mul_ps(x, v_phi(x, tmp));
-    } else if constexpr (A == Act::GeluTanh) {
-        const __m512 u = v_gelu_tanh_u(x);
-        return _mm512_mul_ps(x, v_sigmoid(_mm512_add_ps(u, u), tmp)); // x * sigmoid(2u) == 0.5 x (1 + tanh u)
-    } else if constexpr (A == Act::Silu) {
-        return _mm512_mul_ps(x, v_sigmoid(x, tmp));
-    } else {
-        return x;
-    }
-}
-
-template <Act A> FL_AVX512 FL_INLINE __m512 v_act_grad(__m512 p) {
-    if constexpr (A == Act::Relu) {
-        return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(p, _mm512_setzero_ps(), _CMP_GT_OQ), _mm512_set1_ps(1.f));
-    } else if constexpr (A == Act::Gelu) {
-        __m512 gauss;
-        const __m512 phi = v_phi(p, gauss);
-        return _mm512_fmadd_ps(_mm512_mul_ps(p, gauss), _mm512_set1_ps(kInvSqrt2Pi), phi);
-    } else if constexpr (A == Act::GeluTanh) {
-        __m512 oms;
-        const __m512 u = v_gelu_tanh_u(p);
-        const __m512 s = v_sigmoid(_mm512_add_ps(u, u), oms);
-        // d = s + 2 p s (1 - s) sqrt(2/pi) (1 + 3 c p^2)
-        const __m512 inner =
-            _mm512_fmadd_ps(_mm512_mul_ps(p, p), _mm512_set1_ps(3.f * kGeluTanhC), _mm512_set1_ps(1.f));
-        const __m512 k = _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(s, oms), p), _mm512_set1_ps(2.f * kSqrt2OverPi));
-        return _mm512_fmadd_ps(k, inner, s);
-    } else if constexpr (A == Act::Silu) {
-        __m512 oms;
-        const __m512 s = v_sigmoid(p, oms);
-        return _mm512_mul_ps(s, _mm512_fmadd_ps(p, oms, _mm512_set1_ps(1.f)));
-    } else {
-        return _mm512_set1_ps(1.f);
-    }
-}
-
 // ------------------------------------------------------------------------------------------------------------
-// Epilogue / backward pass: fused_linear_epilogue.h over these 16-lane vectors and their mask registers.
+// The vector traits of this level (fused_linear_simd.h, fused_linear_epilogue.h): 16 fp32 lanes and their mask
+// registers. Its own parts of the vector math (the activations dominate the epilogue and the backward pass, and for a
+// short K the whole layer: M = 4096, K = 64, N = 512 gelu), accurate to ~1e-6 relative, fitted for these kernels (see
+// also fused_linear_avx2.cpp): erfc's Q of degree 7 (5.8e-7) for gelu, 1 / d as vrcp14ps + one Newton step instead of
+// vdivps, exp's 2^n applied with vscalefps. Cycles per 16 elements on one core (Zen 4): gelu 36 -> 29 (silu 18,
+// gelu_tanh 23: unchanged within noise).
 // ------------------------------------------------------------------------------------------------------------
+#define FL_SIMD FL_AVX512
+#include "fused_linear_simd.h"
+
 struct Avx512Vec {
     using Vec = __m512;
     using Mask = __mmask16;
@@ -196,8 +96,6 @@ struct Avx512Vec {
     static FL_AVX512 FL_INLINE void storef(float *p, Vec v, Mask m) { _mm512_mask_storeu_ps(p, m, v); }
     static FL_AVX512 FL_INLINE Vec load(const void *p, DType dt, int64_t i, Mask m) { return v_load(p, dt, i, m); }
     static FL_AVX512 FL_INLINE void store(void *p, DType dt, int64_t i, Vec v, Mask m) { v_store(p, dt, i, v, m); }
-    static FL_AVX512 FL_INLINE Vec add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
-    static FL_AVX512 FL_INLINE Vec mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
     static FL_AVX512 FL_INLINE Vec round_bf16(Vec v) {
         return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v_to_bf16(v)), 16));
     }
@@ -207,13 +105,92 @@ struct Avx512Vec {
         for (int64_t j = 0; j < n; j += 16)
             _mm512_mask_storeu_ps(p + j, mask16(n - j), _mm512_setzero_ps());
     }
-    template <Act A> static FL_AVX512 FL_INLINE Vec act(Vec x) { return v_act<A>(x); }
-    template <Act A> static FL_AVX512 FL_INLINE Vec act_grad(Vec p) { return v_act_grad<A>(p); }
+    static FL_AVX512 FL_INLINE Vec set1(float f) { return _mm512_set1_ps(f); }
+    static FL_AVX512 FL_INLINE Vec setzero() { return _mm512_setzero_ps(); }
+    static FL_AVX512 FL_INLINE Vec fmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+    static FL_AVX512 FL_INLINE Vec fnmadd(Vec a, Vec b, Vec c) { return _mm512_fnmadd_ps(a, b, c); }
+    static FL_AVX512 FL_INLINE Vec max(Vec a, Vec b) { return _mm512_max_ps(a, b); }
+    static FL_AVX512 FL_INLINE Vec round(Vec v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT); }
+    static FL_AVX512 FL_INLINE Vec neg_abs(Vec v) { return _mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(v)); }
+    static FL_AVX512 FL_INLINE Vec blend_neg(Vec z, Vec a, Vec b) {
+        return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(z, _mm512_setzero_ps(), _CMP_LT_OQ), a, b);
+    }
+    static FL_AVX512 FL_INLINE Vec pos_mask(Vec p, Vec v) {
+        return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(p, _mm512_setzero_ps(), _CMP_GT_OQ), v);
+    }
+    static FL_AVX512 FL_INLINE Vec rcp_approx(Vec d) { return _mm512_rcp14_ps(d); } // vrcp14ps: 14 bits
+    // exp(x) (exp_poly) for x clamped to [-104, 88], 2^n applied with vscalefps (NaN kept: vmaxps / vminps return the
+    // second operand when one is NaN).
+    static FL_AVX512 FL_INLINE Vec exp_neg(Vec x) {
+        __m512 n;
+        const __m512 p =
+            exp_poly<Avx512Vec>(_mm512_min_ps(_mm512_set1_ps(88.f), _mm512_max_ps(_mm512_set1_ps(-104.f), x)), n);
+        return _mm512_scalef_ps(p, n);
+    }
+    // Phi(x) = 0.5 erfc(-x / sqrt2) and exp(-x^2 / 2): with a = |x| / sqrt2, erfc(a) = t exp(-a^2) Q(t),
+    // t = 1 / (1 + 0.4 a), Q of degree 7 (0.5 Q is evaluated: its coefficients halved); the relative accuracy holds in
+    // the tails. Beyond |x| = 14.5 both results are 0 in fp32 and are set to 0 (NaN is kept).
+    static FL_AVX512 FL_INLINE Vec phi(Vec x, Vec &gauss) {
+        const __m512 ax = _mm512_min_ps(_mm512_set1_ps(14.5f), _mm512_abs_ps(x));
+        const __m512 t = rcp<Avx512Vec>(_mm512_fmadd_ps(ax, _mm512_set1_ps(0.4f * kSqrt1_2), _mm512_set1_ps(1.f)));
+        __m512 e = exp_neg(_mm512_mul_ps(ax, _mm512_mul_ps(ax, _mm512_set1_ps(-0.5f))));
+        e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(ax, _mm512_set1_ps(14.5f), _CMP_LT_OQ), e);
+        gauss = e;
+        __m512 q = _mm512_set1_ps(0.5f * 0.05051371082663536f);
+        q = _mm512_fmadd_ps(q, t, _mm512_set1_ps(0.5f * -0.2890283167362213f));
+        q = _mm512_fmadd_ps(q, t, _mm512_set1_ps(0.5f * 0.48907604813575745f));
+        q = _mm512_fmadd_ps(q, t, _mm512_set1_ps(0.5f * -0.17893093824386597f));
+        q = _mm512_fmadd_ps(q, t, _mm512_set1_ps(0.5f * 0.29553842544555664f));
+        q = _mm512_fmadd_ps(q, t, _mm512_set1_ps(0.5f * 0.1778354048728943f));
+        q = _mm512_fmadd_ps(q, t, _mm512_set1_ps(0.5f * 0.22952547669410706f));
+        q = _mm512_fmadd_ps(q, t, _mm512_set1_ps(0.5f * 0.22546973824501038f));
+        const __m512 half_erfc = _mm512_mul_ps(_mm512_mul_ps(t, e), q);
+        const __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+        return _mm512_mask_blend_ps(neg, _mm512_sub_ps(_mm512_set1_ps(1.f), half_erfc), half_erfc);
+    }
+    static FL_AVX512 FL_INLINE Vec gelu(Vec x) {
+        __m512 gauss;
+        return _mm512_mul_ps(x, phi(x, gauss));
+    }
+    static FL_AVX512 FL_INLINE Vec gelu_grad(Vec p) { // Phi(p) + p phi(p)
+        __m512 gauss;
+        const __m512 ph = phi(p, gauss);
+        return _mm512_fmadd_ps(_mm512_mul_ps(p, gauss), _mm512_set1_ps(kInvSqrt2Pi), ph);
+    }
+    static FL_AVX512 FL_INLINE float hsum(Vec v) { return _mm512_reduce_add_ps(v); }
+    // The 16 x 16 dword transposes of the bf16 packing (fused_linear_simd.h's transpose over __m512i).
+    static FL_AVX512 FL_INLINE __m512i unpacklo32(__m512i a, __m512i b) { return _mm512_unpacklo_epi32(a, b); }
+    static FL_AVX512 FL_INLINE __m512i unpackhi32(__m512i a, __m512i b) { return _mm512_unpackhi_epi32(a, b); }
+    static FL_AVX512 FL_INLINE __m512i unpacklo64(__m512i a, __m512i b) { return _mm512_unpacklo_epi64(a, b); }
+    static FL_AVX512 FL_INLINE __m512i unpackhi64(__m512i a, __m512i b) { return _mm512_unpackhi_epi64(a, b); }
+    static FL_AVX512 FL_INLINE void transpose_lanes(__m512i (&r)[16], __m512i (&t)[16]) {
+#pragma GCC unroll 4
+        for (int q = 0; q < 4; ++q) {
+            t[q + 0] = _mm512_shuffle_i32x4(r[q], r[4 + q], 0x88);
+            t[q + 4] = _mm512_shuffle_i32x4(r[q], r[4 + q], 0xdd);
+            t[q + 8] = _mm512_shuffle_i32x4(r[8 + q], r[12 + q], 0x88);
+            t[q + 12] = _mm512_shuffle_i32x4(r[8 + q], r[12 + q], 0xdd);
+        }
+#pragma GCC unroll 4
+        for (int q = 0; q < 4; ++q) {
+            r[q + 0] = _mm512_shuffle_i32x4(t[q], t[q + 8], 0x88);
+            r[q + 4] = _mm512_shuffle_i32x4(t[q + 4], t[q + 12], 0x88);
+            r[q + 8] = _mm512_shuffle_i32x4(t[q], t[q + 8], 0xdd);
+            r[q + 12] = _mm512_shuffle_i32x4(t[q + 4], t[q + 12], 0xdd);
+        }
+    }
 };
 
-#define FL_SIMD FL_AVX512
 #include "fused_linear_epilogue.h"
 #undef FL_SIMD
+
+// The AVX512_BF16 family is a level of its own: its kernels use fused_linear_simd.h compiled for it (a template
+// compiled for AVX-512 F cannot inline their vdpbf16ps steps).
+namespace bf16 {
+#define FL_SIMD FL_AVX512BF16
+#include "fused_linear_simd.h"
+#undef FL_SIMD
+} // namespace bf16
 
 // ------------------------------------------------------------------------------------------------------------
 // bf16 GEMM. Packed formats (one dword = two bf16 consecutive along the reduction dim, as vdpbf16ps pairs them):
@@ -250,37 +227,6 @@ FL_AVX512BF16 FL_INLINE __m512i interleave_rows(const void *r0, const void *r1, 
         v = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
     }
     return _mm512_permutexvar_epi16(idx, v);
-}
-
-// In-register transpose of a 16 x 16 dword matrix: on return r[q] holds column q.
-FL_AVX512 FL_INLINE void transpose16(__m512i r[16]) {
-    __m512i t[16];
-#pragma GCC unroll 8
-    for (int i = 0; i < 8; ++i) {
-        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-    }
-#pragma GCC unroll 4
-    for (int i = 0; i < 4; ++i) {
-        r[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i + 0], t[4 * i + 2]);
-        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i + 0], t[4 * i + 2]);
-        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-    }
-#pragma GCC unroll 4
-    for (int q = 0; q < 4; ++q) {
-        t[q + 0] = _mm512_shuffle_i32x4(r[q], r[4 + q], 0x88);
-        t[q + 4] = _mm512_shuffle_i32x4(r[q], r[4 + q], 0xdd);
-        t[q + 8] = _mm512_shuffle_i32x4(r[8 + q], r[12 + q], 0x88);
-        t[q + 12] = _mm512_shuffle_i32x4(r[8 + q], r[12 + q], 0xdd);
-    }
-#pragma GCC unroll 4
-    for (int q = 0; q < 4; ++q) {
-        r[q + 0] = _mm512_shuffle_i32x4(t[q], t[q + 8], 0x88);
-        r[q + 4] = _mm512_shuffle_i32x4(t[q + 4], t[q + 12], 0x88);
-        r[q + 8] = _mm512_shuffle_i32x4(t[q], t[q + 8], 0xdd);
-        r[q + 12] = _mm512_shuffle_i32x4(t[q + 4], t[q + 12], 0xdd);
-    }
 }
 
 // Packs B[k0 : k0 + kc][j0 : j0 + NR] into bp, B[k][j] = b[k * ld + j] (kc even unless the block ends at K):
@@ -374,7 +320,7 @@ FL_AVX512BF16 void pack_a_avx512bf16(const GemmOperand &a, int64_t M, int64_t K,
                     r[i] = ok ? load_pairs(src, DType::BF16, (i0 + i) * a.ld + 2 * kp0, K - 2 * kp0)
                               : _mm512_setzero_si512();
                 }
-                transpose16(r);
+                transpose<Avx512Vec>(r);
                 for (int q = 0; q < 16; ++q) {
                     _mm256_storeu_si256(reinterpret_cast<__m256i *>(out0 + (kp0 + q) * kGemmMR),
                                         _mm512_castsi512_si256(r[q]));
@@ -439,18 +385,18 @@ inline void a_row_ptrs(const char *(&ar)[kGemmMR], const char *a, int64_t rows, 
         ar[i] = a + std::min<int64_t>(i, rows - 1) * lda_bytes;
 }
 
-// One k pair of the bf16 pb tile: NV panel loads at bpk, then per row i the A pair pair_of(i) (two bf16 in a dword)
-// broadcast against them.
-template <int NV, typename PairOf>
-FL_AVX512BF16 inline void pb_kpair(__m512 (&acc)[kGemmMR][NV], const uint32_t *bpk, PairOf pair_of) {
+// One k pair of an RW x (16 NV) bf16 tile: NV vectors of k pairs loaded at bk, then per row i the A pair pair_of(i)
+// (two bf16 in a dword) broadcast against them.
+template <int RW, int NV, typename PairOf>
+FL_AVX512BF16 FL_INLINE void kpair_bf16(__m512 (&acc)[RW][NV], const uint32_t *bk, PairOf pair_of) {
     __m512bh b[NV];
-#pragma GCC unroll 3
+#pragma GCC unroll 4
     for (int j = 0; j < NV; ++j)
-        b[j] = (__m512bh)_mm512_loadu_si512(bpk + 16 * j);
-#pragma GCC unroll 8
-    for (int i = 0; i < kGemmMR; ++i) {
+        b[j] = (__m512bh)_mm512_loadu_si512(bk + 16 * j);
+#pragma GCC unroll 24
+    for (int i = 0; i < RW; ++i) {
         const __m512bh av = (__m512bh)_mm512_set1_epi32(pair_of(i));
-#pragma GCC unroll 3
+#pragma GCC unroll 4
         for (int j = 0; j < NV; ++j)
             acc[i][j] = _mm512_dpbf16_ps(acc[i][j], av, b[j]);
     }
@@ -464,7 +410,7 @@ FL_AVX512BF16 void pb_micro(const char *a, int64_t lda_bytes, int64_t rows, int6
     const char *ar[kGemmMR];
     a_row_ptrs(ar, a, rows, lda_bytes);
     for (int64_t kp = 0; kp < kpn; ++kp) {
-        pb_kpair<NV>(acc, bp + kp * kGemmNR, [&](int i) {
+        kpair_bf16(acc, bp + kp * kGemmNR, [&](int i) {
             int32_t pair;
             if constexpr (PACKED_A)
                 pair = reinterpret_cast<const int32_t *>(a)[kp * kGemmMR + i];
@@ -474,7 +420,7 @@ FL_AVX512BF16 void pb_micro(const char *a, int64_t lda_bytes, int64_t rows, int6
         });
     }
     if (!PACKED_A && odd) { // odd reduction length: the last element of each A row pairs with zero
-        pb_kpair<NV>(acc, bp + kpn * kGemmNR, [&](int i) {
+        kpair_bf16(acc, bp + kpn * kGemmNR, [&](int i) {
             uint16_t last;
             std::memcpy(&last, ar[i] + 4 * kpn, 2);
             return static_cast<int32_t>(last);
@@ -499,7 +445,7 @@ FL_AVX512BF16 void pb_micro_cols(const uint16_t *a, int64_t lda, int64_t rows, i
         const __m128i x1 = kp < kpn ? _mm_maskz_loadu_epi16(rm, r0 + lda) : _mm_setzero_si128();
         _mm_store_si128(reinterpret_cast<__m128i *>(pr), _mm_unpacklo_epi16(x0, x1));
         _mm_store_si128(reinterpret_cast<__m128i *>(pr + 4), _mm_unpackhi_epi16(x0, x1));
-        pb_kpair<NV>(acc, bp + kp * kGemmNR, [&](int i) { return static_cast<int32_t>(pr[i]); });
+        kpair_bf16(acc, bp + kp * kGemmNR, [&](int i) { return static_cast<int32_t>(pr[i]); });
     }
     c_tile_store<NV>(acc, c);
 }
@@ -507,27 +453,12 @@ FL_AVX512BF16 void pb_micro_cols(const uint16_t *a, int64_t lda, int64_t rows, i
 template <PbA AM>
 FL_AVX512BF16 void pb_micro_nv(int64_t nv, const char *a, int64_t lda, int64_t rows, int64_t kpn, bool odd,
                                const uint32_t *bp, float *c, bool accumulate) {
-    constexpr bool PACKED_A = AM == PbA::Packed;
-    if constexpr (AM == PbA::Cols) {
-        const uint16_t *a16 = reinterpret_cast<const uint16_t *>(a);
-        switch (nv) {
-        case 1:
-            return pb_micro_cols<1>(a16, lda, rows, kpn, odd, bp, c, accumulate);
-        case 2:
-            return pb_micro_cols<2>(a16, lda, rows, kpn, odd, bp, c, accumulate);
-        default:
-            return pb_micro_cols<3>(a16, lda, rows, kpn, odd, bp, c, accumulate);
-        }
-    } else {
-        switch (nv) {
-        case 1:
-            return pb_micro<1, PACKED_A>(a, lda * 2, rows, kpn, odd, bp, c, accumulate);
-        case 2:
-            return pb_micro<2, PACKED_A>(a, lda * 2, rows, kpn, odd, bp, c, accumulate);
-        default:
-            return pb_micro<3, PACKED_A>(a, lda * 2, rows, kpn, odd, bp, c, accumulate);
-        }
-    }
+    bf16::by_count<3>(nv, [&](auto NV) FL_AVX512BF16 {
+        if constexpr (AM == PbA::Cols)
+            pb_micro_cols<NV>(reinterpret_cast<const uint16_t *>(a), lda, rows, kpn, odd, bp, c, accumulate);
+        else
+            pb_micro<NV, AM == PbA::Packed>(a, lda * 2, rows, kpn, odd, bp, c, accumulate);
+    });
 }
 
 // Reductions up to kPbKC k pairs run in one pass per 8 x 48 tile, into a kPbMB x 48 L1 buffer that goes through the
@@ -571,26 +502,35 @@ FL_AVX512BF16 void pb_block_avx512bf16(const void *a, int64_t lda, int64_t K, co
         _mm_sfence();
 }
 
+// 16 rows of 16 dwords transposed in registers and stored as 16 rows of 16 dwords, ld apart.
+FL_AVX512 FL_INLINE void store_transposed(__m512i (&r)[16], void *out, int64_t ld) {
+    transpose<Avx512Vec>(r);
+    for (int q = 0; q < 16; ++q)
+        _mm512_storeu_si512(static_cast<uint32_t *>(out) + q * ld, r[q]);
+}
+
+// B panels [panel0, panel1) from a weight (B[k][n] = w[n][k], [N, K] row-major), kpt dwords (k pairs, or k) per panel
+// row, in blocks of 16 weight rows x 16 dwords: block(n0, d0, out) packs rows n0.. from dword d0 on into out.
+template <class Block>
+FL_INLINE void for_wt_blocks(int64_t kpt, int64_t panel0, int64_t panel1, uint32_t *bp, const Block &block) {
+    for (int64_t p = panel0; p < panel1; ++p)
+        for (int g = 0; g < kGemmNR / 16; ++g)
+            for (int64_t d0 = 0; d0 < kpt; d0 += 16)
+                block(p * kGemmNR + 16 * g, d0, bp + ((p - panel0) * kpt + d0) * kGemmNR + 16 * g);
+}
+
 // B[k][n] = w[n][k] (the forward's weight, [N, K] row-major): 16 weight rows x 16 k pairs transposed in registers.
 FL_AVX512BF16 void pb_pack_wt_avx512bf16(const void *w, DType dt, int64_t ldw, int64_t N, int64_t K, int64_t panel0,
                                          int64_t panel1, uint32_t *bp) {
-    const int64_t kpt = pb_kpt(K);
     const size_t esz = dt == DType::F32 ? 4 : 2;
     const char *base = static_cast<const char *>(w);
-    for (int64_t p = panel0; p < panel1; ++p)
-        for (int g = 0; g < kGemmNR / 16; ++g) {
-            const int64_t n0 = p * kGemmNR + 16 * g;
-            uint32_t *out = bp + (p - panel0) * kpt * kGemmNR + 16 * g;
-            for (int64_t kp0 = 0; kp0 < kpt; kp0 += 16) {
-                __m512i r[16];
-                for (int i = 0; i < 16; ++i)
-                    r[i] = n0 + i < N ? load_pairs(base + (n0 + i) * ldw * esz, dt, 2 * kp0, K - 2 * kp0)
-                                      : _mm512_setzero_si512();
-                transpose16(r);
-                for (int q = 0; q < 16; ++q)
-                    _mm512_storeu_si512(out + (kp0 + q) * kGemmNR, r[q]);
-            }
-        }
+    for_wt_blocks(pb_kpt(K), panel0, panel1, bp, [&](int64_t n0, int64_t kp0, uint32_t *out) FL_AVX512BF16 {
+        __m512i r[16];
+        for (int i = 0; i < 16; ++i) // k pairs: bf16, or fp32 rounded to bf16
+            r[i] =
+                n0 + i < N ? load_pairs(base + (n0 + i) * ldw * esz, dt, 2 * kp0, K - 2 * kp0) : _mm512_setzero_si512();
+        store_transposed(r, out, kGemmNR);
+    });
 }
 
 // fp32 variant (FMA, AVX-512 F): panels of single k, pb[(panel * kpt + k) * 48 + j] = B[k][j] (kpt = K rounded up
@@ -626,19 +566,6 @@ FL_AVX512 void pbf_micro(const char *a, int64_t lda_bytes, int64_t rows, int64_t
 }
 
 template <bool PACKED_A>
-FL_AVX512 void pbf_micro_nv(int64_t nv, const char *a, int64_t lda_bytes, int64_t rows, int64_t kn, const float *bp,
-                            float *c, bool accumulate) {
-    switch (nv) {
-    case 1:
-        return pbf_micro<1, PACKED_A>(a, lda_bytes, rows, kn, bp, c, accumulate);
-    case 2:
-        return pbf_micro<2, PACKED_A>(a, lda_bytes, rows, kn, bp, c, accumulate);
-    default:
-        return pbf_micro<3, PACKED_A>(a, lda_bytes, rows, kn, bp, c, accumulate);
-    }
-}
-
-template <bool PACKED_A>
 FL_AVX512 void pbf_block_avx512(const void *a, int64_t lda, int64_t K, const float *bpp, int64_t N, int64_t m0,
                                 int64_t m1, int64_t j0, const Epilogue &epi) {
     alignas(64) float cbuf[kPbMB * kGemmNR];
@@ -656,8 +583,10 @@ FL_AVX512 void pbf_block_avx512(const void *a, int64_t lda, int64_t K, const flo
         for (int64_t kb = 0; kb == 0 || kb < K; kb += kblk) {
             const int64_t kn = std::min(kblk, K - kb);
             for (int64_t m = ms; m < me; m += kGemmMR)
-                pbf_micro_nv<PACKED_A>(nv, a_rows(m, kb), lda * 4, std::min<int64_t>(kGemmMR, me - m), kn,
-                                       bpp + kb * kGemmNR, cbuf + (m - ms) * kGemmNR, kb > 0);
+                by_count<3>(nv, [&](auto NV) FL_AVX512 {
+                    pbf_micro<NV, PACKED_A>(a_rows(m, kb), lda * 4, std::min<int64_t>(kGemmMR, me - m), kn,
+                                            bpp + kb * kGemmNR, cbuf + (m - ms) * kGemmNR, kb > 0);
+                });
         }
         simd_epilogue<Avx512Vec>(e, cbuf, kGemmNR, ms, me - ms, j0, cols);
     }
@@ -665,25 +594,18 @@ FL_AVX512 void pbf_block_avx512(const void *a, int64_t lda, int64_t K, const flo
         _mm_sfence();
 }
 
-// B[k][n] = w[n][k]: 16 x 16 float blocks transposed in registers.
+// B[k][n] = w[n][k] for fp32: blocks of 16 x 16 floats.
 FL_AVX512 void pbf_pack_wt_avx512(const float *w, int64_t ldw, int64_t N, int64_t K, int64_t panel0, int64_t panel1,
                                   float *bp) {
-    const int64_t kpt = pb_kpt(K, DType::F32);
-    for (int64_t p = panel0; p < panel1; ++p)
-        for (int g = 0; g < kGemmNR / 16; ++g) {
-            const int64_t n0 = p * kGemmNR + 16 * g;
-            float *out = bp + (p - panel0) * kpt * kGemmNR + 16 * g;
-            for (int64_t k0 = 0; k0 < kpt; k0 += 16) {
-                __m512i r[16];
-                for (int i = 0; i < 16; ++i)
-                    r[i] = n0 + i < N
-                               ? _mm512_castps_si512(_mm512_maskz_loadu_ps(mask16(K - k0), w + (n0 + i) * ldw + k0))
-                               : _mm512_setzero_si512();
-                transpose16(r);
-                for (int q = 0; q < 16; ++q)
-                    _mm512_storeu_si512(out + (k0 + q) * kGemmNR, r[q]);
-            }
-        }
+    const auto block = [&](int64_t n0, int64_t k0, uint32_t *out) FL_AVX512 {
+        const __mmask16 m = mask16(K - k0);
+        __m512i r[16];
+        for (int i = 0; i < 16; ++i)
+            r[i] = _mm512_castps_si512(n0 + i < N ? _mm512_maskz_loadu_ps(m, w + (n0 + i) * ldw + k0)
+                                                  : _mm512_setzero_ps());
+        store_transposed(r, out, kGemmNR);
+    };
+    for_wt_blocks(pb_kpt(K, DType::F32), panel0, panel1, reinterpret_cast<uint32_t *>(bp), block);
 }
 
 // B[k][n] = b[k * ld + n]: rows of 48 floats copied (zero past N).
@@ -734,83 +656,46 @@ template <bool WF32, bool TAIL> FL_AVX512BF16 FL_INLINE __m512bh load_w32(const 
     }
 }
 
-// One 32-wide k step of an MT x R tile (TAIL: only rem < 32 elements are valid, the rest is zero-filled). The tile
-// code is split into a full-step loop and one tail step so that the accumulators stay in registers (a tail test
-// inside the loop made GCC keep them on the stack: 4x slower at M = 4).
-template <int MT, int R, bool WF32, bool TAIL>
-FL_AVX512BF16 FL_INLINE void small_step_bf16(__m512 (&acc)[MT][R], const uint16_t *x, int64_t ldx, const void *w,
-                                             int64_t ldw, int64_t k, int64_t rem) {
-    __m512bh wv[R];
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r)
-        wv[r] = load_w32<WF32, TAIL>(w, r * ldw + k, rem);
-#pragma GCC unroll 8
-    for (int m = 0; m < MT; ++m) {
-        const __m512bh xv = load_w32<false, TAIL>(x, m * ldx + k, rem);
+// One 32-wide k step of an MT x R tile (TAIL: only rem < 32 elements are valid, the rest is zero-filled).
+template <int MT, int R, bool WF32> struct SmallStepBf16 : DotRows<uint16_t, void> {
+    template <bool TAIL> FL_AVX512BF16 FL_INLINE void run(__m512 (&acc)[MT][R], int64_t k, int64_t rem) const {
+        __m512bh wv[R];
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r)
-            acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv, wv[r]);
+            wv[r] = load_w32<WF32, TAIL>(w, r * ldw + k, rem);
+#pragma GCC unroll 8
+        for (int m = 0; m < MT; ++m) {
+            const __m512bh xv = load_w32<false, TAIL>(x, m * ldx + k, rem);
+#pragma GCC unroll 8
+            for (int r = 0; r < R; ++r)
+                acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv, wv[r]);
+        }
     }
-}
+};
 
 template <int MT, int R, bool WF32>
 FL_AVX512BF16 void small_tile_bf16(const uint16_t *x, int64_t ldx, const void *w, int64_t ldw, int64_t K, float *c,
                                    int64_t ldc) {
-    __m512 acc[MT][R];
-#pragma GCC unroll 8
-    for (int m = 0; m < MT; ++m)
-#pragma GCC unroll 8
-        for (int r = 0; r < R; ++r)
-            acc[m][r] = _mm512_setzero_ps();
-    const int64_t kmain = K & ~int64_t{31};
-    for (int64_t k = 0; k < kmain; k += 32)
-        small_step_bf16<MT, R, WF32, false>(acc, x, ldx, w, ldw, k, 32);
-    if (kmain < K)
-        small_step_bf16<MT, R, WF32, true>(acc, x, ldx, w, ldw, kmain, K - kmain);
-#pragma GCC unroll 8
-    for (int m = 0; m < MT; ++m)
-#pragma GCC unroll 8
-        for (int r = 0; r < R; ++r)
-            c[m * ldc + r] = _mm512_reduce_add_ps(acc[m][r]);
+    bf16::dot_tile<Avx512Vec, MT, R, 32>(SmallStepBf16<MT, R, WF32>{{x, ldx, w, ldw}}, K, c, ldc);
 }
 
-template <int MT, int R, bool TAIL>
-FL_AVX512 FL_INLINE void small_step_f32(__m512 (&acc)[MT][R], const float *x, int64_t ldx, const float *w, int64_t ldw,
-                                        int64_t k, int64_t rem) {
-    const __mmask16 msk = TAIL ? mask16(rem) : static_cast<__mmask16>(0xFFFF);
-    __m512 wv[R];
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r)
-        wv[r] = TAIL ? _mm512_maskz_loadu_ps(msk, w + r * ldw + k) : _mm512_loadu_ps(w + r * ldw + k);
-#pragma GCC unroll 4
-    for (int m = 0; m < MT; ++m) {
-        const __m512 xv = TAIL ? _mm512_maskz_loadu_ps(msk, x + m * ldx + k) : _mm512_loadu_ps(x + m * ldx + k);
+// The fp32 step: 16 k.
+template <int MT, int R> struct SmallStepF32 : DotRows<float, float> {
+    template <bool TAIL> FL_AVX512 FL_INLINE void run(__m512 (&acc)[MT][R], int64_t k, int64_t rem) const {
+        const __mmask16 msk = TAIL ? mask16(rem) : static_cast<__mmask16>(0xFFFF);
+        __m512 wv[R];
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r)
-            acc[m][r] = _mm512_fmadd_ps(xv, wv[r], acc[m][r]);
+            wv[r] = TAIL ? _mm512_maskz_loadu_ps(msk, w + r * ldw + k) : _mm512_loadu_ps(w + r * ldw + k);
+#pragma GCC unroll 4
+        for (int m = 0; m < MT; ++m) {
+            const __m512 xv = TAIL ? _mm512_maskz_loadu_ps(msk, x + m * ldx + k) : _mm512_loadu_ps(x + m * ldx + k);
+#pragma GCC unroll 8
+            for (int r = 0; r < R; ++r)
+                acc[m][r] = _mm512_fmadd_ps(xv, wv[r], acc[m][r]);
+        }
     }
-}
-
-template <int MT, int R>
-FL_AVX512 void small_tile_f32(const float *x, int64_t ldx, const float *w, int64_t ldw, int64_t K, float *c,
-                              int64_t ldc) {
-    __m512 acc[MT][R];
-#pragma GCC unroll 4
-    for (int m = 0; m < MT; ++m)
-#pragma GCC unroll 8
-        for (int r = 0; r < R; ++r)
-            acc[m][r] = _mm512_setzero_ps();
-    const int64_t kmain = K & ~int64_t{15};
-    for (int64_t k = 0; k < kmain; k += 16)
-        small_step_f32<MT, R, false>(acc, x, ldx, w, ldw, k, 16);
-    if (kmain < K)
-        small_step_f32<MT, R, true>(acc, x, ldx, w, ldw, kmain, K - kmain);
-#pragma GCC unroll 4
-    for (int m = 0; m < MT; ++m)
-#pragma GCC unroll 8
-        for (int r = 0; r < R; ++r)
-            c[m * ldc + r] = _mm512_reduce_add_ps(acc[m][r]);
-}
+};
 
 // R (weight rows per tile) by MT: MT * R + R + 1 <= 32 zmm registers.
 template <int MT> constexpr int small_r() {
@@ -820,33 +705,24 @@ template <int MT> constexpr int small_r() {
 template <int MT>
 FL_AVX512BF16 void small_rows_bf16(const uint16_t *x, int64_t ldx, const void *w, bool wf32, int64_t ldw, int64_t K,
                                    int64_t nrows, float *c, int64_t ldc) {
-    constexpr int R = small_r<MT>();
     const size_t esz = wf32 ? 4 : 2;
     const char *wb = static_cast<const char *>(w);
-    int64_t r = 0;
-    for (; r + R <= nrows; r += R) {
+    by_row_tiles<small_r<MT>()>(nrows, [&](int64_t r, auto R) FL_AVX512BF16 {
         if (wf32)
             small_tile_bf16<MT, R, true>(x, ldx, wb + r * ldw * esz, ldw, K, c + r, ldc);
         else
             small_tile_bf16<MT, R, false>(x, ldx, wb + r * ldw * esz, ldw, K, c + r, ldc);
-    }
-    for (; r < nrows; ++r) {
-        if (wf32)
-            small_tile_bf16<MT, 1, true>(x, ldx, wb + r * ldw * esz, ldw, K, c + r, ldc);
-        else
-            small_tile_bf16<MT, 1, false>(x, ldx, wb + r * ldw * esz, ldw, K, c + r, ldc);
-    }
+    });
 }
 
-template <int MT>
-FL_AVX512 void small_rows_f32(const float *x, int64_t ldx, const float *w, int64_t ldw, int64_t K, int64_t nrows,
-                              float *c, int64_t ldc) {
-    constexpr int R = small_r<MT>();
-    int64_t r = 0;
-    for (; r + R <= nrows; r += R)
-        small_tile_f32<MT, R>(x, ldx, w + r * ldw, ldw, K, c + r, ldc);
-    for (; r < nrows; ++r)
-        small_tile_f32<MT, 1>(x, ldx, w + r * ldw, ldw, K, c + r, ldc);
+// The x rows [m, m + mt) (mt = 1-4) against nrows fp32 weight rows.
+FL_AVX512 void small_rows_f32(int64_t mt, const float *x, int64_t ldx, const float *w, int64_t ldw, int64_t K,
+                              int64_t nrows, float *c, int64_t ldc) {
+    by_count<4>(mt, [&](auto MT) FL_AVX512 {
+        by_row_tiles<small_r<MT>()>(nrows, [&](int64_t r, auto R) FL_AVX512 {
+            dot_tile<Avx512Vec, MT, R, 16>(SmallStepF32<MT, R>{{x, ldx, w + r * ldw, ldw}}, K, c + r, ldc);
+        });
+    });
 }
 
 // Other M: "weight-stationary broadcast" kernel, the GEMM micro kernel with the roles swapped. x is packed once per
@@ -863,45 +739,25 @@ template <int RW, int J>
 FL_AVX512BF16 void wstat_tile(const char *w, int64_t ldw_bytes, const uint32_t *xt, int64_t K, float *c, int64_t ldc,
                               int64_t M, int64_t rows) {
     __m512 acc[RW][J];
-#pragma GCC unroll 24
-    for (int i = 0; i < RW; ++i)
-#pragma GCC unroll 4
-        for (int j = 0; j < J; ++j)
-            acc[i][j] = _mm512_setzero_ps();
+    bf16::zero_tile<Avx512Vec>(acc);
     const int64_t kpn = K / 2; // whole pairs; an odd last element is handled below
     for (int64_t kp = 0; kp < kpn; ++kp) {
         if ((kp & 15) == 0) // a new cache line per weight row every 16 k pairs: prefetch 1 KB ahead (M = 16: -6 %)
 #pragma GCC unroll 24
             for (int i = 0; i < RW; ++i)
                 _mm_prefetch(w + i * ldw_bytes + kp * 4 + 1024, _MM_HINT_T0);
-        __m512bh b[J];
-#pragma GCC unroll 4
-        for (int j = 0; j < J; ++j)
-            b[j] = (__m512bh)_mm512_loadu_si512(xt + (kp * J + j) * 16);
-#pragma GCC unroll 24
-        for (int i = 0; i < RW; ++i) {
+        kpair_bf16(acc, xt + kp * J * 16, [&](int i) {
             int32_t pair;
             std::memcpy(&pair, w + i * ldw_bytes + kp * 4, 4);
-            const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
-#pragma GCC unroll 4
-            for (int j = 0; j < J; ++j)
-                acc[i][j] = _mm512_dpbf16_ps(acc[i][j], a, b[j]);
-        }
+            return pair;
+        });
     }
     if (K & 1) { // last element of each row paired with a zero (never read past the row)
-        __m512bh b[J];
-#pragma GCC unroll 4
-        for (int j = 0; j < J; ++j)
-            b[j] = (__m512bh)_mm512_loadu_si512(xt + (kpn * J + j) * 16);
-#pragma GCC unroll 24
-        for (int i = 0; i < RW; ++i) {
+        kpair_bf16(acc, xt + kpn * J * 16, [&](int i) {
             uint16_t last;
             std::memcpy(&last, w + i * ldw_bytes + (K - 1) * 2, 2);
-            const __m512bh a = (__m512bh)_mm512_set1_epi32(last);
-#pragma GCC unroll 4
-            for (int j = 0; j < J; ++j)
-                acc[i][j] = _mm512_dpbf16_ps(acc[i][j], a, b[j]);
-        }
+            return static_cast<int32_t>(last);
+        });
     }
     // acc[i][j] lane l = result (m = 16 j + l, n = i): scatter into the M x 48 block (rows >= `rows` are padding).
     alignas(64) float tmp[16];
@@ -972,9 +828,7 @@ FL_AVX512BF16 void pack_xt_chunk(const uint16_t *x, int64_t ldx, int64_t M, int6
                 r[i] = m < rows ? load_pairs(x + (m0 + m) * ldx, DType::BF16, 2 * kp0, K - 2 * kp0)
                                 : _mm512_setzero_si512();
             }
-            transpose16(r);
-            for (int q = 0; q < 16; ++q)
-                _mm512_storeu_si512(out + ((kp0 + q) * J + j) * 16, r[q]);
+            store_transposed(r, out + (kp0 * J + j) * 16, J * 16);
         }
 }
 
@@ -985,16 +839,8 @@ FL_AVX512BF16 void wstat_chunk(const char *wt, int64_t ldb, const uint32_t *xt, 
     const int64_t m0 = c * kXtChunk, mr = std::min(kXtChunk, M - m0);
     const uint32_t *xc = xt + c * xt_chunk_dwords(K);
     float *out = cbuf + m0 * kFwdNB + col;
-    switch ((mr + 15) / 16) {
-    case 1:
-        return wstat_tile<RW, 1>(wt, ldb, xc, K, out, kFwdNB, mr, rows);
-    case 2:
-        return wstat_tile<RW, 2>(wt, ldb, xc, K, out, kFwdNB, mr, rows);
-    case 3:
-        return wstat_tile<RW, 3>(wt, ldb, xc, K, out, kFwdNB, mr, rows);
-    default:
-        return wstat_tile<RW, 4>(wt, ldb, xc, K, out, kFwdNB, mr, rows);
-    }
+    bf16::by_count<4>((mr + 15) / 16,
+                      [&](auto J) FL_AVX512BF16 { wstat_tile<RW, J>(wt, ldb, xc, K, out, kFwdNB, mr, rows); });
 }
 
 // All x^T chunks against nr weight rows, RW rows at a time (each RW-row slice of the weight is read from memory
@@ -1086,24 +932,8 @@ FL_AVX512 void fwd_small_f32(const float *x, int64_t ldx, int64_t M, const float
     for (int64_t nb = n0; nb < n1; nb += kFwdNB) {
         const int64_t nr = std::min(kFwdNB, n1 - nb);
         const float *wrows = w + nb * ldw;
-        for (int64_t m = 0; m < M; m += 4) {
-            const float *xm = x + m * ldx;
-            float *cm = cbuf + m * kFwdNB;
-            switch (std::min<int64_t>(4, M - m)) {
-            case 1:
-                small_rows_f32<1>(xm, ldx, wrows, ldw, K, nr, cm, kFwdNB);
-                break;
-            case 2:
-                small_rows_f32<2>(xm, ldx, wrows, ldw, K, nr, cm, kFwdNB);
-                break;
-            case 3:
-                small_rows_f32<3>(xm, ldx, wrows, ldw, K, nr, cm, kFwdNB);
-                break;
-            default:
-                small_rows_f32<4>(xm, ldx, wrows, ldw, K, nr, cm, kFwdNB);
-                break;
-            }
-        }
+        for (int64_t m = 0; m < M; m += 4)
+            small_rows_f32(std::min<int64_t>(4, M - m), x + m * ldx, ldx, wrows, ldw, K, nr, cbuf + m * kFwdNB, kFwdNB);
         simd_epilogue<Avx512Vec>(epi, cbuf, kFwdNB, 0, M, nb, nr);
     }
 }
@@ -1382,22 +1212,13 @@ Kernels make_avx512_bf16() {
 } // namespace
 
 const Kernels *kernels_avx512() {
-    static const Kernels k = make_avx512();
-    return &k;
+    return cached_table<make_avx512>();
 }
 
 const Kernels *kernels_avx512_bf16() {
-    static const Kernels k = make_avx512_bf16();
-    return &k;
+    return cached_table<make_avx512_bf16>();
 }
-#else
-const Kernels *kernels_avx512() {
-    return nullptr;
-}
-const Kernels *kernels_avx512_bf16() {
-    return nullptr;
-}
-#endif // FL_X86
+#endif // FL_X86 (other builds: fused_linear_scalar.cpp)
 
 } // namespace fused_linear
 } // namespace fastdl

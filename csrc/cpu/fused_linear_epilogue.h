@@ -5,12 +5,12 @@
 //   Vec, Mask, kLanes, kStreamAlign (the alignment a non-temporal store needs)
 //   mask(n): the first n lanes (n >= kLanes: all); full(m): all lanes
 //   loadf(p, m) / storef(p, v, m): fp32; load(p, dt, i, m) / store(p, dt, i, v, m): element i of fp32 or bf16 data
-//   add, mul, stream(p, v) (non-temporal store), fence(), zero(p, n) (n fp32 zeros), round_bf16(v) (RNE, kept in fp32)
-//   act<A>(v), act_grad<A>(v): the level's activation and its derivative
-// Include it inside the level's unnamed namespace (fastdl::fused_linear::{}) after defining FL_SIMD as the level's
-// target attribute: the templates then compile with that ISA and have internal linkage, so each translation unit keeps
-// its own copy and the linker can never give the AVX2 table an AVX-512 body (or the reverse). No #pragma once: it is
-// meant to be read once per level.
+//   stream(p, v) (non-temporal store), fence(), zero(p, n) (n fp32 zeros), round_bf16(v) (RNE, kept in fp32)
+// and what fused_linear_simd.h's activations need (act<V, A>, act_grad<V, A>); + and * are the vectors' operators.
+// Include it inside the level's unnamed namespace (fastdl::fused_linear::{}), after fused_linear_simd.h and V, with
+// FL_SIMD defined as the level's target attribute: the templates then compile with that ISA and have internal linkage,
+// so each translation unit keeps its own copy and the linker can never give the AVX2 table an AVX-512 body (or the
+// reverse). No #pragma once: it is meant to be read once per level.
 #ifndef FL_SIMD
 #error "fused_linear_epilogue.h: define FL_SIMD (the level's target attribute) before including it"
 #endif
@@ -28,18 +28,18 @@ FL_SIMD FL_SIMD_INLINE void epilogue_group(const Epilogue &e, const float *a, in
         m[g] = V::mask(rem - V::kLanes * g);
         v[g] = V::loadf(a + V::kLanes * g, m[g]);
         if (e.bias)
-            v[g] = V::add(v[g], V::loadf(e.bias + c + V::kLanes * g, m[g]));
+            v[g] = v[g] + V::loadf(e.bias + c + V::kLanes * g, m[g]);
         if (e.pre)
             V::store(e.pre, e.out_dtype, r * e.ld_pre + c + V::kLanes * g, v[g], m[g]);
     }
 #pragma GCC unroll 4
     for (int g = 0; g < G; ++g)
-        v[g] = V::template act<A>(v[g]);
+        v[g] = act<V, A>(v[g]);
 #pragma GCC unroll 4
     for (int g = 0; g < G; ++g) {
         const int64_t cg = c + V::kLanes * g;
         if (e.res)
-            v[g] = V::add(v[g], V::load(e.res, e.res_dtype, r * e.ld_res + cg, m[g]));
+            v[g] = v[g] + V::load(e.res, e.res_dtype, r * e.ld_res + cg, m[g]);
         float *dst = static_cast<float *>(e.out) + r * e.ld_out + cg;
         if (e.stream && e.out_dtype == DType::F32 && V::full(m[g]) &&
             reinterpret_cast<uintptr_t>(dst) % V::kStreamAlign == 0)
@@ -67,13 +67,13 @@ FL_SIMD FL_SIMD_INLINE void dpre_group(const DpreArgs &a, int64_t r, int64_t c, 
             p[g] = V::load(a.p, a.p_dtype, r * a.ld_p + c + V::kLanes * g, m[g]);
 #pragma GCC unroll 4
         for (int g = 0; g < G; ++g)
-            d[g] = V::mul(d[g], V::template act_grad<A>(p[g]));
+            d[g] = d[g] * act_grad<V, A>(p[g]);
     }
 #pragma GCC unroll 4
     for (int g = 0; g < G; ++g) {
         const int64_t cg = c + V::kLanes * g;
         if (part)
-            V::storef(part + cg, V::add(V::loadf(part + cg, m[g]), d[g]), m[g]);
+            V::storef(part + cg, V::loadf(part + cg, m[g]) + d[g], m[g]);
         if (a.dpre)
             V::store(a.dpre, a.dpre_dtype, r * a.ld_dpre + cg, a.dpre_round_bf16 ? V::round_bf16(d[g]) : d[g], m[g]);
     }

@@ -252,6 +252,11 @@ struct Kernels {
     SmallBackward small_bf16;
     Fgemm fgemm;
 };
+// A family's table, built by Make the first time it is asked for (each family's file hands it out through this).
+template <Kernels (*Make)()> const Kernels *cached_table() {
+    static const Kernels k = Make();
+    return &k;
+}
 const Kernels *kernels_avx512_bf16(); // fused_linear_avx512.cpp (nullptr on non-x86 builds)
 const Kernels *kernels_avx512();      // fused_linear_avx512.cpp: AVX-512 F, bf16 through the AVX2 kernels
 const Kernels *kernels_avx2();        // fused_linear_avx2.cpp

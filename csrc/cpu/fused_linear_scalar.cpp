@@ -115,15 +115,31 @@ void dpre_sum_blocks(const float *partial, int64_t ld_partial, int64_t blocks, i
             grad_bias[c] += partial[b * ld_partial + c];
 }
 
+#if !(defined(__x86_64__) || defined(_M_X64))
+// No SIMD family outside x86 (fused_linear_avx512.cpp and fused_linear_avx2.cpp define these on x86).
+const Kernels *kernels_avx512_bf16() {
+    return nullptr;
+}
+const Kernels *kernels_avx512() {
+    return nullptr;
+}
+const Kernels *kernels_avx2() {
+    return nullptr;
+}
+#endif
+
+namespace {
+Kernels make_scalar() {
+    Kernels t;
+    t.name = "scalar";
+    t.epilogue = epilogue_scalar;
+    t.dpre_pass = dpre_pass_scalar;
+    return t;
+}
+} // namespace
+
 const Kernels *kernels_scalar() {
-    static const Kernels k = [] {
-        Kernels t;
-        t.name = "scalar";
-        t.epilogue = epilogue_scalar;
-        t.dpre_pass = dpre_pass_scalar;
-        return t;
-    }();
-    return &k;
+    return cached_table<make_scalar>();
 }
 
 } // namespace fused_linear
