@@ -24,23 +24,7 @@ import torch.nn.functional as F
 from .. import backends
 from ..ops import fused_linear
 from ..ops.fused_linear import ACTIVATIONS, activation_fn
-from .common import (
-    GEMM_RATE_COLUMNS,
-    CallPredictor,
-    LiveTable,
-    activity,
-    add_shape_arguments,
-    env_columns,
-    gemm_shapes,
-    interleaved,
-    mark_slower,
-    measured_matmul_peak,
-    module_main,
-    over_time,
-    print_header,
-    say,
-    sync,
-)
+from . import common
 
 MODES = ("fwd", "fwd_fp32", "train")
 QUICK_ARGS = ["--m", "1", "16", "128", "--llama-m", "--no-compile", "--budget", "0.25", "--max-call", "2"]
@@ -48,7 +32,7 @@ ALL_ARGS = ["--no-compile", "--budget", "0.6"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_shape_arguments(p, llama_default="16 128 on CPU, 4096 on CUDA")
+    common.add_shape_arguments(p, llama_default="16 128 on CPU, 4096 on CUDA")
     p.add_argument("--activation", default="gelu", choices=ACTIVATIONS)
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     p.add_argument("--backends", nargs="+", default=None,
@@ -138,27 +122,27 @@ def _step(mode, fn, x, w, b, g, device, autocast: bool, backend):
 
 
 COLUMNS = [("mode", "mode", 8), ("M", "M", 5), ("K", "K", 5), ("N", "N", 5), ("provider", "provider", 14),
-           ("ms", "ms", 9), ("x_eager", "x eager", 7), *GEMM_RATE_COLUMNS]  # fmt: skip
+           ("ms", "ms", 9), ("x_eager", "x eager", 7), *common.GEMM_RATE_COLUMNS]  # fmt: skip
 
 
 def run(args) -> list[dict]:
     device = args.device
     torch.manual_seed(0)
     act = args.activation
-    print_header("fused_linear", device)
-    peak = measured_matmul_peak(device, torch.bfloat16, torch.float32)
-    env = env_columns(device)
-    say(f"   activation {act}; peak = faster of bf16/fp32 torch.mm: {peak / 1e9:.0f} GFLOP/s; "
+    common.print_header("fused_linear", device)
+    peak = common.measured_matmul_peak(device, torch.bfloat16, torch.float32)
+    env = common.env_columns(device)
+    common.say(f"   activation {act}; peak = faster of bf16/fp32 torch.mm: {peak / 1e9:.0f} GFLOP/s; "
         f"fastdl backend (auto): {backends.select('fused_linear', 'cuda' if device.startswith('cuda') else 'cpu')}")
-    table = LiveTable(COLUMNS)
-    predictor = CallPredictor(args.max_call)
-    shapes = gemm_shapes(args, cpu_llama_m=[16, 128], cuda_llama_m=[4096])
+    table = common.LiveTable(COLUMNS)
+    predictor = common.CallPredictor(args.max_call)
+    shapes = common.gemm_shapes(args, cpu_llama_m=[16, 128], cuda_llama_m=[4096])
     work = [(mode, shape) for mode in args.modes for shape in shapes]
     try:
         for i, (mode, (M, K, N)) in enumerate(work):
-            if over_time(f"{len(work) - i} of {len(work)} shapes"):
+            if common.over_time(f"{len(work) - i} of {len(work)} shapes"):
                 break
-            activity(f"fused_linear {mode} M={M} K={K} N={N}")
+            common.activity(f"fused_linear {mode} M={M} K={K} N={N}")
             provs = _providers(args, act, mode)
             calls, meta = {}, {}
             shared = _tensors(mode, M, K, N, device, fp32=False)
@@ -169,7 +153,7 @@ def run(args) -> list[dict]:
                 ok, pred = predictor.allowed((mode, name, K, N), flops)
                 # only an alternative in the slow dtype is skipped: eager fp32 is every row's fallback reference
                 if base is not None and name != "eager_fp32" and not ok:
-                    say(f"  {name} not timed at {mode} M={M} K={K} N={N}: predicted {pred:.0f} s a call from a "
+                    common.say(f"  {name} not timed at {mode} M={M} K={K} N={N}: predicted {pred:.0f} s a call from a "
                         f"smaller M (> --max-call {args.max_call:g} s; a slow path)")  # fmt: skip
                     skipped.append(name)
                     continue
@@ -188,22 +172,22 @@ def run(args) -> list[dict]:
                         # shape (seconds); timed as interleaved()'s probe it became the row (9-27 s at 1x512x512)
                         t0 = time.perf_counter()
                         calls["compile"]()
-                        sync(device)
-                        say(f"  compile: {time.perf_counter() - t0:.1f} s to compile {mode} M={M} K={K} N={N} "
+                        common.sync(device)
+                        common.say(f"  compile: {time.perf_counter() - t0:.1f} s to compile {mode} M={M} K={K} N={N} "
                             "(a warm-up, not timed as a call)")  # fmt: skip
-                    times = interleaved(calls, device, budget_s=args.budget)
+                    times = common.interleaved(calls, device, budget_s=args.budget)
                 except Exception as exc:  # a provider that cannot run here is reported, then the shape without it
-                    say(f"  a provider failed at {mode} M={M} K={K} N={N}: {type(exc).__name__}: {exc}; retrying "
-                        "without compile")  # fmt: skip
+                    common.say(f"  a provider failed at {mode} M={M} K={K} N={N}: {type(exc).__name__}: {exc}; "
+                               "retrying without compile")  # fmt: skip
                     calls.pop("compile", None)
-                    times = interleaved(calls, device, budget_s=args.budget)
+                    times = common.interleaved(calls, device, budget_s=args.budget)
                 for name, t in times.items():
                     predictor.record((mode, name, K, N), flops, t)
                 _rows(table, times, meta, mode, M, K, N, act, device, peak, env, skipped)
             except Exception as exc:  # one shape that fails does not lose the others' rows
-                say(f"!! {mode} M={M} K={K} N={N} FAILED: {type(exc).__name__}: {exc}")
+                common.say(f"!! {mode} M={M} K={K} N={N} FAILED: {type(exc).__name__}: {exc}")
     except KeyboardInterrupt:
-        say("  interrupted: the rows above are complete")
+        common.say("  interrupted: the rows above are complete")
     return table.finish("fastdl fused_linear", "PyTorch", args.csv)
 
 
@@ -233,12 +217,12 @@ def _rows(table, times, meta, mode, M, K, N, act, device, peak, env, skipped=())
                 checks["eager fp32" + (" step" if mode == "train" else "")] = row["x_fp32"]
             if best_name not in (None, "eager", "eager_fp32"):
                 checks[f"best PyTorch ({best_name})"] = row["x_best"]
-            mark_slower(row, checks)
+            common.mark_slower(row, checks)
         table.add(row)
 
 
 def main(argv=None):
-    return module_main("python -m fastdl.bench.fused_linear", __doc__, add_arguments, run, argv)
+    return common.module_main("python -m fastdl.bench.fused_linear", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":
