@@ -220,12 +220,12 @@ at::Tensor decompress_2_4(const at::Tensor &values_in, const at::Tensor &meta_in
 }
 
 // ------------------------------------------------------------------------------------------- dense route
-// From dense_route_min_rows(...) rows of x on, sparse24_linear decompresses the weight in blocks of rows (at most 16
-// MiB of it in x's dtype at a time: a bounded workspace, freed with the call; never a kept copy) and multiplies each
-// block with fused_linear's CPU forward (fused_linear_api.h: oneDNN where it wins, fastdl's kernels elsewhere). The
-// decompression is paid on every call (the op keeps no state), so the route only pays where the sparse kernel is
-// much slower than a tuned dense GEMM. Measured (AMD EPYC Zen 4, 2 threads, medians of alternating calls, ms: sparse
-// kernel / dense GEMM on a kept dense copy (Sparse24Linear's former cached path) / this route):
+// From dense_route_min_rows(...) rows of x on, sparse24_linear decompresses the weight in blocks of rows (4 MiB of it
+// in x's dtype at a time, or one row if a row is larger: a bounded workspace, freed with the call; never a kept copy)
+// and multiplies each block with fused_linear's CPU forward (fused_linear_api.h: oneDNN where it wins, fastdl's
+// kernels elsewhere). The decompression is paid on every call (the op keeps no state), so the route only pays where the
+// sparse kernel is much slower than a tuned dense GEMM. Measured (AMD EPYC Zen 4, 2 threads, medians of alternating
+// calls, ms: sparse kernel / dense GEMM on a kept dense copy (Sparse24Linear's former cached path) / this route):
 //  * avx512 / avx512_bf16 from 128 rows, weights of 8M elements and more (the pair kernels do half the dense
 //    multiply-adds but run well below the FMA peak): TinyLlama 5632 -> 2048 M = 256 fp32 46.8 / 29.8 / 36.8, bf16
 //    23.1 / 15.1 / 18.1; 2048 -> 5632 M = 256 fp32 35.7 / 29.7 / 32.7, bf16 19.7 / 15.1 / 17.5 (the per-call
@@ -248,8 +248,8 @@ int64_t dense_route_min_rows(const Kernels &kr, int64_t N, int64_t K) {
     return N * K >= kr.dense_min_weight ? kr.dense_min_rows : INT64_MAX;
 }
 
-// out = x @ decompress(values, meta).T + bias, the weight decompressed in blocks of rows (at most 16 MiB in x's dtype)
-// and each block multiplied by fused_linear's forward (fp32 accumulation, bias in its epilogue, one rounding).
+// out = x @ decompress(values, meta).T + bias, the weight decompressed in blocks of rows (4 MiB in x's dtype, or one
+// row) and each block multiplied by fused_linear's forward (fp32 accumulation, bias in its epilogue, one rounding).
 at::Tensor dense_route(const Kernels &kr, const at::Tensor &x, const at::Tensor &values_in, const at::Tensor &meta_in,
                        const at::Tensor &bias, at::Tensor &out) {
     // W is rounded to x's dtype (the contract): fp32 values for bf16 x become bf16 first
