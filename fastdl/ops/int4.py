@@ -172,34 +172,23 @@ def _define_linear(name: str, reference, check, triton: str):
     return op
 
 
-def _public(op, name: str, doc: str):
-    """The public function of one of the two ops (same arguments and defaults), named ``name`` with ``doc``."""
-
-    def linear(
-        x: torch.Tensor,
-        qweight: torch.Tensor,
-        scales: torch.Tensor,
-        zeros: torch.Tensor | None = None,
-        bias: torch.Tensor | None = None,
-        group_size: int = 128,
-    ) -> torch.Tensor:
-        return op(x, qweight, scales, zeros, bias, group_size)
-
-    linear.__name__ = linear.__qualname__ = name
-    linear.__doc__ = doc
-    return linear
-
-
 # cpp: the extension's CPU kernel once it registers one (until then backends.available() reports "fastdl._C has
 # no CPU kernel" and auto takes torch). triton: kernels/int4.py (split-K GEMV for M <= 16, tiled GEMM above).
 int4_weight_only_linear_op = _define_linear(_OP, _reference, check_int4_linear, "int4:int4_weight_only_linear")
-int4_weight_only_linear = _public(
-    int4_weight_only_linear_op,
-    "int4_weight_only_linear",
+
+
+def int4_weight_only_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    group_size: int = 128,
+) -> torch.Tensor:
     """``x @ W.T + bias`` for the int4 weight ``W = (u - z) * scales`` (see the module docstring): ``x [..., K]``,
     ``qweight`` uint8 ``[N, K / 2]`` (``pack_int4``), ``scales`` float16 ``[N, K / group_size]``, ``zeros`` uint8
-    ``[N, K / group_size]`` or None (symmetric, z = 8). Returns ``[..., N]`` in x's dtype (fp32 accumulation).""",
-)
+    ``[N, K / group_size]`` or None (symmetric, z = 8). Returns ``[..., N]`` in x's dtype (fp32 accumulation)."""
+    return int4_weight_only_linear_op(x, qweight, scales, zeros, bias, group_size)
 
 
 # ------------------------------------------------------------------------------------ W4A8: int4_a8_linear
@@ -248,12 +237,19 @@ def _a8_reference(x, qweight, scales, zeros, bias, group_size):
 # kernel and an int8 tl.dot GEMM). The derivative is straight through the activations' rounding (as int8_linear's):
 # grad_x = g @ W, grad_bias = sum g.
 int4_a8_linear_op = _define_linear(_A8_OP, _a8_reference, check_int4_a8_linear, "int4:int4_a8_linear")
-int4_a8_linear = _public(
-    int4_a8_linear_op,
-    "int4_a8_linear",
+
+
+def int4_a8_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    group_size: int = 128,
+) -> torch.Tensor:
     """W4A8: ``int4_weight_only_linear`` with x quantized to int8 per row and group first (see above): the same
-    arguments, integer products. Returns ``[..., N]`` in x's dtype.""",
-)
+    arguments, integer products. Returns ``[..., N]`` in x's dtype."""
+    return int4_a8_linear_op(x, qweight, scales, zeros, bias, group_size)
 
 
 # --------------------------------------------------------------------------------------------------- quantizer
