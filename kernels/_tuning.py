@@ -66,9 +66,10 @@ def tile(c) -> tuple:
     return (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages)
 
 
-def prune(configs, t: torch.Tensor, smem_of, regs_of, reg_limit, prefer=None) -> list:
-    """Keep the configs whose pipelined operand buffers (``smem_of``, bytes) fit in t's device's shared memory and
-    whose per-thread register estimate (``regs_of``) stays at most ``reg_limit``; of those, the ones ``prefer``
+def prune(configs, t: torch.Tensor, smem_of, regs_of, reg_limit, prefer=None, allow=None) -> list:
+    """Keep the configs whose pipelined operand buffers (``smem_of``, bytes) fit in t's device's shared memory,
+    whose per-thread register estimate (``regs_of``) stays at most ``reg_limit`` and that ``allow`` accepts (when
+    given: a kernel's own limit, e.g. fused_linear's FMA K depth); of those, the ones ``prefer``
     accepts if any (e.g. the tiles that suit M; fewer candidates also means less autotuning). Off CUDA only
     ``prefer`` applies. Always keeps at least one config (the lightest); pruning is an optimisation only and never
     breaks a launch."""
@@ -85,7 +86,7 @@ def prune(configs, t: torch.Tensor, smem_of, regs_of, reg_limit, prefer=None) ->
         fitting = [c for c in configs if smem_of(c) <= limit]
         if not fitting:
             return [min(configs, key=smem_of)]
-        light = [c for c in fitting if regs_of(c) <= reg_limit]
+        light = [c for c in fitting if regs_of(c) <= reg_limit and (allow is None or allow(c))]
         return preferred(light) if light else [min(fitting, key=regs_of)]
     except Exception:
         return configs

@@ -101,11 +101,9 @@ def _configs(tiles, names):
 
 
 def _prune(configs, tensor, smem_of, regs_of, reg_limit, max_k=None):
-    """_tuning.prune, with configs deeper than max_k counted as over the register limit."""
-    if max_k is None:
-        return _tuning.prune(configs, tensor, smem_of, regs_of, reg_limit)
-    return _tuning.prune(configs, tensor, smem_of, lambda c: regs_of(c) + (1 << 20 if _depth(c) > max_k else 0),
-                         reg_limit)  # fmt: skip
+    """_tuning.prune, allowing only configs at most max_k deep (when given)."""
+    return _tuning.prune(configs, tensor, smem_of, regs_of, reg_limit,
+                         allow=None if max_k is None else (lambda c: _depth(c) <= max_k))  # fmt: skip
 
 
 def _depth(c):
