@@ -63,6 +63,28 @@ def test_op_matches_float64_reference_odd_shapes(backend, dtype):
                 assert err <= TOL[dtype], (backend, dtype, N, K, M, G, zeros, err)
 
 
+def test_bf16_x_from_16_rows_over_several_weight_blocks():
+    """bf16 x from 16 rows (on a CPU with AVX512_BF16 the C++ op then multiplies the weight rounded to bf16, in
+    blocks of 1024 rows at K = 4096: N = 1100 takes a full block and a 76-row tail) matches the float64 reference
+    within one bf16 rounding of the output plus the weight's, and the bf16-rounded weight's product more closely."""
+    N, K, G = 1100, 4096, 128
+    u, s, z = random_int4(N, K, G, True, seed=5)
+    W = dequant_ref(u, s, z, G)
+    Wb = W.float().bfloat16().double()
+    g = torch.Generator().manual_seed(6)
+    for lead in ((16,), (2, 9), (40,)):
+        x = torch.randn(*lead, K, generator=g).bfloat16()
+        bias = torch.randn(N, generator=g)
+        out = int4_weight_only_linear(x, pack_ref(u), s, z, bias, G)
+        assert out.dtype == torch.bfloat16 and out.shape == (*lead, N)
+        assert rel_err(out, linear_ref(x, W, bias)) <= TOL[torch.bfloat16], lead
+        assert rel_err(out, linear_ref(x, Wb, bias)) <= 5e-3, lead  # one output rounding (2^-9) and the sums'
+        # every column block is where it belongs: the worst column is no worse than the output rounding allows
+        col_err = ((out.double() - linear_ref(x, Wb, bias)).abs().amax(dim=tuple(range(len(lead))))
+                   / linear_ref(x, Wb, bias).abs().amax())  # fmt: skip
+        assert float(col_err.max()) <= 2e-2, lead
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_op_noncontiguous_leading_dims_empty_and_bias_dtypes(backend):
     N, K, G = 33, 256, 64

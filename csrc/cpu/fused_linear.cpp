@@ -323,6 +323,10 @@ at::Tensor linear_forward(const at::Tensor &x2, const at::Tensor &w, const std::
     return std::get<0>(fused_linear_cpu(x2, w, bias, "none", std::nullopt, false));
 }
 
+bool has_bf16_dot() {
+    return kernels().pb_bf16.block != nullptr;
+}
+
 } // namespace fused_linear
 } // namespace fastdl
 

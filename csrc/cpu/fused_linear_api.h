@@ -14,5 +14,9 @@ namespace fused_linear {
 // into a bounded buffer, multiplied, dropped.
 at::Tensor linear_forward(const at::Tensor &x2, const at::Tensor &w, const std::optional<at::Tensor> &bias);
 
+// Whether this process's family multiplies bf16 pairs in hardware (AVX512_BF16's vdpbf16ps, fp32 accumulation): a
+// bf16 linear_forward then runs at twice the fp32 rate, which the quantized formats' bf16 routes use.
+bool has_bf16_dot();
+
 } // namespace fused_linear
 } // namespace fastdl

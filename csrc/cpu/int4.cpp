@@ -14,9 +14,12 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <optional>
 #include <vector>
 
 #include "cpu_isa.h"
+#include "fused_linear_api.h"
 #include "fused_linear_kernels.h"
 #include "parallel.h"
 
@@ -42,7 +45,7 @@ const Kernels &kernels() {
 
 namespace {
 
-// Streaming kernel up to this many rows, fgemm above (where this family has fgemm: AVX2 and AVX-512).
+constexpr int64_t kBf16DenseMinRows = 16;
 
 void check_cpu(const char *op, const at::Tensor &t, const char *name) {
     TORCH_CHECK(t.device().is_cpu(), op, ": ", name, " must be a CPU tensor, got ", t.device());
@@ -164,10 +167,62 @@ template <class F> void over_columns(int64_t M, int64_t N, int64_t K, const F &f
     });
 }
 
-// Float x: the streaming kernel, the tile kernel or fgemm by M (the family's limits).
+// bf16 x on a CPU that multiplies bf16 pairs in hardware (AVX512_BF16), from bf16_dense_min_rows() rows: the weight is
+// dequantized in blocks of rows, (u - z) * s exactly in fp32, into a bounded buffer (kBf16BlockBytes, freed with the
+// call; never a kept copy), and each block is multiplied by fused_linear's CPU forward, which rounds it to bf16 as
+// autocast rounds an fp32 weight (vdpbf16ps on bf16 pairs, fp32 accumulation, one rounding of the output). The tile
+// kernel widens x to fp32 and multiplies at the fp32 rate, half of vdpbf16ps's: at compute-bound M it ran at 0.5x
+// eager bf16 F.linear on the bf16 weight. Measured on AMD EPYC Zen 4, 2 threads, ms:
+//  * `fastdl bench int4 --quick --x-dtype bfloat16` (weights cold), groups of 128, tiles -> this route (eager bf16
+//    F.linear on the bf16 weight): M = 128 4096 x 4096 22.0 -> 13.6 (11.1-12.4), 4096 -> 11008 71.1 -> 37.6
+//    (30.4-31.7); the remaining gap is the per-call dequantization (~1.5 ms per 16 M weights).
+//  * the threshold (medians of 7 calls, warm, two runs each, tiles / route): 4096 x 4096 M = 3 1.00-1.39 /
+//    1.68-1.71, M = 8 1.69-1.94 / 1.62-1.94, M = 16 2.93-3.42 / 2.53-2.89, M = 32 5.38-5.75 / 3.70-5.17; 11008 ->
+//    4096 M = 16 8.01-8.47 / 7.27-7.66, M = 32 16.3-16.9 / 11.9-12.4. From 16 rows.
+//  * the block: fused_linear's bf16 forward over a 4096 x 4096 weight cut in blocks of 256 / 1024 rows, M = 128,
+//    12.2 / 10.5 ms (whole: 10.7); fp32 blocks (rounded in the kernel) 15.4 / 12.8. Blocks of 8 MiB of bf16.
+constexpr int64_t kBf16BlockBytes = int64_t{8} << 20;
+
+int64_t bf16_dense_min_rows() {
+    static const int64_t forced = [] { // FASTDL_INT4_BF16_DENSE_ROWS=<rows>: tests run both routes, benchmarks the
+        const char *env = std::getenv("FASTDL_INT4_BF16_DENSE_ROWS"); // crossover (read once per process)
+        return env && *env ? std::max<int64_t>(1, std::atoll(env)) : int64_t(0);
+    }();
+    return forced ? forced : kBf16DenseMinRows;
+}
+
+bool bf16_dense(const at::Tensor &x, const Checked &c) {
+    return x.scalar_type() == at::kBFloat16 && c.M >= bf16_dense_min_rows() && kernels().dequant_rows_bf16 &&
+           fastdl::fused_linear::has_bf16_dot();
+}
+
+at::Tensor bf16_dense_route(const at::Tensor &x, const Checked &c) {
+    const Kernels &kr = kernels();
+    const int64_t M = c.M, N = c.N, K = c.K;
+    const at::Tensor x2 = x.reshape({M, K}).contiguous();
+    const int64_t nb = std::clamp<int64_t>(kBf16BlockBytes / (2 * K), 1, N);
+    at::Tensor wblock = at::empty({nb, K}, x.options());
+    uint16_t *wp = reinterpret_cast<uint16_t *>(wblock.data_ptr<at::BFloat16>());
+    const at::Tensor res = c.out.view({M, N});
+    const Int4Args a = c.args<Int4Args>(nullptr);
+    for (int64_t n0 = 0; n0 < N; n0 += nb) {
+        const int64_t rows = std::min(nb, N - n0);
+        parallel_for(0, rows, std::max<int64_t>(1, 16384 / K),
+                     [&](int64_t r0, int64_t r1) { kr.dequant_rows_bf16(a, n0 + r0, n0 + r1, wp + r0 * K); });
+        std::optional<at::Tensor> b;
+        if (c.b.defined())
+            b = c.b.narrow(0, n0, rows);
+        res.narrow(1, n0, rows).copy_(fastdl::fused_linear::linear_forward(x2, wblock.narrow(0, 0, rows), b));
+    }
+    return c.out;
+}
+
+// Float x: the bf16 route above, else the streaming kernel, the tile kernel or fgemm by M (the family's limits).
 at::Tensor weight_only_route(const at::Tensor &x, const Checked &c) {
     const Kernels &kr = kernels();
     const int64_t M = c.M, N = c.N, K = c.K;
+    if (bf16_dense(x, c))
+        return bf16_dense_route(x, c);
     const bool tiles = M > kr.stream_max_rows && M <= kr.tiles_max_rows && kr.tiles;
     const bool fgemm = M > kr.stream_max_rows && !tiles && x.scalar_type() != at::kHalf;
     if (fgemm) { // x fp32 / bf16 as it is

@@ -80,6 +80,9 @@ struct Kernels {
     // The float route of this family (int4.cpp): stream up to stream_max_rows rows of x, tiles up to tiles_max_rows,
     // fused_linear's fgemm above (measured per family: the numbers are in each family's file)
     int64_t stream_max_rows = INT64_MAX, tiles_max_rows = 0;
+    // weight rows [n0, n1) dequantized, (u - z) * s (exact in fp32), then rounded to bf16 (RNE) into dst
+    // [n1 - n0, K]: the blocks of int4.cpp's bf16 route (AVX-512 only: only CPUs with AVX512_BF16 take that route)
+    void (*dequant_rows_bf16)(const Int4Args &a, int64_t n0, int64_t n1, uint16_t *dst) = nullptr;
 };
 
 #if defined(__x86_64__) || defined(_M_X64)
