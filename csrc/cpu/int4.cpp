@@ -174,8 +174,9 @@ template <class F> void over_columns(int64_t M, int64_t N, int64_t K, const F &f
 // kernel widens x to fp32 and multiplies at the fp32 rate, half of vdpbf16ps's: at compute-bound M it ran at 0.5x
 // eager bf16 F.linear on the bf16 weight. Measured on AMD EPYC Zen 4, 2 threads, ms:
 //  * `fastdl bench int4 --quick --x-dtype bfloat16` (weights cold), groups of 128, tiles -> this route (eager bf16
-//    F.linear on the bf16 weight): M = 128 4096 x 4096 22.0 -> 13.6 (11.1-12.4), 4096 -> 11008 71.1 -> 37.6
-//    (30.4-31.7); the remaining gap is the per-call dequantization (~1.5 ms per 16 M weights).
+//    F.linear on the bf16 weight): M = 128 4096 x 4096 22.0 -> 11.5 (11.1), 4096 -> 11008 71.1 -> 30.8 (30.2); M = 16
+//    3.48 -> 2.52 (2.98), 9.95 -> 6.27 (8.13). (Dequantizing through an fp32 row and integer rounding, before
+//    vcvtne2ps2bf16: 13.6 and 37.6 at M = 128.)
 //  * the threshold (medians of 7 calls, warm, two runs each, tiles / route): 4096 x 4096 M = 3 1.00-1.39 /
 //    1.68-1.71, M = 8 1.69-1.94 / 1.62-1.94, M = 16 2.93-3.42 / 2.53-2.89, M = 32 5.38-5.75 / 3.70-5.17; 11008 ->
 //    4096 M = 16 8.01-8.47 / 7.27-7.66, M = 32 16.3-16.9 / 11.9-12.4. From 16 rows.

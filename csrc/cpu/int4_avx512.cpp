@@ -54,17 +54,27 @@ struct Avx512Traits : I4Common256, I4Float<Zmm> {
 
 #include "int4_stream.h"
 
-I4_SIMD void dequant_rows_bf16(const Int4Args &a, int64_t n0, int64_t n1, uint16_t *dst) {
-    std::unique_ptr<float[]> row(new float[a.K]);
-    const __m512i half = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1);
+// Weight rows [n0, n1) into bf16 for int4.cpp's bf16 route: each 32 codes become two fp32 vectors (u - z) * s (exact)
+// and one vcvtne2ps2bf16 (round to nearest even). Compiled for AVX512_BF16 as well: the route runs only where
+// fused_linear's family has it (has_bf16_dot).
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,fma,f16c"))) void
+dequant_rows_bf16(const Int4Args &a, int64_t n0, int64_t n1, uint16_t *dst) {
+    const int64_t groups = a.K / a.group, blocks = a.group / 32;
     for (int64_t n = n0; n < n1; ++n) {
-        i4_dequant_row<Avx512Traits>(a, n, row.get());
+        const uint8_t *q = a.q + n * (a.K / 2);
+        const uint16_t *s = a.scales + n * groups;
+        const uint8_t *zr = a.zeros ? a.zeros + n * groups : nullptr;
         uint16_t *d = dst + (n - n0) * a.K;
-        for (int64_t k = 0; k < a.K; k += 16) { // K is a multiple of 32; the values are finite: RNE by integer adds
-            const __m512i b = _mm512_castps_si512(_mm512_loadu_ps(row.get() + k));
-            const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), one);
-            const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(half, odd)), 16);
-            _mm256_storeu_si256(reinterpret_cast<__m256i *>(d + k), _mm512_cvtepi32_epi16(r));
+        for (int64_t g = 0; g < groups; ++g) {
+            const auto table = Avx512Traits::zp(zr ? zr[g] : 8);
+            const __m512 sv = _mm512_set1_ps(Avx512Traits::half(s[g]));
+            for (int64_t b = 0; b < blocks; ++b) {
+                const int64_t k = (g * blocks + b) * 32;
+                __m512 w[2];
+                Avx512Traits::codes(q + k / 2, table, w);
+                const __m512bh r = _mm512_cvtne2ps_pbh(_mm512_mul_ps(w[1], sv), _mm512_mul_ps(w[0], sv));
+                _mm512_storeu_si512(d + k, reinterpret_cast<const __m512i &>(r));
+            }
         }
     }
 }
