@@ -442,8 +442,9 @@ def test_int4_bench_providers_compute_the_same_product():
     ref[None] = x @ w.providers["fp32"]["rot"].copies[0][0].T  # the float weight (int4: ~10 % away from it)
     for name, prov in w.providers.items():
         if prov["rot"] is not None:
-            g = int(name.rsplit("_g", 1)[1]) if "_g" in name else None
-            tol = 1e-4 if name.startswith("fastdl_int4") else 0.03  # bf16, int8, int8 activations (w4a8)
+            g = int(name.rsplit("_g", 1)[1].split("_")[0]) if "_g" in name else None
+            exact = name.startswith("fastdl_int4") and not name.endswith("_bf16")
+            tol = 1e-4 if exact else 0.03  # bf16, int8, int8 activations (w4a8)
             out = prov["rot"]().float()
             assert (out - ref[g]).norm() / ref[g].norm() < tol, name
     if bench_int4._aten_available() is None:
@@ -469,7 +470,8 @@ def test_int4_bench_runs_on_tiny_shapes(tmp_path):
     K, N, llc = 256, 512, 1 << 20
     expected = {"fp32": 4 * N * K, "bf16": 2 * N * K, "fastdl_int8_wo": N * K + 4 * N}
     for g in (32, 128):
-        expected[f"fastdl_int4_g{g}"] = expected[f"fastdl_w4a8_g{g}"] = N * K // 2 + 2 * N * K // g
+        for sfx in ("", "_bf16"):  # the fastdl int4 rows in both activation dtypes (the default --x-dtype both)
+            expected[f"fastdl_int4_g{g}{sfx}"] = expected[f"fastdl_w4a8_g{g}{sfx}"] = N * K // 2 + 2 * N * K // g
     if bench_int4._aten_available() is None:
         expected["aten_int4_g128"] = None  # its scales_and_zeros in its activation dtype (checked below)
     by = {(r["M"], r["provider"]): r for r in rows}
@@ -491,8 +493,11 @@ def test_int4_bench_runs_on_tiny_shapes(tmp_path):
         judged = name.startswith(("fastdl_int4", "fastdl_w4a8"))
         assert ("slower" in r) == judged and ("bar" in r) == judged
         if judged:
-            assert r["group_size"] == int(name.rsplit("g", 1)[1]) and r["bar"] in ("met", "MISSED")
+            assert r["group_size"] == int(name.split("_g")[1].split("_")[0]) and r["bar"] in ("met", "MISSED")
             assert (r["bar"] == "MISSED") == bool(r["bar_missed"])
+            # like with like: each row is judged against eager F.linear in its own activation dtype (and ATen int4)
+            assert r["x_dtype"] == ("bf16" if name.endswith("_bf16") else "fp32"), name
+            assert r["best_pytorch"] in (r["x_dtype"], "aten_int4_g128"), (name, r["best_pytorch"])
     assert not by[(1, "fp32")]["cold"] and by[(1, "fastdl_int8_wo")]["cold"]  # the cap vs the cache, both ways
     assert "pct_dram" in csv_path.read_text().splitlines()[0]
 

@@ -8,14 +8,16 @@ providers are interleaved in rounds (each round calls every provider once, in an
 and the medians are reported. The memory's read bandwidth is measured once (``dram_read_bandwidth``: ``torch.sum``
 of a buffer far larger than the cache) and every row says which share of it the call reaches.
 
-Providers (inference forward, no bias; x float32 unless ``--x-dtype bfloat16``):
+Providers (inference forward, no bias; the fastdl int4 rows in float32 and in bfloat16 x unless ``--x-dtype`` names
+one; the bfloat16 ones end in ``_bf16``):
   fp32              eager ``F.linear`` in float32 (x repl: every ratio refers to it)
   bf16              eager ``F.linear`` in bfloat16 (bf16 x and weight)
   aten_int4_g128    ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (what torchao's ``Int4CPULayout`` calls) on the same
                     int4 codes and scales, groups of 128, at its best activation dtype: float32 and bfloat16 are
                     both tried on each shape and the faster is timed (column x: which); a dtype more than 3x slower
                     at a smaller M of the same K x N is not tried again
-  fastdl_int8_wo    ``fastdl.ops.int8_weight_only_linear``, int8 weights with a float32 scale per output channel
+  fastdl_int8_wo    ``fastdl.ops.int8_weight_only_linear``, int8 weights with a float32 scale per output channel (x in
+                    the first of the fastdl dtypes: float32 by default)
   fastdl_int4_g*    ``fastdl.ops.int4_weight_only_linear``, groups of 32 / 128 (float activations)
   fastdl_w4a8_g*    ``fastdl.ops.int4_a8_linear``: the same weights, x quantized to int8 per row and group inside
 
@@ -28,8 +30,11 @@ Columns: copies (weight copies rotated), ms (median; ``*``: a slow call timed 1-
 read per call / time), % DRAM (of the measured read bandwidth), x repl (eager fp32 time / time), x int8 (fastdl int8
 weight-only time / time), x aten (ATen int4 time / time), bar (int4 rows: issue 29's bars; at M = 1: >= 1.7x (g128) /
 1.5x (g32) int8 weight-only, >= 6x eager fp32, >= 3x ATen int4, >= 80 % of the DRAM bandwidth; at larger M: never
-slower than the faster of int8 weight-only and eager fp32). Every int4 row slower than a PyTorch path (eager fp32,
-eager bf16, ATen int4) is marked ``<<< SLOWER``.
+slower than the faster of int8 weight-only and eager ``F.linear`` in the row's activation dtype). Like with like:
+every int4 row slower than eager ``F.linear`` in its own activation dtype (a float32 row against float32, a bfloat16
+row against bfloat16: the precision a user keeps) or than ATen's int4 op (at that op's faster dtype) is marked
+``<<< SLOWER``; the fastest configuration of each shows in the bfloat16 rows on CPUs where bfloat16 is the fast dtype
+(AVX512_BF16) and in the float32 rows elsewhere.
 """
 
 from __future__ import annotations
@@ -69,7 +74,6 @@ ATEN_GROUP = 128
 # A dtype of ATen's op this many times slower than the other at a smaller M is not tried again at larger M (its
 # float32 path dequantizes per row: 33 ms at M = 1, 3.7 s at M = 128 on 4096 x 4096, Zen 3).
 ATEN_GIVE_UP = 3.0
-PYTORCH = ("fp32", "bf16", "aten_int4_g128")
 # issue 29's bars at M = 1: minimum ratio vs fastdl int8 weight-only per group size, vs eager fp32, vs ATen; % DRAM
 BAR_X_INT8 = {128: 1.7, 32: 1.5}
 BAR_X_FP32 = 6.0
@@ -77,6 +81,9 @@ BAR_X_ATEN = 3.0
 BAR_PCT_DRAM = 80.0
 MAX_COPIES = 4096
 _NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+X_DTYPES = {"float32": (torch.float32,), "bfloat16": (torch.bfloat16,), "both": (torch.float32, torch.bfloat16)}
+_SUFFIX = {torch.float32: "", torch.bfloat16: "_bf16"}  # fastdl int4 row names by activation dtype
+_EAGER = {torch.float32: "fp32", torch.bfloat16: "bf16"}  # the eager F.linear row of each activation dtype
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -96,8 +103,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-call-s", type=float, default=None,
                    help="skip a provider predicted (from a smaller M) to take longer than this per call (default 3; "
                         "1 with --quick)")  # fmt: skip
-    p.add_argument("--x-dtype", choices=("float32", "bfloat16"), default="float32",
-                   help="activation dtype of the fastdl rows (default float32)")
+    p.add_argument("--x-dtype", choices=("float32", "bfloat16", "both"), default="both",
+                   help="activation dtype of the fastdl int4 rows (default both: float32 rows and _bf16 rows)")
     p.add_argument("--llc-multiple", type=float, default=3.0,
                    help="a provider's weight copies together exceed this many times the last-level cache (default 3)")
     p.add_argument("--llc-mb", type=float, default=None,
@@ -164,7 +171,8 @@ class Weights:
             n = copies_for(per, llc, args.llc_multiple, cap)
             self.providers[name] = {"rot": Rotation(fn, _clones(ts, n)), "bytes": per, "copies": n, "x": xdtype}
 
-        xd = getattr(torch, args.x_dtype)
+        xds = X_DTYPES[args.x_dtype]
+        xd = xds[0]
         add("fp32", lambda wt: F.linear(xs[torch.float32], wt), (w,), torch.float32)
         add("bf16", lambda wt: F.linear(xs[torch.bfloat16], wt), (w.to(torch.bfloat16),), torch.bfloat16)
         w_q, w_s = ops.quantize_per_channel(w)
@@ -173,10 +181,12 @@ class Weights:
         why = _aten_available()
         for g in GROUPS:
             qw, sc, zp = ops.quantize_int4(w, g, "rtn")
-            add(f"fastdl_int4_g{g}", lambda q, s, z, g=g: ops.int4_weight_only_linear(xs[xd], q, s, z, None, g),
-                (qw, sc, zp), xd)  # fmt: skip
-            add(f"fastdl_w4a8_g{g}", lambda q, s, z, g=g: ops.int4_a8_linear(xs[xd], q, s, z, None, g),
-                (qw, sc, zp), xd)  # fmt: skip
+            for dt in xds:
+                sfx = _SUFFIX[dt]
+                add(f"fastdl_int4_g{g}{sfx}",
+                    lambda q, s, z, g=g, dt=dt: ops.int4_weight_only_linear(xs[dt], q, s, z, None, g), (qw, sc, zp), dt)
+                add(f"fastdl_w4a8_g{g}{sfx}",
+                    lambda q, s, z, g=g, dt=dt: ops.int4_a8_linear(xs[dt], q, s, z, None, g), (qw, sc, zp), dt)
             if g == ATEN_GROUP and why is None:
                 try:
                     self._add_aten(qw, sc, zp, K, N, g, llc, args, cap)
@@ -269,18 +279,21 @@ def _bar(row: dict, times: dict, M: int) -> None:
         if row["pct_dram"] < BAR_PCT_DRAM:
             missed.append(f"{row['pct_dram']:.0f} % of DRAM bandwidth < {BAR_PCT_DRAM:.0f} %")
     else:
-        peers = {k: times[k] for k in ("fastdl_int8_wo", "fp32") if k in times}
+        eager = _EAGER[row["x"]]
+        peers = {k: times[k] for k in ("fastdl_int8_wo", eager) if k in times}
         if peers:
             best = min(peers, key=peers.get)
             if t > peers[best]:
-                missed.append(f"{peers[best] / t:.2f}x {best} (the faster of int8 weight-only and eager fp32)")
+                missed.append(f"{peers[best] / t:.2f}x {best} (the faster of int8 weight-only and eager "
+                              f"{_short(row['x'])})")  # fmt: skip
     row["bar"] = "MISSED" if missed else "met"
     row["bar_missed"] = "; ".join(missed)
 
 
 def _judge(row: dict, times: dict) -> None:
+    """Like with like: the row against eager F.linear in its own activation dtype and against ATen's int4 op."""
     t = times[row["provider"]]
-    torch_t = {k: times[k] for k in PYTORCH if k in times}
+    torch_t = {k: times[k] for k in (_EAGER[row["x"]], f"aten_int4_g{ATEN_GROUP}") if k in times}
     if not torch_t:
         return
     best = min(torch_t, key=torch_t.get)
@@ -327,7 +340,7 @@ def run(args) -> list[dict]:
         dram, how = dram_read_bandwidth(), f"torch.sum of a buffer >> the cache, {torch.get_num_threads()} threads"
     say(f"   DRAM read bandwidth {dram:.1f} GB/s ({how}); last-level cache {llc / (1 << 20):.3g} MiB; weights cold: "
         f"each provider rotates over copies > {args.llc_multiple:g}x the cache (at most {args.max_mb:.4g} MB, at "
-        f"least 2 copies); x {args.x_dtype} for the fastdl rows")  # fmt: skip
+        f"least 2 copies); x {args.x_dtype} for the fastdl int4 rows")  # fmt: skip
     table = LiveTable(COLUMNS)
     predictor = CallPredictor(max_call_s)
     shapes = _shapes(args)
@@ -407,7 +420,7 @@ def _measure(M, K, N, weights: Weights, args, budget, max_call_s, predictor, his
         note = meta[name]["note"]
         if rotated <= llc:
             note = "not cold: copies <= LLC" + (f"; {note}" if note else "")
-        group = int(name.rsplit("_g", 1)[1]) if "_g" in name else None
+        group = int(name.rsplit("_g", 1)[1].split("_")[0]) if "_g" in name else None
         row = {
             "op": "int4", "device": "cpu", "M": M, "K": K, "N": N, "provider": name, "x_dtype": _short(meta[name]["x"]),
             "group_size": group, "copies": p["copies"], "rotated_mb": rotated / 1e6, "llc_mb": llc / (1 << 20),
@@ -417,11 +430,12 @@ def _measure(M, K, N, weights: Weights, args, budget, max_call_s, predictor, his
             "x_replaced": times["fp32"] / t if "fp32" in times else None,
             "x_int8": times["fastdl_int8_wo"] / t if "fastdl_int8_wo" in times else None,
             "x_aten": times[f"aten_int4_g{ATEN_GROUP}"] / t if f"aten_int4_g{ATEN_GROUP}" in times else None,
-            "note": note, **env,
+            "note": note, "x": meta[name]["x"], **env,
         }  # fmt: skip
         if name.startswith(("fastdl_int4", "fastdl_w4a8")):
             _judge(row, times)
             _bar(row, times, M)
+        del row["x"]
         rows.append(row)
     return rows
 
