@@ -45,6 +45,9 @@ struct I4Common256 {
     }
     static I4_SIMD inline I izero() { return _mm256_setzero_si256(); }
     static I4_SIMD inline float half(uint16_t h) { return _cvtsh_ss(h); }
+    static I4_SIMD inline void half8(const uint16_t *p, float *dst) {
+        _mm256_storeu_ps(dst, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p))));
+    }
 };
 
 } // namespace
