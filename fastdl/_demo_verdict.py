@@ -192,7 +192,7 @@ def verdict(r: dict, cpu: dict) -> list[str]:
         if "fastdl_dense" in st["providers"]:
             cost = fd["ms"] / st["providers"]["fastdl_dense"]["ms"]
             lines.append(f"  {st['stage']}: the 2:4 step costs {cost:.2f}x the dense fastdl step at the same precision"
-                         " (timed in different phases of the run: indicative)")  # fmt: skip
+                         " (the two steps timed interleaved)")  # fmt: skip
     missed = check_bars(r)
     lines.append("  accuracy bars: " + ("all met" if not missed else "MISSED: " + "; ".join(missed)))
     slower = slower_comparisons(all_stages)

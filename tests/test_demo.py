@@ -109,6 +109,34 @@ def _results(fastdl_ms=1.0, fastdl_other_ms=2.0, fp32_ms=1.5, bf16_ms=9.0, spars
 CPU = {"model": "Test CPU", "level": "avx2", "capped": False}
 
 
+def test_training_steps_are_timed_interleaved_in_rotated_order():
+    """Every run steps once per round, in an order rotated from round to round (each run first in turn), and the
+    medians cover the timed rounds only (not the warm-up)."""
+    calls = []
+
+    class Recorder(torch.nn.Module):
+        def __init__(self, name):
+            super().__init__()
+            self.name, self.lin = name, torch.nn.Linear(4, 3)
+
+        def forward(self, x):
+            calls.append(self.name)
+            return self.lin(x)
+
+    runs = {}
+    for name in "abc":
+        m = Recorder(name)
+        runs[name] = (m, torch.optim.SGD(m.parameters(), lr=0.1), torch.float32)
+    batches = [(torch.randn(5, 4), torch.randint(0, 3, (5,))) for _ in range(2)]
+    out = demo._timed_steps(runs, batches, torch.device("cpu"), lambda: None, rounds=4)
+    assert set(out) == set("abc") and all(v > 0 for v in out.values())
+    n = demo.TIMING_WARMUP + 4
+    assert len(calls) == 3 * n
+    rounds = [calls[3 * r:3 * r + 3] for r in range(n)]
+    assert all(sorted(r) == ["a", "b", "c"] for r in rounds)
+    assert [r[0] for r in rounds[:3]] == ["a", "b", "c"]
+
+
 def test_verdict_all_faster():
     r = _results()
     lines = demo.verdict(r, CPU)
