@@ -204,7 +204,8 @@ def test_sparse_linear_leading_dims_noncontiguous_mixed_dtypes(backend):
 
 
 LEVEL_LINEAR_SHAPES = [(1, 68, 9), (2, 4, 5), (3, 100, 25), (4, 12, 7), (5, 132, 17), (7, 1028, 26), (9, 520, 3),
-                       (33, 260, 10), (200, 36, 5), (250, 268, 50), (24, 4, 17)]
+                       (33, 260, 10), (200, 36, 5), (250, 268, 50), (24, 4, 17),
+                       (5, 4096, 1100)]  # the dense route's blocks: 1024 rows in bf16, 256 in fp32, then a tail
 
 
 def check_cpp_levels_match() -> str:

@@ -221,7 +221,7 @@ at::Tensor decompress_2_4(const at::Tensor &values_in, const at::Tensor &meta_in
 
 // ------------------------------------------------------------------------------------------- dense route
 // From dense_route_min_rows(...) rows of x on, sparse24_linear decompresses the weight in blocks of rows (4 MiB of it
-// in x's dtype at a time, or one row if a row is larger: a bounded workspace, freed with the call; never a kept copy)
+// in fp32, 8 MiB in bf16, or one row if a row is larger: a bounded workspace, freed with the call; never a kept copy)
 // and multiplies each block with fused_linear's CPU forward (fused_linear_api.h: oneDNN where it wins, fastdl's
 // kernels elsewhere). The decompression is paid on every call (the op keeps no state), so the route only pays where the
 // sparse kernel is much slower than a tuned dense GEMM. Measured (AMD EPYC Zen 4, 2 threads, medians of alternating
@@ -235,6 +235,9 @@ at::Tensor decompress_2_4(const at::Tensor &values_in, const at::Tensor &meta_in
 //    of the scalar kernel's time).
 //  * avx2 (capped, fp32 x with bf16 values / bf16 x): M = 512: 716-813 (sparse) / 716 (F.linear fp32): never (the
 //    broadcast kernel runs the dense GEMM's multiply-adds at ~84% of the FMA peak and reads half the weight).
+//  * the block: fp32 4 MiB (16 and 32 MiB were no faster); bf16 8 MiB (1024 rows at K = 4096): fused_linear's bf16
+//    kernels pack x^T once per call, and 4 MiB blocks cost 4096 x 4096 M = 128 12.2-12.9 ms against 11.3-11.6 (dense
+//    bf16 F.linear 10.9-11.6); the TinyLlama shapes and M = 256 did not move (two alternating runs each).
 // Each family's Kernels::dense_min_rows / dense_min_weight hold these numbers. FASTDL_SPARSE24_DENSE_ROWS=<rows>
 // overrides them (read once per process: the tests run both routes at every level, and benchmarks measure the
 // crossover with it).
@@ -248,8 +251,8 @@ int64_t dense_route_min_rows(const Kernels &kr, int64_t N, int64_t K) {
     return N * K >= kr.dense_min_weight ? kr.dense_min_rows : INT64_MAX;
 }
 
-// out = x @ decompress(values, meta).T + bias, the weight decompressed in blocks of rows (4 MiB in x's dtype, or one
-// row) and each block multiplied by fused_linear's forward (fp32 accumulation, bias in its epilogue, one rounding).
+// out = x @ decompress(values, meta).T + bias, the weight decompressed in blocks of rows (4 MiB fp32 / 8 MiB bf16, or
+// one row) and each block multiplied by fused_linear's forward (fp32 accumulation, bias in its epilogue, one rounding).
 at::Tensor dense_route(const Kernels &kr, const at::Tensor &x, const at::Tensor &values_in, const at::Tensor &meta_in,
                        const at::Tensor &bias, at::Tensor &out) {
     // W is rounded to x's dtype (the contract): fp32 values for bf16 x become bf16 first
@@ -259,7 +262,7 @@ at::Tensor dense_route(const Kernels &kr, const at::Tensor &x, const at::Tensor 
     const int64_t M = x.size(0), K = x.size(1), N = values.size(0);
     const DType vdt = values.scalar_type() == at::kFloat ? DType::F32 : DType::BF16;
     const int64_t es = bf16 ? 2 : 4;
-    const int64_t nb = std::max<int64_t>(1, std::min<int64_t>(N, (int64_t(4) << 20) / (es * K)));
+    const int64_t nb = std::max<int64_t>(1, std::min<int64_t>(N, (int64_t(bf16 ? 8 : 4) << 20) / (es * K)));
     at::Tensor wblock = at::empty({std::min(nb, N), K}, x.options());
     const at::Tensor res = out.view({M, N});
     const void *vp = values.data_ptr();
