@@ -448,9 +448,10 @@ def test_int4_bench_providers_compute_the_same_product():
             out = prov["rot"]().float()
             assert (out - ref[g]).norm() / ref[g].norm() < tol, name
     if bench_int4._aten_available() is None:
-        for dt, tol in (("float32", 1e-5), ("bfloat16", 2e-2)):
-            out = w.aten[dt]().float()
-            assert (out - ref[128]).norm() / ref[128].norm() < tol, dt
+        for g in (32, 128):  # ATen's op at each group size the fastdl rows use
+            for dt, tol in (("float32", 1e-5), ("bfloat16", 2e-2)):
+                out = w.aten[g][dt]().float()
+                assert (out - ref[g]).norm() / ref[g].norm() < tol, (g, dt)
 
 
 def test_int4_bench_runs_on_tiny_shapes(tmp_path):
@@ -473,7 +474,7 @@ def test_int4_bench_runs_on_tiny_shapes(tmp_path):
         for sfx in ("", "_bf16"):  # the fastdl int4 rows in both activation dtypes (the default --x-dtype both)
             expected[f"fastdl_int4_g{g}{sfx}"] = expected[f"fastdl_w4a8_g{g}{sfx}"] = N * K // 2 + 2 * N * K // g
     if bench_int4._aten_available() is None:
-        expected["aten_int4_g128"] = None  # its scales_and_zeros in its activation dtype (checked below)
+        expected["aten_int4_g32"] = expected["aten_int4_g128"] = None  # scales_and_zeros in its activation dtype
     by = {(r["M"], r["provider"]): r for r in rows}
     assert set(by) == {(m, name) for m in (1, 4) for name in expected}
     for r in rows:
@@ -481,7 +482,8 @@ def test_int4_bench_runs_on_tiny_shapes(tmp_path):
         nbytes = expected[name]
         if name.startswith("aten"):
             assert r["x_dtype"] in ("fp32", "bf16") and ("x float32" in r["note"] or "x bfloat16" in r["note"])
-            nbytes = N * K // 2 + (K // 128) * N * 2 * (4 if r["x_dtype"] == "fp32" else 2)
+            g = int(name.rsplit("_g", 1)[1])
+            nbytes = N * K // 2 + (K // g) * N * 2 * (4 if r["x_dtype"] == "fp32" else 2)
         assert r["bytes_per_call"] == nbytes, name
         assert r["ms"] > 0 and r["dram_gbps"] == 20
         assert r["gbps"] == pytest.approx(nbytes / (r["ms"] / 1e3) / 1e9)
@@ -497,7 +499,10 @@ def test_int4_bench_runs_on_tiny_shapes(tmp_path):
             assert (r["bar"] == "MISSED") == bool(r["bar_missed"])
             # like with like: each row is judged against eager F.linear in its own activation dtype (and ATen int4)
             assert r["x_dtype"] == ("bf16" if name.endswith("_bf16") else "fp32"), name
-            assert r["best_pytorch"] in (r["x_dtype"], "aten_int4_g128"), (name, r["best_pytorch"])
+            assert r["best_pytorch"] in (r["x_dtype"], f"aten_int4_g{r['group_size']}"), (name, r["best_pytorch"])
+            aten = by.get((M, f"aten_int4_g{r['group_size']}"))
+            if aten is not None:  # x aten: ATen at the row's own group size
+                assert r["x_aten"] == pytest.approx(aten["ms"] / r["ms"]), name
     assert not by[(1, "fp32")]["cold"] and by[(1, "fastdl_int8_wo")]["cold"]  # the cap vs the cache, both ways
     assert "pct_dram" in csv_path.read_text().splitlines()[0]
 

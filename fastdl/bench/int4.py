@@ -12,10 +12,11 @@ Providers (inference forward, no bias; the fastdl int4 rows in float32 and in bf
 one; the bfloat16 ones end in ``_bf16``):
   fp32              eager ``F.linear`` in float32 (x repl: every ratio refers to it)
   bf16              eager ``F.linear`` in bfloat16 (bf16 x and weight)
-  aten_int4_g128    ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (what torchao's ``Int4CPULayout`` calls) on the same
-                    int4 codes and scales, groups of 128, at its best activation dtype: float32 and bfloat16 are
-                    both tried on each shape and the faster is timed (column x: which); a dtype more than 3x slower
-                    at a smaller M of the same K x N is not tried again
+  aten_int4_g*      ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (what torchao's ``Int4CPULayout`` calls) on the same
+                    int4 codes and scales, groups of 32 / 128 (each fastdl int4 row is compared with ATen at its own
+                    group size), at its best activation dtype: float32 and bfloat16 are both tried on each shape
+                    and the faster is timed (column x: which); a dtype more than 3x slower at a smaller M of the
+                    same K x N is not tried again
   fastdl_int8_wo    ``fastdl.ops.int8_weight_only_linear``, int8 weights with a float32 scale per output channel (x in
                     the first of the fastdl dtypes: float32 by default)
   fastdl_int4_g*    ``fastdl.ops.int4_weight_only_linear``, groups of 32 / 128 (float activations)
@@ -28,13 +29,14 @@ the last-level cache, and a row whose copies did not exceed the cache says so (`
 
 Columns: copies (weight copies rotated), ms (median; ``*``: a slow call timed 1-2 times), GB/s (weight + scale bytes
 read per call / time), % DRAM (of the measured read bandwidth), x repl (eager fp32 time / time), x int8 (fastdl int8
-weight-only time / time), x aten (ATen int4 time / time), bar (int4 rows: issue 29's bars; at M = 1: >= 1.7x (g128) /
-1.5x (g32) int8 weight-only, >= 6x eager fp32, >= 3x ATen int4, >= 80 % of the DRAM bandwidth; at larger M: never
-slower than the faster of int8 weight-only and eager ``F.linear`` in the row's activation dtype). Like with like:
-every int4 row slower than eager ``F.linear`` in its own activation dtype (a float32 row against float32, a bfloat16
-row against bfloat16: the precision a user keeps) or than ATen's int4 op (at that op's faster dtype) is marked
-``<<< SLOWER``; the fastest configuration of each shows in the bfloat16 rows on CPUs where bfloat16 is the fast dtype
-(AVX512_BF16) and in the float32 rows elsewhere.
+weight-only time / time), x aten (ATen int4 at the row's group size: its time / time), bar (int4 rows: issue 29's
+bars; at M = 1: >= 1.7x (g128) / 1.5x (g32) int8 weight-only, >= 6x eager fp32, >= 3x ATen int4, >= 80 % of the
+DRAM bandwidth; at larger M: never slower than the faster of int8 weight-only and eager ``F.linear`` in the row's
+activation dtype). Like with like: every int4 row slower than eager ``F.linear`` in its own activation dtype (a
+float32 row against float32, a bfloat16 row against bfloat16: the precision a user keeps) or than ATen's int4 op at
+its group size (at that op's faster dtype: its float32 path is ~30x slower) is marked ``<<< SLOWER``; the fastest
+configuration of each shows in the bfloat16 rows on CPUs where bfloat16 is the fast dtype (AVX512_BF16) and in the
+float32 rows elsewhere.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ QUICK_KN = ((4096, 4096), (4096, 11008))
 QUICK_ARGS = ["--quick"]
 ALL_ARGS = ["--quick", "--budget", "0.25"]
 GROUPS = (32, 128)
-ATEN_GROUP = 128
+ATEN_GROUP = 128  # issue 29's bars were set against ATen at groups of 128
 # A dtype of ATen's op this many times slower than the other at a smaller M is not tried again at larger M (its
 # float32 path dequantizes per row: 33 ms at M = 1, 3.7 s at M = 128 on 4096 x 4096, Zen 3).
 ATEN_GIVE_UP = 3.0
@@ -177,7 +179,7 @@ class Weights:
         add("bf16", lambda wt: F.linear(xs[torch.bfloat16], wt), (w.to(torch.bfloat16),), torch.bfloat16)
         w_q, w_s = ops.quantize_per_channel(w)
         add("fastdl_int8_wo", lambda q, s: ops.int8_weight_only_linear(xs[xd], q, s, None, None), (w_q, w_s), xd)
-        self.aten: dict[str, Rotation] = {}
+        self.aten: dict[int, dict[str, Rotation]] = {}  # group size -> activation dtype name -> calls
         why = _aten_available()
         for g in GROUPS:
             qw, sc, zp = ops.quantize_int4(w, g, "rtn")
@@ -187,13 +189,13 @@ class Weights:
                     lambda q, s, z, g=g, dt=dt: ops.int4_weight_only_linear(xs[dt], q, s, z, None, g), (qw, sc, zp), dt)
                 add(f"fastdl_w4a8_g{g}{sfx}",
                     lambda q, s, z, g=g, dt=dt: ops.int4_a8_linear(xs[dt], q, s, z, None, g), (qw, sc, zp), dt)
-            if g == ATEN_GROUP and why is None:
+            if why is None:
                 try:
                     self._add_aten(qw, sc, zp, K, N, g, llc, args, cap)
                 except Exception as exc:  # an ATen build without the CPU kernel: the row is skipped, said why
                     why = f"{type(exc).__name__}: {exc}"
         if why is not None:
-            notes.add(f"aten_int4_g{ATEN_GROUP} skipped: {why}")
+            notes.add(f"aten_int4 skipped: {why}")
 
     def _add_aten(self, qw, sc, zp, K, N, g, llc, args, cap):
         u = unpack_int4(qw, K).to(torch.int32).contiguous()
@@ -211,8 +213,9 @@ class Weights:
         copies = _clones((packed, sz[torch.float32], sz[torch.bfloat16]), n)
         mm, xs = torch.ops.aten._weight_int4pack_mm_for_cpu, self.x
         pos = [0]  # one rotation for both dtypes (the packed codes are shared)
+        fns = self.aten[g] = {}
         for i, dt in ((2, torch.bfloat16), (1, torch.float32)):  # bf16 first: the cheaper probe on most CPUs
-            self.aten[_NAMES[dt]] = Rotation(lambda *c, dt=dt, i=i: mm(xs[dt], c[0], g, c[i]), copies, pos)
+            fns[_NAMES[dt]] = Rotation(lambda *c, dt=dt, i=i: mm(xs[dt], c[0], g, c[i]), copies, pos)
         name = f"aten_int4_g{g}"
         self.providers[name] = {"rot": None, "bytes": per, "copies": n, "x": None,
                                 "bytes_by_dtype": {dt: _nbytes(packed, sz[dt]) for dt in sz}}  # fmt: skip
@@ -293,14 +296,19 @@ def _bar(row: dict, times: dict, M: int) -> None:
 def _judge(row: dict, times: dict) -> None:
     """Like with like: the row against eager F.linear in its own activation dtype and against ATen's int4 op."""
     t = times[row["provider"]]
-    torch_t = {k: times[k] for k in (_EAGER[row["x"]], f"aten_int4_g{ATEN_GROUP}") if k in times}
+    torch_t = {k: times[k] for k in (_EAGER[row["x"]], _aten_for(row["group_size"])) if k in times}
     if not torch_t:
         return
     best = min(torch_t, key=torch_t.get)
     row["best_pytorch"] = best
     row["x_best"] = torch_t[best] / t
-    labels = {"fp32": "eager fp32 F.linear", "bf16": "eager bf16 F.linear", "aten_int4_g128": "ATen int4"}
-    mark_slower(row, {labels[k]: v / t for k, v in torch_t.items()})
+    labels = {"fp32": "eager fp32 F.linear", "bf16": "eager bf16 F.linear"}
+    mark_slower(row, {labels.get(k, f"ATen int4 g{row['group_size']}"): v / t for k, v in torch_t.items()})
+
+
+def _aten_for(group: int | None) -> str:
+    """ATen's int4 row a fastdl row is compared with: the same group size (groups of 128 for the int8 rows)."""
+    return f"aten_int4_g{group or ATEN_GROUP}"
 
 
 COLUMNS = [("M", "M", 4), ("K", "K", 5), ("N", "N", 5), ("provider", "provider", 16), ("x_dtype", "x", 4),
@@ -390,11 +398,12 @@ def _measure(M, K, N, weights: Weights, args, budget, max_call_s, predictor, his
     calls, meta = {}, {}
     for name, p in weights.providers.items():
         if name.startswith("aten"):
-            dt, how = pick_aten_dtype(weights.aten, M, history, predictor, work, max_call_s)
+            g = int(name.rsplit("_g", 1)[1])
+            dt, how = pick_aten_dtype(weights.aten[g], M, history.setdefault(g, {}), predictor, work, max_call_s)
             if dt is None:
                 notes.add(f"{name} M={M} K={K} N={N}: not timed ({how})")
                 continue
-            calls[name] = weights.aten[dt]
+            calls[name] = weights.aten[g][dt]
             meta[name] = {"x": getattr(torch, dt), "note": f"x {how}"}
             continue
         ok, pred = predictor.allowed(name, work)
@@ -429,7 +438,7 @@ def _measure(M, K, N, weights: Weights, args, budget, max_call_s, predictor, his
             "pct_dram": 100 * gbps / dram,
             "x_replaced": times["fp32"] / t if "fp32" in times else None,
             "x_int8": times["fastdl_int8_wo"] / t if "fastdl_int8_wo" in times else None,
-            "x_aten": times[f"aten_int4_g{ATEN_GROUP}"] / t if f"aten_int4_g{ATEN_GROUP}" in times else None,
+            "x_aten": times[_aten_for(group)] / t if _aten_for(group) in times else None,
             "note": note, "x": meta[name]["x"], **env,
         }  # fmt: skip
         if name.startswith(("fastdl_int4", "fastdl_w4a8")):
