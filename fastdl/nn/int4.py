@@ -11,7 +11,9 @@ The layer holds the packed codes (``qweight`` uint8 ``[out, in / 2]``), one floa
 None: symmetric, z = 8), an optional input permutation (``input_permutation`` int64 ``[in]``: act-order GPTQ
 checkpoints; the layer computes ``x[..., perm] @ W.T``) and the bias: 4 + 16 / group_size bits per weight (0.13x the
 fp32 layer at group_size=128, 0.14x at 32), and nothing else on any path: its forward calls the op with the packed
-tensors (no dense copy is ever kept; the PyTorch reference dequantizes per call, the C++ kernel reads the bytes).
+tensors (no dense copy is ever kept; the PyTorch reference dequantizes per call, the C++ kernel reads the bytes; with
+bf16 activations from 16 rows on an AVX512-BF16 CPU it dequantizes 8 MiB blocks of rows per call into a workspace
+freed with the call, see ``fastdl.ops.int4``).
 ``memory_bytes()`` says what it holds. Inference only: x and bias get gradients (the op's frozen backward), the
 weight does not.
 
