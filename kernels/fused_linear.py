@@ -50,6 +50,7 @@ import triton
 import triton.language as tl
 
 from . import _tuning
+from ._common import grouped_pid as _grouped_pid
 from ._tuning import INTERPRET as _INTERPRET
 from .constants import ACTIVATIONS as _ACTIVATION_NAMES
 
@@ -244,19 +245,6 @@ def _to_compute(x, CDT: tl.constexpr):
     else:
         y = x.to(tl.float32)
     return y
-
-
-@triton.jit
-def _grouped_pid(pid, num_m, num_n, GROUP: tl.constexpr):
-    """Map a linear program id to (pid_m, pid_n) so that GROUP consecutive programs share B column tiles
-    while walking down GROUP row tiles: operand tiles are reused from L2."""
-    per_group = GROUP * num_n
-    group_id = pid // per_group
-    first_m = group_id * GROUP
-    group_rows = tl.minimum(num_m - first_m, GROUP)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
-    return pid_m, pid_n
 
 
 # --------------------------------------------------------------------------------------------------------------

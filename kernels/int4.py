@@ -63,17 +63,17 @@ import triton
 import triton.language as tl
 
 from . import _tuning
+from ._common import USE_RINT as _USE_RINT
+from ._common import abs_nan_inf as _abs_nan_inf
+from ._common import cast_out as _cast_out
+from ._common import grouped_pid as _grouped_pid
+from ._common import quant_params as _quant_params
+from ._common import rint as _rint
 from ._tuning import INTERPRET as _INTERPRET
 from ._tuning import tile as _tile
 
-try:  # triton >= 3.0
-    from triton.language.extra import libdevice
-except ImportError:  # pragma: no cover
-    libdevice = None
-
 __all__ = ["int4_weight_only_linear", "int4_a8_linear"]
 
-_USE_RINT = (not _INTERPRET) and libdevice is not None
 # Before triton 3.8, ptxas spills 8-12 bytes in three W4A8 GEMV variants on sm_90a (tests/test_triton_aot.py, triton
 # 3.6: 16 rows x 16 x 256 with groups of 128, 4 x 16 x 512 with groups of 32, 4 x 64 x 256 (8 warps) with groups of
 # 64); triton 3.8 compiles them without spills. There the W4A8 GEMV keeps its 32 x 256 tile only and serves up to 4
@@ -239,51 +239,9 @@ def _prune_gemv(configs, named_args, **kwargs):
 # helpers
 # --------------------------------------------------------------------------------------------------------------
 @triton.jit
-def _grouped_pid(pid, num_m, num_n, GROUP: tl.constexpr):
-    """Linear program id -> (pid_m, pid_n), walking GROUP row tiles per column tile so weight tiles are reused
-    from L2."""
-    per_group = GROUP * num_n
-    group_id = pid // per_group
-    first_m = group_id * GROUP
-    group_rows = tl.minimum(num_m - first_m, GROUP)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
-    return pid_m, pid_n
-
-
-@triton.jit
 def _lo_k(p):
     """The k (relative to the tile's first 32-block) whose code is the low nibble of packed byte p."""
     return (p // 16) * 32 + (p % 16)
-
-
-@triton.jit
-def _rint(v, USE_RINT: tl.constexpr):
-    """Round half to even, for |v| <= 127."""
-    if USE_RINT:
-        r = libdevice.rint(v)
-    else:
-        r = (v + 12582912.0) - 12582912.0  # 1.5 * 2**23: the sum lands where the fp32 spacing is 1
-    return r
-
-
-@triton.jit
-def _group_params(amax):
-    """(ok, inv, scale) of the contract: inv = 127 / amax, scale = amax / 127 (IEEE divisions); scale = 0 for an
-    all-zero group and NaN for a group that is not finite (ok = False: q = 0)."""
-    finite = amax < float("inf")
-    ok = finite & (amax > 0.0)
-    safe = tl.where(ok, amax, 1.0)
-    c127 = tl.full(safe.shape, 127.0, tl.float32)
-    inv = tl.math.div_rn(c127, safe)
-    scale = tl.where(ok, tl.math.div_rn(safe, c127), tl.where(finite, 0.0, float("nan")))
-    return ok, inv, scale
-
-
-@triton.jit
-def _abs_nan_inf(x):
-    """|x| with NaN counted as +inf (the group is then 'not finite')."""
-    return tl.where(x != x, float("inf"), tl.abs(x))
 
 
 @triton.jit
@@ -295,17 +253,6 @@ def _quantize(x, inv, ok, USE_RINT: tl.constexpr):
     v = tl.minimum(tl.maximum(v, -127.0), 127.0)
     v = _rint(v, USE_RINT)
     return tl.where(ok, v, 0.0)
-
-
-@triton.jit
-def _cast_out(y, out_ptr, RNE_BF16: tl.constexpr):
-    """Cast the fp32 result to the output dtype. The interpreter's fp32 -> bf16 cast truncates; there the round to
-    nearest even is done by hand on the bits (the GPU cast is already RNE)."""
-    if RNE_BF16:
-        bits = y.to(tl.uint32, bitcast=True)
-        bits = ((bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16) << 16
-        y = tl.where(y != y, y, bits.to(tl.float32, bitcast=True))
-    return y.to(out_ptr.dtype.element_ty)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -364,7 +311,7 @@ def _gemv_kernel(
             xh = tl.load(x_lo + m * stride_xm + 16 * stride_xk, mask=mk, other=0.0).to(tl.float32)
             if A8:  # the contract's per-(row, group) quantization of x, in registers
                 amax = tl.maximum(tl.max(_abs_nan_inf(xl), axis=1), tl.max(_abs_nan_inf(xh), axis=1))  # [NG]
-                ok, inv, sx = _group_params(amax)
+                ok, inv, sx = _quant_params(amax)
                 xl = _quantize(xl, inv[:, None], ok[:, None], USE_RINT)
                 xh = _quantize(xh, inv[:, None], ok[:, None], USE_RINT)
                 sc = s * sx[None, :]
@@ -507,7 +454,7 @@ def _a8_quant_kernel(
     xl = tl.load(x_rows + k_lo * stride_xk, mask=mask, other=0.0).to(tl.float32)
     xh = tl.load(x_rows + (k_lo + 16) * stride_xk, mask=mask, other=0.0).to(tl.float32)
     amax = tl.maximum(tl.max(_abs_nan_inf(xl), axis=2), tl.max(_abs_nan_inf(xh), axis=2))  # [BM, BG]
-    ok, inv, sx = _group_params(amax)
+    ok, inv, sx = _quant_params(amax)
     ql = _quantize(xl, inv[:, :, None], ok[:, :, None], USE_RINT).to(tl.int8)
     qh = _quantize(xh, inv[:, :, None], ok[:, :, None], USE_RINT).to(tl.int8)
     q_rows = q_ptr + offs_m[:, None, None] * K + offs_g[None, :, None] * GROUP_SIZE + 2 * ah[None, None, :]

@@ -49,18 +49,17 @@ import triton
 import triton.language as tl
 
 from . import _tuning
+from ._common import USE_RINT as _USE_RINT
+from ._common import abs_nan_inf as _abs_nan_inf
+from ._common import cast_out as _cast_out
+from ._common import grouped_pid as _grouped_pid
+from ._common import quant_params as _quant_params
+from ._common import rint as _rint
 from ._tuning import INTERPRET as _INTERPRET
 from ._tuning import tile as _tile
 from .constants import WEIGHT_GROUP as _WEIGHT_GROUP
 
-try:  # triton >= 3.0
-    from triton.language.extra import libdevice
-except ImportError:  # pragma: no cover
-    libdevice = None
-
 __all__ = ["quantize_per_token", "int8_mm", "int8_linear", "int8_weight_only_linear"]
-
-_USE_RINT = (not _INTERPRET) and libdevice is not None
 
 _X_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int32)
@@ -228,45 +227,9 @@ def _prune_wo(configs, named_args, **kwargs):
 # helpers
 # --------------------------------------------------------------------------------------------------------------
 @triton.jit
-def _grouped_pid(pid, num_m, num_n, GROUP: tl.constexpr):
-    """Linear program id -> (pid_m, pid_n), walking GROUP row tiles per column tile so B tiles are reused from L2."""
-    per_group = GROUP * num_n
-    group_id = pid // per_group
-    first_m = group_id * GROUP
-    group_rows = tl.minimum(num_m - first_m, GROUP)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
-    return pid_m, pid_n
-
-
-@triton.jit
-def _rint(v, USE_RINT: tl.constexpr):
-    """Round half to even, for |v| <= 127."""
-    if USE_RINT:
-        r = libdevice.rint(v)
-    else:
-        r = (v + 12582912.0) - 12582912.0  # 1.5 * 2**23: the sum lands where the fp32 spacing is 1
-    return r
-
-
-@triton.jit
 def _row_amax(x):
     """max |x| per row of an fp32 tile, NaN counted as +inf (so the row is 'not finite'); masked lanes hold 0."""
-    a = tl.where(x != x, float("inf"), tl.abs(x))
-    return tl.max(a, axis=1)
-
-
-@triton.jit
-def _row_params(amax):
-    """(ok, inv, scale) of the contract: inv = 127 / amax, scale = amax / 127 (IEEE divisions); scale = 0 for a
-    zero row and NaN for a row that is not finite (ok = False: q = 0)."""
-    finite = amax < float("inf")
-    ok = finite & (amax > 0.0)
-    safe = tl.where(ok, amax, 1.0)
-    c127 = tl.full(safe.shape, 127.0, tl.float32)
-    inv = tl.math.div_rn(c127, safe)
-    scale = tl.where(ok, tl.math.div_rn(safe, c127), tl.where(finite, 0.0, float("nan")))
-    return ok, inv, scale
+    return tl.max(_abs_nan_inf(x), axis=1)
 
 
 @triton.jit
@@ -277,17 +240,6 @@ def _quantize(x, inv, ok, USE_RINT: tl.constexpr):
     v = tl.minimum(tl.maximum(v, -127.0), 127.0)
     v = _rint(v, USE_RINT)
     return tl.where(ok[:, None], v, 0.0).to(tl.int8)
-
-
-@triton.jit
-def _cast_out(y, out_ptr, RNE_BF16: tl.constexpr):
-    """Cast the fp32 epilogue value to the output dtype. The interpreter's fp32 -> bf16 cast truncates; there the
-    round to nearest even is done by hand on the bits (the GPU cast is already RNE)."""
-    if RNE_BF16:
-        bits = y.to(tl.uint32, bitcast=True)
-        bits = ((bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16) << 16
-        y = tl.where(y != y, y, bits.to(tl.float32, bitcast=True))
-    return y.to(out_ptr.dtype.element_ty)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -308,7 +260,7 @@ def _quant_kernel(
         offs_k = arange_k.to(tl.int64)
         mask = mask_m[:, None] & (arange_k < K)[None, :]
         x = tl.load(x_rows + offs_k[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
-        ok, inv, scale = _row_params(_row_amax(x))
+        ok, inv, scale = _quant_params(_row_amax(x))
         tl.store(q_rows + offs_k[None, :], _quantize(x, inv, ok, USE_RINT), mask=mask)
     else:
         amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -317,7 +269,7 @@ def _quant_kernel(
             mask = mask_m[:, None] & (offs_k < K)[None, :]
             x = tl.load(x_rows + offs_k[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, _row_amax(x))
-        ok, inv, scale = _row_params(amax)
+        ok, inv, scale = _quant_params(amax)
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + arange_k.to(tl.int64)
             mask = mask_m[:, None] & (offs_k < K)[None, :]
@@ -363,7 +315,7 @@ def _int8_mm_kernel(
             x = tl.load(p, mask=mask_m[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
             amax = tl.maximum(amax, _row_amax(x))
             p += a_step
-        ok, inv, a_scale = _row_params(amax)
+        ok, inv, a_scale = _quant_params(amax)
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     for kb in range(0, num_k):
