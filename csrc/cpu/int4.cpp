@@ -168,9 +168,9 @@ template <class F> void over_columns(int64_t M, int64_t N, int64_t K, const F &f
 }
 
 // bf16 x on a CPU that multiplies bf16 pairs in hardware (AVX512_BF16), from bf16_dense_min_rows() rows: the weight is
-// dequantized in blocks of rows, (u - z) * s exactly in fp32, into a bounded buffer (kBf16BlockBytes, freed with the
-// call; never a kept copy), and each block is multiplied by fused_linear's CPU forward, which rounds it to bf16 as
-// autocast rounds an fp32 weight (vdpbf16ps on bf16 pairs, fp32 accumulation, one rounding of the output). The tile
+// dequantized in blocks of rows, (u - z) * s exact in fp32 and then rounded to bf16 (RNE, as autocast rounds an fp32
+// weight), into a bounded buffer (kBf16BlockBytes, freed with the call; never a kept copy), and each block is
+// multiplied by fused_linear's bf16 CPU forward (vdpbf16ps on bf16 pairs, fp32 accumulation, one rounding). The tile
 // kernel widens x to fp32 and multiplies at the fp32 rate, half of vdpbf16ps's: at compute-bound M it ran at 0.5x
 // eager bf16 F.linear on the bf16 weight. Measured on AMD EPYC Zen 4, 2 threads, ms:
 //  * `fastdl bench int4 --quick --x-dtype bfloat16` (weights cold), groups of 128, tiles -> this route (eager bf16
@@ -185,8 +185,10 @@ template <class F> void over_columns(int64_t M, int64_t N, int64_t K, const F &f
 constexpr int64_t kBf16BlockBytes = int64_t{8} << 20;
 
 int64_t bf16_dense_min_rows() {
-    static const int64_t forced = [] { // FASTDL_INT4_BF16_DENSE_ROWS=<rows>: tests run both routes, benchmarks the
-        const char *env = std::getenv("FASTDL_INT4_BF16_DENSE_ROWS"); // crossover (read once per process)
+    // FASTDL_INT4_BF16_DENSE_ROWS=<rows> overrides the threshold (read once per process: benchmarks measure the
+    // crossover with it)
+    static const int64_t forced = [] {
+        const char *env = std::getenv("FASTDL_INT4_BF16_DENSE_ROWS");
         return env && *env ? std::max<int64_t>(1, std::atoll(env)) : int64_t(0);
     }();
     return forced ? forced : kBf16DenseMinRows;
