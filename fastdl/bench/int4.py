@@ -85,7 +85,6 @@ MAX_COPIES = 4096
 _NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 X_DTYPES = {"float32": (torch.float32,), "bfloat16": (torch.bfloat16,), "both": (torch.float32, torch.bfloat16)}
 _SUFFIX = {torch.float32: "", torch.bfloat16: "_bf16"}  # fastdl int4 row names by activation dtype
-_EAGER = {torch.float32: "fp32", torch.bfloat16: "bf16"}  # the eager F.linear row of each activation dtype
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -282,13 +281,13 @@ def _bar(row: dict, times: dict, M: int) -> None:
         if row["pct_dram"] < BAR_PCT_DRAM:
             missed.append(f"{row['pct_dram']:.0f} % of DRAM bandwidth < {BAR_PCT_DRAM:.0f} %")
     else:
-        eager = _EAGER[row["x"]]
+        eager = row["x_dtype"]  # the eager F.linear row of the row's activation dtype has its short name
         peers = {k: times[k] for k in ("fastdl_int8_wo", eager) if k in times}
         if peers:
             best = min(peers, key=peers.get)
             if t > peers[best]:
                 missed.append(f"{peers[best] / t:.2f}x {best} (the faster of int8 weight-only and eager "
-                              f"{_short(row['x'])})")  # fmt: skip
+                              f"{row['x_dtype']})")  # fmt: skip
     row["bar"] = "MISSED" if missed else "met"
     row["bar_missed"] = "; ".join(missed)
 
@@ -296,7 +295,7 @@ def _bar(row: dict, times: dict, M: int) -> None:
 def _judge(row: dict, times: dict) -> None:
     """Like with like: the row against eager F.linear in its own activation dtype and against ATen's int4 op."""
     t = times[row["provider"]]
-    torch_t = {k: times[k] for k in (_EAGER[row["x"]], _aten_for(row["group_size"])) if k in times}
+    torch_t = {k: times[k] for k in (row["x_dtype"], _aten_for(row["group_size"])) if k in times}
     if not torch_t:
         return
     best = min(torch_t, key=torch_t.get)
@@ -439,12 +438,11 @@ def _measure(M, K, N, weights: Weights, args, budget, max_call_s, predictor, his
             "x_replaced": times["fp32"] / t if "fp32" in times else None,
             "x_int8": times["fastdl_int8_wo"] / t if "fastdl_int8_wo" in times else None,
             "x_aten": times[_aten_for(group)] / t if _aten_for(group) in times else None,
-            "note": note, "x": meta[name]["x"], **env,
+            "note": note, **env,
         }  # fmt: skip
         if name.startswith(("fastdl_int4", "fastdl_w4a8")):
             _judge(row, times)
             _bar(row, times, M)
-        del row["x"]
         rows.append(row)
     return rows
 
