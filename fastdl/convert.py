@@ -6,6 +6,10 @@ Policies:
                       state_dict keys do not move); every other Linear becomes FusedLinear(activation="none")
   "int8"              Int8Linear(mode="dynamic")   (W8A8, per-token activations, per-channel weights)
   "int8_weight_only"  Int8Linear(mode="weight_only")
+  "int8_act7"         Int8Linear(mode="dynamic", act_bits=7): W8A8 with 7-bit unsigned activations and a zero point
+                      per token (fbgemm's reduce_range class: coarser activations, the int32 products still exact);
+                      among "auto"'s default candidates only where its GEMM is faster (the AVX2 int8 kernels: CPUs
+                      without AVX512-VNNI), and chosen, like every candidate, only within ``max_error``
   "sparse24"          Sparse24Linear (weights pruned to 2:4 now if they are not already)
   "int4_weight_only"  Int4Linear (group_size 128, or 64 / 32 where in_features needs it; scale search); opt-in only:
                       never among "auto"'s default candidates (name it in ``candidates=``, and raise ``max_error``:
@@ -52,7 +56,8 @@ from ._recipe import note_conversion
 from .nn.fused_linear import FusedActivation, FusedLinear
 from .ops.fused_linear import activation_fn, activation_of
 
-POLICIES = ("fused", "int8", "int8_weight_only", "sparse24", "auto")
+POLICIES = ("fused", "int8", "int8_weight_only", "int8_act7", "sparse24", "auto")
+DEFAULT_CANDIDATES = ("fused", "int8", "int8_weight_only", "sparse24")  # "auto", plus int8_act7 where it pays
 OPT_IN_POLICIES = ("int4", "int4_weight_only")  # accepted by convert and as "auto" candidates, never chosen unasked
 # "auto" times each (layer shape, bucket) once, when asked: longer than a run-time decision (fastdl.runtime_choice), so
 # that one noisy timing does not reject a candidate (it must not be slower than the original at *any* bucket): at least
@@ -137,16 +142,27 @@ def _nbytes(mod: nn.Module) -> int:
     return total
 
 
+def _default_candidates(model: nn.Module) -> tuple[str, ...]:
+    """"auto"'s candidates: DEFAULT_CANDIDATES, plus "int8_act7" for a CPU model where the int8 kernels are the AVX2
+    family (its GEMM takes the 7-bit codes directly there, 1.1-1.4x the exact kernel; on VNNI CPUs it is the same
+    kernel with coarser activations, and on CUDA PyTorch code: never faster, not worth timing)."""
+    from ._extension import int8_cpu_kernels
+
+    p = next(iter(model.parameters()), None)
+    on_cpu = p is None or p.device.type == "cpu"
+    return DEFAULT_CANDIDATES + (("int8_act7",) if on_cpu and int8_cpu_kernels() == "avx2" else ())
+
+
 def _candidate(kind: str, site: _Site) -> nn.Module | None:
     """Build the replacement module of ``kind`` for a site; None when the kind does not apply."""
     lin = site.linear
     if kind == "fused":
         return FusedLinear.from_linear(lin, activation=site.activation)
-    if kind in ("int8", "int8_weight_only"):
+    if kind in ("int8", "int8_weight_only", "int8_act7"):
         from .nn import int8 as int8_mod
 
-        mode = "dynamic" if kind == "int8" else "weight_only"
-        return int8_mod.Int8Linear.from_linear(lin, mode=mode)
+        mode = "weight_only" if kind == "int8_weight_only" else "dynamic"
+        return int8_mod.Int8Linear.from_linear(lin, mode=mode, act_bits=7 if kind == "int8_act7" else 8)
     if kind in ("int4", "int4_weight_only"):
         group = next((g for g in (128, 64, 32) if lin.in_features % g == 0), None)
         if group is None:
@@ -264,7 +280,7 @@ def convert(
     batch_sizes=None,
     max_error: float = 0.02,
     noise: float = 0.03,
-    candidates: tuple[str, ...] = ("fused", "int8", "int8_weight_only", "sparse24"),
+    candidates: tuple[str, ...] | None = None,
     runtime_choice: bool = True,
     verbose: bool = False,
 ) -> nn.Module:
@@ -276,7 +292,9 @@ def convert(
     now. ``max_error`` bounds the relative error ``||out - ref|| / ||ref||`` of a candidate's output vs the original
     layer's at every workload input, and ``noise`` how much slower than the original layer a candidate may be at any
     of them (0.03 = 3 %, plus the noise measured there: the original is timed twice, and how far apart the two land
-    is added) ("auto" only). ``runtime_choice=False`` pins every converted layer to its
+    is added) ("auto" only). ``candidates``: the policies "auto" considers (default ``DEFAULT_CANDIDATES``, plus
+    "int8_act7" for a CPU model where the int8 kernels are the AVX2 family). ``runtime_choice=False`` pins every
+    converted layer to its
     default path (``fastdl.runtime_choice``). When ``model`` itself is an ``nn.Linear``, the converted layer is returned
     (use the return value).
     """
@@ -294,6 +312,8 @@ def convert(
     sites, skipped = _find_sites(model, filter_fn, fuse_activations=policy in ("fused", "auto"))
     rows = [{"layer": s, "kernel": "original", "note": "skipped"} for s in skipped]
     if policy == "auto":
+        if candidates is None:
+            candidates = _default_candidates(model)
         model, auto_rows = _convert_auto(model, sites, examples, max_error, noise, candidates, runtime_choice,
                                          verbose)
         rows += auto_rows

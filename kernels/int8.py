@@ -4,7 +4,7 @@ Public launchers (same arguments as the ops):
 
     quantize_per_token(x) -> (q, scale)
     int8_mm(a_q, b_q, a_scale, b_scale, bias, out_dtype, b_packed, b_comp) -> out
-    int8_linear(x, w_q, w_scale, bias, w_packed, w_comp) -> out
+    int8_linear(x, w_q, w_scale, bias, w_packed, w_comp, act_bits=8) -> out
     int8_weight_only_linear(x, w_q, w_scale, bias, w_group_scale=None) -> out
 
 Kernels:
@@ -667,9 +667,12 @@ def _check_linear(x, w_q, w_scale, bias, fn):
     return K, N
 
 
-def int8_linear(x, w_q, w_scale, bias, w_packed, w_comp):
-    """Dynamic W8A8: quantize x per token (fused into the GEMM prologue for small M), int8 GEMM, dequant + bias."""
+def int8_linear(x, w_q, w_scale, bias, w_packed, w_comp, act_bits=8):
+    """Dynamic W8A8: quantize x per token (fused into the GEMM prologue for small M), int8 GEMM, dequant + bias.
+    8-bit activations only (the router sends ``act_bits=7`` elsewhere: fastdl.ops.int8)."""
     fn = "int8_linear"
+    if act_bits != 8:
+        _fail(ValueError, f"{fn} (Triton): act_bits={act_bits!r} has no Triton kernel; only 8 is served here")
     K, N = _check_linear(x, w_q, w_scale, bias, fn)
     _check_packed(w_packed, w_comp, N, K, fn, x, ("w_packed", "w_comp"))
     w_scale, bias = _unit_stride(w_scale, bias)

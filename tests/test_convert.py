@@ -191,7 +191,7 @@ def test_converted_checkpoint_loads_in_another_process_state():
 # shared and tied layers (issue 34, item 3)
 
 # relative error of each policy vs the fp32 unconverted model (2:4: the weights are 2:4 already, so exact)
-_TOL = {"fused": 1e-5, "int8": 0.03, "int8_weight_only": 0.03, "sparse24": 1e-5, "auto": 0.03}
+_TOL = {"fused": 1e-5, "int8": 0.03, "int8_weight_only": 0.03, "int8_act7": 0.05, "sparse24": 1e-5, "auto": 0.03}
 
 
 def _rel(out, ref) -> float:

@@ -100,6 +100,59 @@ def linear_exact(x, w_q, w_scale, bias):
     return dequant(acc_exact(q, w_q), s, w_scale, bias, x.dtype).reshape(*x.shape[:-1], N)
 
 
+def quant_u7_np(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 7-bit mode's contract formula (int8_linear act_bits=7) in numpy float32, row by row: the int8 a = q - z
+    and the scale."""
+    K = x.shape[-1]
+    xf = x.reshape(-1, K).float().numpy()
+    a = np.zeros(xf.shape, dtype=np.int8)
+    scale = np.zeros(xf.shape[0], dtype=np.float32)
+    f32 = np.float32
+    for r, row in enumerate(xf):
+        if K == 0:
+            continue
+        if not np.isfinite(row).all():
+            scale[r] = np.nan
+            continue
+        lo, hi = min(f32(0), row.min()), max(f32(0), row.max())
+        with np.errstate(all="ignore"):
+            rng = f32(hi - lo)
+            inv = f32(f32(127) / rng) if rng != 0 else f32(np.inf)
+        if not np.isfinite(rng):
+            scale[r] = np.nan
+            continue
+        if rng == 0 or not np.isfinite(inv):
+            continue
+        z = np.clip(np.rint(f32(-lo * inv)), 0, 127)
+        q = np.clip(np.rint((row * inv).astype(np.float32)) + z, 0, 127)
+        a[r] = (q - z).astype(np.int8)
+        scale[r] = f32(rng / f32(127))
+    return torch.from_numpy(a).reshape(x.shape), torch.from_numpy(scale).reshape(x.shape[:-1])
+
+
+def linear_u7_exact(x, w_q, w_scale, bias):
+    K, N = x.shape[-1], w_q.shape[0]
+    q, s = quant_u7_np(x.reshape(-1, K))
+    return dequant(acc_exact(q, w_q), s, w_scale, bias, x.dtype).reshape(*x.shape[:-1], N)
+
+
+def u7_rows(K: int) -> torch.Tensor:
+    """Rows at the edges of the 7-bit mode: one-signed rows (z = 0: q = 127 everywhere; z = 127: q = 0), mixed signs,
+    a zero row, NaN and Inf rows, a range below 127 / FLT_MAX (quantized to 0), a range that overflows fp32 (NaN),
+    and random rows."""
+    x = torch.randn(12, K)
+    x[0] = 3.0  # q = 127, z = 0 everywhere: with w = -128 every vpmaddubsw pair is -32512
+    x[1] = -3.0  # z = 127, q = 0: a = -127
+    x[2] = x[2].abs() + 0.25
+    x[3] = 0.0
+    x[4, K // 2] = float("nan")
+    x[5, 0] = float("-inf")
+    x[6] = 1e-38
+    x[7, 0], x[7, -1] = 3e38, -3e38
+    x[8, ::2] = -x[8, ::2].abs() * 40.0
+    return x
+
+
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit-for-bit equality (NaN == NaN)."""
     if a.shape != b.shape or a.dtype != b.dtype:
@@ -350,6 +403,56 @@ def test_int8_linear_empty(backend):
         b = torch.randn(8)
         out = int8_linear(torch.randn(3, 0), torch.zeros(8, 0, dtype=torch.int8), w_scale, b)
         assert same(out, b.expand(3, 8).contiguous())
+
+
+U7_BACKENDS = NOT_TRITON  # the 7-bit mode has no Triton kernel (the router takes it elsewhere)
+
+
+@pytest.mark.parametrize("backend", U7_BACKENDS)
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("M,K,N", SHAPES + [(12, 4100, 20)])
+def test_int8_linear_7bit_activations_bit_exact(backend, dtype, M, K, N):
+    """act_bits=7 against the contract formula in numpy (an independent reference), bit for bit, on the edge rows
+    (u7_rows) and random ones; packed and plain weights."""
+    x = torch.cat([u7_rows(K), torch.randn(M, K)]).to(dtype)
+    w_q, w_scale = make_weight(N, K)
+    w_q[0] = -128
+    w_q[-1] = 127
+    bias = torch.randn(N) if M % 2 else None
+    packed, comp = int8_pack_weight(w_q)
+    with fastdl.use_backend(backend):
+        out = int8_linear(x, w_q, w_scale, bias, None, None, 7)
+        out_p = int8_linear(x, w_q, w_scale, bias, packed, comp, 7)
+    ref = linear_u7_exact(x, w_q, w_scale, bias)
+    assert same(out, ref) and same(out_p, ref)
+    assert out[4].isnan().all() and out[5].isnan().all() and (K == 1 or out[7].isnan().all())
+    zero = bias.to(dtype) if bias is not None else torch.zeros(N, dtype=dtype)
+    assert same(out[3], zero) and same(out[6], zero)
+
+
+def test_int8_linear_7bit_error_bound_and_arguments():
+    """The 7-bit mode's dequantized activations are within half a step (range / 127) of x, its result within the
+    bound that gives, and one-signed rows (post-ReLU) quantize as finely as 8-bit symmetric. Bad act_bits: a
+    ValueError naming the argument, on every backend."""
+    from fastdl.ops._int8_formats import quantize_rows_u7_reference
+
+    x = torch.randn(64, 1000)
+    a, s = quantize_rows_u7_reference(x)
+    assert a.min() >= -127 and a.max() <= 127
+    rng = x.amax(1).clamp(min=0) - x.amin(1).clamp(max=0)
+    assert ((a.float() * s[:, None] - x).abs() <= (rng / 127)[:, None] * 0.5 * (1 + 1e-5)).all()
+    relu = x.clamp(min=0)
+    q8, s8 = quantize_per_token(relu)
+    a7, s7 = quantize_rows_u7_reference(relu)
+    assert torch.equal(s7, s8)  # range = amax for a one-signed row: the same step
+    w_q, w_scale = make_weight(48, 1000)
+    ref = relu.double() @ (w_q.double() * w_scale.double()[:, None]).t()
+    e7 = rel_err(int8_linear(relu, w_q, w_scale, act_bits=7), ref)
+    e8 = rel_err(int8_linear(relu, w_q, w_scale), ref)
+    assert e7 < 0.02 and e7 <= 1.5 * e8, (e7, e8)
+    for backend in LIN_BACKENDS:
+        with fastdl.use_backend(backend), pytest.raises(ValueError, match="act_bits must be 8 or 7, got 6"):
+            int8_linear(x, w_q, w_scale, None, None, None, 6)
 
 
 # ------------------------------------------------------------------------------------- int8_weight_only_linear
@@ -790,6 +893,7 @@ def test_opcheck_every_op(backend):
         xg, bg = x.clone().requires_grad_(), bias.clone().requires_grad_()
         torch.library.opcheck(ops.int8_linear.default, (xg, w_q, w_scale, bg, None, None))
         torch.library.opcheck(ops.int8_linear.default, (x.bfloat16(), w_q, w_scale, None, packed, comp))
+        torch.library.opcheck(ops.int8_linear.default, (xg, w_q, w_scale, bg, packed, comp, 7))
         torch.library.opcheck(ops.int8_weight_only_linear.default, (xg, w_q, w_scale, bg))
         gq, gs, gg = quantize_per_group(torch.randn(N, K))
         torch.library.opcheck(ops.int8_weight_only_linear.default, (xg, gq, gs, bg, gg))
@@ -843,6 +947,52 @@ def test_compile_inductor_module():
 
 
 # ---------------------------------------------------------------------------------------------------- module
+def test_module_7bit_activations_forward_checkpoint_and_errors():
+    """Int8Linear(act_bits=7): its forward is int8_linear(..., act_bits=7) bit for bit (on every path the run-time
+    choice may take: the op's); the setting survives state_dict, fastdl.save / fastdl.load and deepcopy; bad
+    combinations are refused with the argument named."""
+    torch.manual_seed(0)
+    lin = nn.Linear(256, 96)
+    m = Int8Linear.from_linear(lin, act_bits=7).eval()
+    x = torch.randn(10, 256)
+    w_q, w_scale = quantize_per_channel(lin.weight.detach())
+    with torch.no_grad():
+        out = m(x)
+    assert m.act_bits == 7 and "act_bits=7" in repr(m)
+    assert same(out, int8_linear(x, w_q, w_scale, lin.bias.detach(), None, None, 7))
+    assert not same(out, int8_linear(x, w_q, w_scale, lin.bias.detach()))  # the 8-bit result differs
+    assert rel_err(out, lin(x).detach()) <= 0.03
+    assert decode_extra_state(m.state_dict()["_extra_state"])["act_bits"] == 7
+    assert m.recipe()["act_bits"] == 7 and "act_bits" not in Int8Linear.from_linear(lin).recipe()
+    model = nn.Sequential(copy.deepcopy(lin))
+    fastdl.convert(model, "int8_act7")
+    assert isinstance(model[0], Int8Linear) and model[0].act_bits == 7
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "m.pt")
+        fastdl.save(model, path)
+        loaded = fastdl.load(nn.Sequential(nn.Linear(256, 96)), path).eval()
+    assert loaded[0].act_bits == 7 and same(loaded(x), model.eval()(x))
+    assert copy.deepcopy(m).act_bits == 7
+    for kwargs, msg in (({"act_bits": 6}, "act_bits must be 8 or 7"),
+                        ({"act_bits": 7, "mode": "weight_only"}, "act_bits=7"),
+                        ({"act_bits": 7, "trainable": True}, "act_bits=7")):  # fmt: skip
+        with pytest.raises(ValueError, match=msg):
+            Int8Linear.from_linear(lin, **kwargs)
+
+
+def test_auto_considers_7bit_activations_only_where_its_kernel_pays(monkeypatch):
+    """convert("auto")'s default candidates add int8_act7 for a CPU model on the AVX2 int8 kernels only."""
+    import fastdl._extension as ext
+    from fastdl.convert import DEFAULT_CANDIDATES, _default_candidates
+
+    model = nn.Sequential(nn.Linear(8, 8))
+    monkeypatch.setattr(ext, "int8_cpu_kernels", lambda: "avx2")
+    assert _default_candidates(model) == DEFAULT_CANDIDATES + ("int8_act7",)
+    assert _default_candidates(model.to("meta")) == DEFAULT_CANDIDATES
+    monkeypatch.setattr(ext, "int8_cpu_kernels", lambda: "avx512_vnni+bf16")
+    assert _default_candidates(nn.Sequential(nn.Linear(8, 8))) == DEFAULT_CANDIDATES
+
+
 @pytest.mark.parametrize("mode", ["dynamic", "weight_only"])
 def test_module_from_linear_to_linear(mode):
     lin = nn.Linear(256, 96)
@@ -1202,6 +1352,21 @@ def check_w8a8_exact() -> str:
         with fastdl.use_backend("cpp"):
             out = int8_linear(x.to(dt), w_q, w_scale, None, packed, comp)
         assert same(out, linear_exact(x.to(dt), w_q, w_scale, None)), dt
+    # the 7-bit mode: the AVX2 level's direct kernel (codes as vpmaddubsw's unsigned operand, z * sum_k w
+    # subtracted in the epilogue, also after K slices), the exact kernels elsewhere; K = 2^17 + 4 takes the
+    # exact kernel at every level (the compensation would not fit int32)
+    for M, K, N in [(1, 33, 17), (5, 64, 33), (13, 4100, 20), (4, 7, 16), (9, 259, 70), (2, 2**17 + 4, 17)]:
+        x = torch.cat([u7_rows(K), torch.randn(M, K)])
+        if K > 2**17:
+            x = x[[0, 1, 8]]  # acc_exact's int64 products stay small
+        w_q, w_scale = rand_int8(N, K), torch.rand(N) * 0.01
+        w_q[0] = -128
+        packed, comp = int8_pack_weight(w_q)
+        bias = torch.randn(N)
+        for dt in FLOATS:
+            with fastdl.use_backend("cpp"):
+                out = int8_linear(x.to(dt), w_q, w_scale, bias, packed, comp, 7)
+            assert same(out, linear_u7_exact(x.to(dt), w_q, w_scale, bias)), (M, K, N, dt)
     return fastdl.info(print_result=False)["int8_cpu_kernels"]
 
 
@@ -1239,7 +1404,8 @@ def check_weight_only_paths() -> str:
 @pytest.mark.parametrize("isa", ISA_LEVELS)
 def test_cpp_isa_levels_exact_w8a8_and_weight_only_paths(isa):
     """Every int8 kernel family (scalar, AVX2 sign-trick W8A8 and panel GEMM, AVX-512) at its own level in a
-    subprocess: W8A8 exact at the vpmaddubsw saturation extremes (int8_mm with -128 too), weight-only on every path."""
+    subprocess: W8A8 exact at the vpmaddubsw saturation extremes (int8_mm with -128 too), the 7-bit mode bit for bit,
+    weight-only on every path."""
     out = run_at_isa(
         isa,
         "import test_int8 as t; print('w8a8', t.check_w8a8_exact()); print('weight_only', t.check_weight_only_paths())",

@@ -298,9 +298,10 @@ at::Tensor int8_mm(const at::Tensor &a_q, const at::Tensor &b_q, const at::Tenso
 
 at::Tensor int8_linear(const at::Tensor &x, const at::Tensor &w_q, const at::Tensor &w_scale,
                        const c10::optional<at::Tensor> &bias, const c10::optional<at::Tensor> &w_packed,
-                       const c10::optional<at::Tensor> &w_comp) {
+                       const c10::optional<at::Tensor> &w_comp, int64_t act_bits) {
     constexpr const char *op = "int8_linear";
     const int64_t K = checked_activation_k(x, op);
+    TORCH_CHECK_VALUE(act_bits == 8 || act_bits == 7, op, ": act_bits must be 8 or 7, got ", act_bits);
     check_weight(op, "w_q", w_q, K, "x.shape[-1]", "w_scale", w_scale, bias);
     const int64_t N = w_q.size(0);
     check_packed(op, "w_packed", "w_comp", w_packed, w_comp, N, K);
@@ -319,6 +320,7 @@ at::Tensor int8_linear(const at::Tensor &x, const at::Tensor &w_q, const at::Ten
     p.M = x2.size(0);
     p.out = out.data_ptr();
     p.out_dtype = dtype_of(x.scalar_type());
+    p.u7 = act_bits == 7;
     run_w8a8(p);
     return out;
 }
@@ -340,7 +342,7 @@ at::Tensor int8_linear_qat(const at::Tensor &x, const at::Tensor &weight, const 
                 ": weight must have x's dtype or float32, got ", weight.scalar_type());
     TORCH_CHECK(weight.size(1) == x.size(-1), op, ": weight must have shape [N, K] with K = x.shape[-1]");
     const auto [w_q, w_scale] = quantize_per_token(weight);
-    return int8_linear(x, w_q, w_scale, bias, c10::nullopt, c10::nullopt);
+    return int8_linear(x, w_q, w_scale, bias, c10::nullopt, c10::nullopt, 8);
 }
 
 // The AVX2 family from 64 rows: fused_linear's fp32 GEMM (fgemm: 6 x 16 register tiles over strips packed from the

@@ -139,6 +139,70 @@ FDL_AVX2 void quant_row(const void *row, int64_t k0, int64_t k1, float inv_s, ui
     }
 }
 
+// The 7-bit mode (u7_params in int8_kernels.h). lo = min(0, min x), hi = max(0, max x) of a finite row: the
+// accumulators start at 0 and the zero-filled tail changes neither.
+template <DType DT> FDL_AVX2 void range_of(const void *row, int64_t K, float *lo, float *hi) {
+    const char *p = static_cast<const char *>(row);
+    __m256 mn = _mm256_setzero_ps(), mx = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+        const __m256 x = load8<DT>(p + k * elem_size<DT>());
+        mn = _mm256_min_ps(mn, x);
+        mx = _mm256_max_ps(mx, x);
+    }
+    if (k < K) {
+        const __m256 x = load8_tail<DT>(p + k * elem_size<DT>(), K - k);
+        mn = _mm256_min_ps(mn, x);
+        mx = _mm256_max_ps(mx, x);
+    }
+    alignas(32) float a[8], b[8];
+    _mm256_store_ps(a, mn);
+    _mm256_store_ps(b, mx);
+    float l = 0.0f, h = 0.0f;
+    for (int i = 0; i < 8; ++i) {
+        l = a[i] < l ? a[i] : l;
+        h = b[i] > h ? b[i] : h;
+    }
+    *lo = l;
+    *hi = h;
+}
+
+// q - zsub as int32 lanes, q = clamp(rint(x * inv) + z, 0, 127) (x finite, inv finite: no NaN, |x * inv| <= ~127).
+FDL_AVX2 inline __m256i quant7(__m256 x, __m256 inv, __m256 zf, __m256i zsub) {
+    const __m256 r = _mm256_round_ps(_mm256_mul_ps(x, inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 q = _mm256_min_ps(_mm256_max_ps(_mm256_add_ps(r, zf), _mm256_setzero_ps()), _mm256_set1_ps(127.0f));
+    return _mm256_sub_epi32(_mm256_cvttps_epi32(q), zsub);
+}
+
+// k in [k0, k1) of a row as the bytes q - zsub (in [-127, 127]); a row with inv = 0 stores 0 (u7_params).
+template <DType DT, int Xor>
+FDL_AVX2 void quant_row_u7(const void *row, int64_t k0, int64_t k1, float inv_s, int32_t z, int32_t zsub,
+                           uint8_t *dst) {
+    static_assert(Xor == 0, "the AVX2 kernels take A as int8");
+    if (inv_s == 0.0f) {
+        std::memset(dst, 0, static_cast<size_t>(k1 - k0));
+        return;
+    }
+    const char *p = static_cast<const char *>(row);
+    const __m256 inv = _mm256_set1_ps(inv_s), zf = _mm256_set1_ps(static_cast<float>(z));
+    const __m256i zs = _mm256_set1_epi32(zsub);
+    int64_t k = k0;
+    for (; k + 16 <= k1; k += 16) {
+        const __m256 x0 = load8<DT>(p + k * elem_size<DT>());
+        const __m256 x1 = load8<DT>(p + (k + 8) * elem_size<DT>());
+        _mm_storeu_si128(reinterpret_cast<__m128i *>(dst + (k - k0)),
+                         to_i8(quant7(x0, inv, zf, zs), quant7(x1, inv, zf, zs)));
+    }
+    if (k < k1) {
+        const int64_t n = k1 - k;
+        const __m256 x0 = n >= 8 ? load8<DT>(p + k * elem_size<DT>()) : load8_tail<DT>(p + k * elem_size<DT>(), n);
+        const __m256 x1 = n > 8 ? load8_tail<DT>(p + (k + 8) * elem_size<DT>(), n - 8) : _mm256_setzero_ps();
+        alignas(16) int8_t buf[16];
+        _mm_store_si128(reinterpret_cast<__m128i *>(buf), to_i8(quant7(x0, inv, zf, zs), quant7(x1, inv, zf, zs)));
+        std::memcpy(dst + (k - k0), buf, static_cast<size_t>(n));
+    }
+}
+
 // ---------------------------------------------------------------------------------------------------- pack A
 // int8 A block (a as it is: the sign trick below needs no +128 shift and no compensation), rows of kc bytes,
 // padding (k >= K) 0. int8 A must not hold -128 (see Kernels::a_min; int8_mm splits such an A in two).
@@ -182,7 +246,13 @@ FDL_AVX2 inline __m256i sign_by(__m256i a, const __m256i *b) {
     return r;
 }
 
-template <int MR> FDL_AVX2 void avx2_tile(const GemmBlock &g, int64_t r0, int64_t c0, const int8_t *pf) {
+// U7 (gemm_block_u7): A holds the 7-bit codes q in [0, 127], the unsigned operand of vpmaddubsw as they are: each
+// pair sum is at most 2 * 127 * 128 = 32512 in magnitude, exact for every weight, and a k-quad and row costs 2 x
+// (vpmaddubsw, vpmaddwd, vpaddd), no vpsignb. The epilogue subtracts z * sum_k B[n, k] (the row's zero point times
+// comp[n] / 128, exact while |comp| < 2^31: int8.cpp takes this kernel for K < 2^17 only), so the int32 result is
+// sum_k (q - z) B[n, k], the same as gemm_block on a = q - z.
+template <int MR, bool U7 = false>
+FDL_AVX2 void avx2_tile(const GemmBlock &g, int64_t r0, int64_t c0, const int8_t *pf) {
     __m256i acc[MR][2];
     if (g.first) {
 #pragma GCC unroll 4
@@ -204,10 +274,20 @@ template <int MR> FDL_AVX2 void avx2_tile(const GemmBlock &g, int64_t r0, int64_
     const int64_t nq = g.kc / 4;
     for (int64_t q = 0; q < nq; ++q) {
         const __m256i *bq = reinterpret_cast<const __m256i *>(b + q * 64);
-        const __m256i u0 = _mm256_abs_epi8(_mm256_loadu_si256(bq)), u1 = _mm256_abs_epi8(_mm256_loadu_si256(bq + 1));
         if (pf) {
             _mm_prefetch(reinterpret_cast<const char *>(pf + q * 64), _MM_HINT_T0);
         }
+        if constexpr (U7) {
+            const __m256i b0 = _mm256_loadu_si256(bq), b1 = _mm256_loadu_si256(bq + 1);
+#pragma GCC unroll 4
+            for (int i = 0; i < MR; ++i) {
+                const __m256i av = _mm256_set1_epi32(a_quad(a + i * g.lda, q));
+                acc[i][0] = _mm256_add_epi32(acc[i][0], _mm256_madd_epi16(_mm256_maddubs_epi16(av, b0), ones));
+                acc[i][1] = _mm256_add_epi32(acc[i][1], _mm256_madd_epi16(_mm256_maddubs_epi16(av, b1), ones));
+            }
+            continue;
+        }
+        const __m256i u0 = _mm256_abs_epi8(_mm256_loadu_si256(bq)), u1 = _mm256_abs_epi8(_mm256_loadu_si256(bq + 1));
 #pragma GCC unroll 4
         for (int i = 0; i < MR; ++i) {
             const __m256i av = _mm256_set1_epi32(a_quad(a + i * g.lda, q));
@@ -228,13 +308,18 @@ template <int MR> FDL_AVX2 void avx2_tile(const GemmBlock &g, int64_t r0, int64_
         const int64_t r = r0 + i;
         for (int h = 0; h < 2; ++h) {
             const int64_t col = c0 + 8 * h;
-            const __m256i sum = _mm256_load_si256(reinterpret_cast<const __m256i *>(res[i] + 8 * h));
+            __m256i sum = _mm256_load_si256(reinterpret_cast<const __m256i *>(res[i] + 8 * h));
             if (!g.last) {
                 _mm256_storeu_si256(reinterpret_cast<__m256i *>(g.partial + r * g.ldp + col), sum);
                 continue;
             }
             if (col >= g.n_valid) {
                 break;
+            }
+            if constexpr (U7) { // comp has a whole 16-column block: 8 lanes from col are in it
+                const __m256i colsum =
+                    _mm256_srai_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(g.comp + col)), 7);
+                sum = _mm256_sub_epi32(sum, _mm256_mullo_epi32(colsum, _mm256_set1_epi32(g.a_zero[r])));
             }
             const int64_t n = imin(8, g.n_valid - col);
             if (g.out_dtype == DType::I32) {
@@ -268,7 +353,7 @@ template <int MR> FDL_AVX2 void avx2_tile(const GemmBlock &g, int64_t r0, int64_
     }
 }
 
-void gemm_block(const GemmBlock &g) {
+template <bool U7> void gemm_block_t(const GemmBlock &g) {
     // 16-column block outer: its B slice (16 x kc bytes, 64 KiB at kc = 4096) is reused from L2 by every row tile.
     // The first row tile also prefetches the next block's slice, one line per k-quad, so that the next block does
     // not start with a wait for L3 / DRAM. Zen 4 capped at AVX2, one core, K = N = 4096, weights in L3, GMAC/s
@@ -277,14 +362,22 @@ void gemm_block(const GemmBlock &g) {
         const int8_t *next = c0 + 16 < g.cols ? g.b + (c0 / 16 + 1) * g.b_stride : nullptr;
         int64_t r0 = 0;
         for (; r0 + kMR <= g.rows; r0 += kMR) {
-            avx2_tile<kMR>(g, r0, c0, r0 == 0 ? next : nullptr);
+            avx2_tile<kMR, U7>(g, r0, c0, r0 == 0 ? next : nullptr);
         }
         const int8_t *pf = r0 == 0 ? next : nullptr;
         if (r0 < g.rows) { // the last 1 .. kMR - 1 rows
             with_count<1, kMR - 1>(static_cast<int>(g.rows - r0),
-                                   [&](auto R) { avx2_tile<decltype(R)::value>(g, r0, c0, pf); });
+                                   [&](auto R) { avx2_tile<decltype(R)::value, U7>(g, r0, c0, pf); });
         }
     }
+}
+
+void gemm_block(const GemmBlock &g) {
+    gemm_block_t<false>(g);
+}
+
+void gemm_block_u7(const GemmBlock &g) {
+    gemm_block_t<true>(g);
 }
 
 // ------------------------------------------------------------------------------------------------- weight-only
@@ -642,6 +735,7 @@ const Kernels *kernels_avx2() {
                            .quantize_rows = &quantize_rows,
                            .pack_a = &pack_a,
                            .gemm_block = &gemm_block,
+                           .gemm_block_u7 = &gemm_block_u7,
                            .pack_b = &pack_b_portable,
                            .weight_only_f32 = &weight_only_f32,
                            .wo_serial_macs = int64_t(1) << 17};

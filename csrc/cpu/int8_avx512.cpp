@@ -173,6 +173,44 @@ FDL_AVX512 inline void quant_row(const void *row, int64_t k0, int64_t k1, float 
     }
 }
 
+// The 7-bit mode (u7_params in int8_kernels.h). lo = min(0, min x), hi = max(0, max x) of a finite row (masked
+// lanes load 0, which changes neither).
+template <DType DT> FDL_AVX512 void range_of(const void *row, int64_t K, float *lo, float *hi) {
+    const char *p = static_cast<const char *>(row);
+    __m512 mn = _mm512_setzero_ps(), mx = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        const __m512 x = load16<DT>(p + k * elem_size<DT>(), mask16(K - k));
+        mn = _mm512_min_ps(mn, x);
+        mx = _mm512_max_ps(mx, x);
+    }
+    *lo = _mm512_reduce_min_ps(mn);
+    *hi = _mm512_reduce_max_ps(mx);
+}
+
+// k in [k0, k1) of a row as the bytes (q - zsub) xor Xor, q = clamp(rint(x * inv) + z, 0, 127) (x and inv finite);
+// a row with inv = 0 stores a = 0.
+template <DType DT, int Xor>
+FDL_AVX512 void quant_row_u7(const void *row, int64_t k0, int64_t k1, float inv_s, int32_t z, int32_t zsub,
+                             uint8_t *dst) {
+    if (inv_s == 0.0f) {
+        std::memset(dst, Xor, static_cast<size_t>(k1 - k0));
+        return;
+    }
+    const char *p = static_cast<const char *>(row);
+    const __m512 inv = _mm512_set1_ps(inv_s), zf = _mm512_set1_ps(static_cast<float>(z));
+    const __m512i zs = _mm512_set1_epi32(zsub);
+    const __m128i flip = _mm_set1_epi8(static_cast<char>(Xor));
+    for (int64_t k = k0; k < k1; k += 16) {
+        const __mmask16 m = mask16(k1 - k);
+        const __m512 r =
+            _mm512_roundscale_ps(_mm512_mul_round_ps(load16<DT>(p + k * elem_size<DT>(), m), inv, kRne), kRne);
+        const __m512 q =
+            _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(r, zf), _mm512_setzero_ps()), _mm512_set1_ps(127.0f));
+        const __m512i a = _mm512_sub_epi32(_mm512_cvttps_epi32(q), zs);
+        _mm_mask_storeu_epi8(dst + (k - k0), m, _mm_xor_si128(_mm512_cvtepi32_epi8(a), flip));
+    }
+}
+
 // ---------------------------------------------------------------------------------------------------- pack A
 // A block for vpdpbusd: u8 = a + 128, rows of kc bytes; padding (k >= K) a = 0, i.e. u8 128.
 constexpr int kAOffset = 0x80;

@@ -4,6 +4,7 @@
 // generic project flags and enable their ISA per function with target attributes, so they must not see ATen.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -51,7 +52,37 @@ struct APack {
     bool compute_scales = false; // fill scale and inv (first K slice), else read them
     void *dst = nullptr;
     int64_t ldd = 0;
+    // Float A only, the 7-bit activation mode (int8_linear with act_bits = 7): per row an unsigned code q in [0, 127]
+    // with a zero point z (u7_params below; scale = range / 127, inv = 127 / range), the row's value (q - z) * scale.
+    // Stored as q for a kernel that takes it directly (u7_direct: the AVX2 gemm_block_u7, which subtracts
+    // z * sum_k B[n, k] in its epilogue), else as the int8 a = q - z in [-127, 127] for the exact kernels.
+    bool u7 = false, u7_direct = false;
+    int32_t *zero = nullptr; // [rows], u7: z (filled with the scales)
 };
+
+// The 7-bit mode's parameters of a row (the contract formula of fastdl/ops/int8.py): lo = min(0, min x) and hi =
+// max(0, max x) in fp32, range = hi - lo (fp32). A row holding NaN / Inf, or whose range overflows fp32: scale NaN,
+// every a 0. range 0, or inv = 127 / range not finite (range below ~3.7e-37): scale 0, every a 0. Else inv = 127 /
+// range, scale = range / 127 (IEEE fp32 divisions) and z = clamp(rint(-lo * inv), 0, 127); then per value q =
+// clamp(rint(x * inv) + z, 0, 127). inv = 0 marks the rows whose a are all 0 (and z = 0).
+namespace {
+inline float u7_params(bool nonfinite, float lo, float hi, float *inv, int32_t *z) {
+    const float range = hi - lo;
+    *inv = 0.0f;
+    *z = 0;
+    if (nonfinite || !(range <= 3.4028234e38f)) {
+        return std::nanf("");
+    }
+    const float iv = 127.0f / range;
+    if (range == 0.0f || !(iv <= 3.4028234e38f)) {
+        return 0.0f;
+    }
+    *inv = iv;
+    const float zf = std::nearbyint(-lo * iv); // the default rounding mode: to nearest even
+    *z = zf < 0.0f ? 0 : (zf > 127.0f ? 127 : static_cast<int32_t>(zf));
+    return range / 127.0f;
+}
+} // namespace
 
 // The padding of a packed A row d (slice [k0, k0 + kc), valid part ending at k1): a = 0 for k >= K, stored as `zero`.
 inline void pad_a_row(uint8_t *d, int64_t k0, int64_t k1, int64_t kc, uint8_t zero) {
@@ -80,7 +111,8 @@ struct GemmBlock {
     int32_t *partial = nullptr;
     int64_t ldp = 0;
     // epilogue (all indexed from the first row / column of the block)
-    const int32_t *comp = nullptr; // VNNI only: 128 * sum_k B[n, k]
+    const int32_t *comp = nullptr;   // 128 * sum_k B[n, k]: read by the VNNI kernels and by gemm_block_u7
+    const int32_t *a_zero = nullptr; // gemm_block_u7: z per row; acc = sum_k q B - z * (comp[n] >> 7) before the rest
     const float *a_scale = nullptr, *b_scale = nullptr, *bias = nullptr;
     void *out = nullptr;
     int64_t ldo = 0; // elements
@@ -219,6 +251,9 @@ struct Kernels {
     void (*quantize_rows)(const QuantRows &) = nullptr;
     void (*pack_a)(const APack &) = nullptr;
     void (*gemm_block)(const GemmBlock &) = nullptr;
+    // The GEMM on A stored as u7 codes q (APack::u7_direct), if this family has one (AVX2: vpmaddubsw takes q as its
+    // unsigned operand directly, no sign trick); the others run gemm_block on a = q - z.
+    void (*gemm_block_u7)(const GemmBlock &) = nullptr;
     void (*pack_b)(const PackB &) = nullptr;
     void (*weight_only_f32)(const WeightOnly &) = nullptr;  // x fp32
     void (*weight_only_bf16)(const WeightOnly &) = nullptr; // x bf16

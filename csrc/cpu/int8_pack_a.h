@@ -6,6 +6,8 @@
 //                              vpmaddubsw's sign trick; AVX512-VNNI: 0x80, u8 = a + 128 for vpdpbusd)
 //   amax_bits<DT>(row, K)      max |x| of a row as fp32 bits (NaN / Inf rows above every finite value)
 //   quant_row<DT, Xor>(row, k0, k1, inv, uint8_t *dst)   k in [k0, k1) of a row as int8 (xor Xor) into dst
+//   range_of<DT>(row, K, float *lo, float *hi)           min(0, min x) and max(0, max x) of a finite row
+//   quant_row_u7<DT, Xor>(row, k0, k1, inv, z, zsub, dst)  the 7-bit codes q (u7_params) minus zsub (xor Xor)
 //   pack_a_int8(const APack &) an int8 A block (AVX2: copied; AVX-512: copied + 128)
 // What differs per family is vector code (the amax reduction, the rounding and its clamps, the tail stores): it stays
 // in each family's file. No #pragma once: read once per family, each translation unit keeps its own copy.
@@ -60,11 +62,20 @@ template <DType DT> I8_SIMD void pack_a_float(const APack &p) {
     const int64_t k1 = imin(p.K, p.k0 + p.kc);
     for (int64_t r = 0; r < p.rows; ++r) {
         const void *row = src + r * p.ld * elem_size<DT>();
-        if (p.compute_scales) {
+        if (p.compute_scales && p.u7) {
+            const bool nonfinite = amax_bits<DT>(row, p.K) >= 0x7f800000u;
+            float lo = 0.0f, hi = 0.0f;
+            if (!nonfinite) {
+                range_of<DT>(row, p.K, &lo, &hi);
+            }
+            p.scale[r] = u7_params(nonfinite, lo, hi, &p.inv[r], &p.zero[r]);
+        } else if (p.compute_scales) {
             p.scale[r] = row_scale(amax_bits<DT>(row, p.K), &p.inv[r]);
         }
         uint8_t *d = static_cast<uint8_t *>(p.dst) + r * p.ldd;
-        if (k1 > p.k0) {
+        if (k1 > p.k0 && p.u7) {
+            quant_row_u7<DT, kAOffset>(row, p.k0, k1, p.inv[r], p.zero[r], p.u7_direct ? 0 : p.zero[r], d);
+        } else if (k1 > p.k0) {
             quant_row<DT, kAOffset>(row, p.k0, k1, p.inv[r], d);
         }
         pad_a_row(d, p.k0, k1, p.kc, kAOffset);

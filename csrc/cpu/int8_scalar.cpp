@@ -149,19 +149,43 @@ void quantize_rows(const QuantRows &a) {
     }
 }
 
-// A block: the int8 value a itself (padding 0).
+// The 7-bit mode (u7_params in int8_kernels.h): the row's range and a = q - z of one value (inv finite, x finite).
+float u7_row_scale(const void *row, DType dt, int64_t K, float *inv, int32_t *z) {
+    const bool nonfinite = amax_bits(row, dt, K) >= 0x7f800000u;
+    float lo = 0.0f, hi = 0.0f;
+    for (int64_t k = 0; k < K && !nonfinite; ++k) {
+        const float x = load(row, dt, k);
+        lo = x < lo ? x : lo;
+        hi = x > hi ? x : hi;
+    }
+    return u7_params(nonfinite, lo, hi, inv, z);
+}
+
+int8_t quant_u7(float x, float inv, int32_t z) {
+    if (inv == 0.0f) {
+        return 0;
+    }
+    float q = std::nearbyint(x * inv) + static_cast<float>(z);
+    q = q < 0.0f ? 0.0f : (q > 127.0f ? 127.0f : q);
+    return static_cast<int8_t>(static_cast<int32_t>(q) - z);
+}
+
+// A block: the int8 value a itself (padding 0); in the 7-bit mode a = q - z.
 void pack_a(const APack &p) {
     const bool is_float = p.dtype != DType::I8;
     const int64_t es = is_float ? elem_size(p.dtype) : 1;
     for (int64_t r = 0; r < p.rows; ++r) {
         const void *row = static_cast<const char *>(p.src) + r * p.ld * es;
         if (is_float && p.compute_scales) {
-            p.scale[r] = row_scale(amax_bits(row, p.dtype, p.K), &p.inv[r]);
+            p.scale[r] = p.u7 ? u7_row_scale(row, p.dtype, p.K, &p.inv[r], &p.zero[r])
+                              : row_scale(amax_bits(row, p.dtype, p.K), &p.inv[r]);
         }
         int8_t *d = static_cast<int8_t *>(p.dst) + r * p.ldd;
         for (int64_t k = p.k0; k < p.k0 + p.kc; ++k) {
             int8_t v = 0;
-            if (k < p.K) {
+            if (k < p.K && p.u7) {
+                v = quant_u7(load(row, p.dtype, k), p.inv[r], p.zero[r]);
+            } else if (k < p.K) {
                 v = is_float ? quant(load(row, p.dtype, k), p.inv[r]) : static_cast<const int8_t *>(row)[k];
             }
             d[k - p.k0] = v;

@@ -66,12 +66,17 @@ void w8a8_rect(const W8A8 &p, int64_t m0, int64_t m1, int64_t j0, int64_t j1) {
     const int64_t mc = std::min(m1 - m0, round_up(ceil_div(m1 - m0, nrb), kr.mr));
     const int64_t cols = (j1 - j0) * 16;
     const int64_t a_bytes = round_up(mc * Kc * kr.a_bytes, 64);
-    const int64_t f_bytes = round_up(2 * mc * 4, 64);
+    const int64_t f_bytes = round_up(3 * mc * 4, 64);
     const int64_t p_bytes = nkb > 1 ? mc * cols * 4 : 0;
     uint8_t *base = scratch_of<uint8_t>(kScratchA, a_bytes + f_bytes + p_bytes);
     void *abuf = base;
     float *scale = reinterpret_cast<float *>(base + a_bytes);
     float *inv = scale + mc;
+    int32_t *zero = reinterpret_cast<int32_t *>(inv + mc);
+    // The 7-bit mode on a family with a kernel for the codes themselves (gemm_block_u7), while its compensation
+    // z * comp[n] / 128 is exact (|comp| <= 128 * 128 * K < 2^31); else the exact kernel on a = q - z.
+    const bool u7_direct = p.u7 && kr.gemm_block_u7 != nullptr && p.K < (int64_t(1) << 17);
+    void (*gemm)(const GemmBlock &) = u7_direct ? kr.gemm_block_u7 : kr.gemm_block;
     int32_t *partial = nkb > 1 ? reinterpret_cast<int32_t *>(base + a_bytes + f_bytes) : nullptr;
     const bool float_a = p.a_dtype != DType::I8;
     const int64_t a_elem = p.a_dtype == DType::F32 ? 4 : p.a_dtype == DType::I8 ? 1 : 2;
@@ -94,6 +99,9 @@ void w8a8_rect(const W8A8 &p, int64_t m0, int64_t m1, int64_t j0, int64_t j1) {
             ap.compute_scales = float_a && kb == 0;
             ap.dst = abuf;
             ap.ldd = Kc;
+            ap.u7 = p.u7;
+            ap.u7_direct = u7_direct;
+            ap.zero = zero;
             kr.pack_a(ap);
             GemmBlock g;
             g.a = abuf;
@@ -115,7 +123,8 @@ void w8a8_rect(const W8A8 &p, int64_t m0, int64_t m1, int64_t j0, int64_t j1) {
             g.out = static_cast<char *>(p.out) + (r0 * p.N + j0 * 16) * o_elem;
             g.ldo = p.N;
             g.out_dtype = p.out_dtype;
-            kr.gemm_block(g);
+            g.a_zero = u7_direct ? zero : nullptr;
+            gemm(g);
         }
     }
 }

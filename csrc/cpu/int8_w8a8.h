@@ -50,6 +50,7 @@ struct W8A8 {
     const float *b_scale = nullptr, *bias = nullptr;
     void *out = nullptr;
     DType out_dtype = DType::F32;
+    bool u7 = false; // float A: the 7-bit activation mode (APack::u7)
     // blocking
     int64_t nkb = 1, Kc = 0, mc_max = 1;
 };

@@ -9,6 +9,8 @@ Providers (inference forward, no grad; activations bf16 unless noted):
                        activation quantization; CPU only)
   fastdl_w8a8          ``fastdl.ops.int8_linear``: dynamic W8A8 including the per-token activation quantization
                        (on the CPU with the weight packed once, as ``Int8Linear`` does)
+  fastdl_w8a8_u7       the same with ``act_bits=7``: 7-bit unsigned activations with a zero point per token, the
+                       accuracy class of fbgemm's ``reduce_range`` (CPU only)
   fastdl_weight_only   ``fastdl.ops.int8_weight_only_linear`` with per-channel scales
   fastdl_weight_only_g16  the same with group scales (``quantize_per_group``: the default format of
                        ``Int8Linear(mode="weight_only")``, 8.5 bits per weight)
@@ -23,7 +25,13 @@ faster than bf16), x repl (vs the PyTorch path the fastdl provider replaces: fbg
 of bf16 and fp32 ``F.linear`` for weight-only), x best (vs the fastest PyTorch option of the same class here: bf16,
 fp32 and fbgemm for W8A8; bf16 and fp32 for weight-only, whose activations stay float), % int8 peak
 (GOP/s over the measured int8 peak: ``torch._int_mm`` on a large square problem), W GB/s (weight bytes read per
-second). Every fastdl row slower than a PyTorch path is marked ``<<< SLOWER`` and listed again at the end.
+second), rel err (``||out - ref|| / ||ref||`` against the float64 product of the same bf16 x, weight and bias: what
+each provider's quantization costs). Every fastdl row slower than a PyTorch path is marked ``<<< SLOWER`` and listed
+again at the end.
+
+Like with like: W8A8 with 7-bit activations is judged against fbgemm (the path it replaces, the same activation
+class) and the float paths; exact 8-bit W8A8 against the float paths, and against fbgemm only where fbgemm's error is
+at most 1.1x its own (a less accurate result is not the same product); weight-only against the float paths.
 """
 
 from __future__ import annotations
@@ -54,7 +62,8 @@ from .common import (
     time_fn,
 )
 
-INT8_PROVIDERS = ("int_mm+dequant", "fbgemm_dynamic", "fastdl_w8a8", "fastdl_weight_only", "fastdl_weight_only_g16")
+INT8_PROVIDERS = ("int_mm+dequant", "fbgemm_dynamic", "fastdl_w8a8", "fastdl_w8a8_u7", "fastdl_weight_only",
+                  "fastdl_weight_only_g16")  # fmt: skip
 QUICK_ARGS = ["--m", "1", "16", "128", "--llama-m", "--budget", "0.15"]
 ALL_ARGS = ["--budget", "0.5"]
 # The PyTorch providers a user could run instead (x best); int_mm+dequant leaves out the activation quantization.
@@ -157,6 +166,10 @@ def _providers(args, M, K, N, x, w, b, w_q, w_scale, notes):
     if not cuda and backends.available("cpp", "int8_linear", "cpu")[0]:
         packed, comp = int8_ops.int8_pack_weight(w_q)  # once, like Int8Linear
     provs["fastdl_w8a8"] = (lambda: int8_ops.int8_linear(x, w_q, w_scale, b, packed, comp), "auto")
+    if cuda:
+        notes.add("fastdl_w8a8_u7 skipped on CUDA (the 7-bit mode is for CPUs without VNNI; GPUs run it in PyTorch)")
+    else:
+        provs["fastdl_w8a8_u7"] = (lambda: int8_ops.int8_linear(x, w_q, w_scale, b, packed, comp, 7), "auto")
     provs["fastdl_weight_only"] = (lambda: int8_ops.int8_weight_only_linear(x, w_q, w_scale, b), "auto")
     g_q, g_s, g_g = int8_ops.quantize_per_group(w.float())
     provs["fastdl_weight_only_g16"] = (lambda: int8_ops.int8_weight_only_linear(x, g_q, g_s, b, g_g), "auto")
@@ -178,22 +191,35 @@ def _providers(args, M, K, N, x, w, b, w_q, w_scale, notes):
 
 COLUMNS = [("M", "M", 5), ("K", "K", 5), ("N", "N", 5), ("provider", "provider", 22), ("ms", "ms", 9),
            ("gops", "GOP/s", 7), ("x_bf16", "x bf16", 6), ("x_replaced", "x repl", 6), ("x_best", "x best", 6),
-           ("pct_int8_peak", "% int8 peak", 11), ("weight_gbps", "W GB/s", 6)]  # fmt: skip
+           ("pct_int8_peak", "% int8 peak", 11), ("weight_gbps", "W GB/s", 6),
+           ("rel_err", "rel err", 8)]  # fmt: skip
+
+# An exact 8-bit W8A8 row is judged against fbgemm only where fbgemm's error is at most this factor times its own.
+FBGEMM_PEER_ERR = 1.1
 
 
-def _judge(row: dict, times: dict, name: str, fbgemm_ok: bool) -> None:
+def _peers(name: str, errs: dict) -> tuple[str, ...]:
+    """The PyTorch providers a fastdl row is judged against (the module docstring: like with like)."""
+    if "w8a8_u7" in name:
+        return TORCH_PROVIDERS
+    if "w8a8" in name:
+        fb, own = errs.get("fbgemm_dynamic"), errs.get(name)
+        as_good = fb is not None and own is not None and fb <= FBGEMM_PEER_ERR * own
+        return TORCH_PROVIDERS if as_good else ("bf16", "fp32")
+    return ("bf16", "fp32")
+
+
+def _judge(row: dict, times: dict, name: str, errs: dict) -> None:
     """Ratios of a fastdl row against the PyTorch path it replaces and the best PyTorch path, marked when < 1."""
     t = times[name]
     floats = {k: times[k] for k in ("bf16", "fp32") if k in times}
     if not floats:  # no float baseline ran here: nothing to judge against
         return
     best_float = min(floats, key=floats.get)
-    # Weight-only int8 keeps float activations: its peers are the float paths (fbgemm's W8A8 quantizes activations
-    # to 7 bits, a less accurate class). W8A8's peers are all three.
-    peers = TORCH_PROVIDERS if "w8a8" in name else ("bf16", "fp32")
+    peers = _peers(name, errs)
     torch_t = {k: times[k] for k in peers if k in times}
     best = min(torch_t, key=torch_t.get)
-    if "w8a8" in name and fbgemm_ok:
+    if "fbgemm_dynamic" in torch_t and "w8a8" in name:
         replaced, label = "fbgemm_dynamic", "PyTorch int8 (fbgemm dynamic quant)"
     else:
         replaced, label = best_float, f"eager {best_float} F.linear"
@@ -237,7 +263,8 @@ def run(args) -> list[dict]:
             w_q, w_scale = int8_ops.quantize_per_channel(w.float())
             ops = 2 * M * N * K
             activity(f"int8 M={M} K={K} N={N}")
-            calls = {}
+            calls, errs = {}, {}
+            ref = torch.addmm(b.double(), x.double(), w.double().t())
             for name, (fn, be) in _providers(args, M, K, N, x, w, b, w_q, w_scale, notes).items():
 
                 def call(fn=fn, be=be):
@@ -245,11 +272,13 @@ def run(args) -> list[dict]:
                         return fn()
 
                 try:
-                    call()  # a provider that cannot run here is reported, not fatal
+                    out = call()  # a provider that cannot run here is reported, not fatal
                 except Exception as exc:
                     say(f"  {name} failed at M={M} K={K} N={N}: {type(exc).__name__}: {exc}")
                     continue
                 calls[name] = call
+                errs[name] = _rel_err(out, ref)
+            del ref
             # alternating blocks of 3 calls per provider (one untimed call first: its weights back in the cache)
             try:
                 times = interleaved(calls, device, budget_s=budget * len(calls), min_reps=4, block=3, cold=args.cold)
@@ -266,11 +295,12 @@ def run(args) -> list[dict]:
                     "pct_int8_peak": 100 * ops / t / peak,
                     "weight_gbps": N * K * (1 if int8_weights else 2 if name != "fp32" else 4)
                     * (17 / 16 if "_g16" in name else 1) / t / 1e9,
+                    "rel_err": errs.get(name),
                     **env,
                 })  # fmt: skip
             for row in rows:
                 if row["provider"].startswith("fastdl"):
-                    _judge(row, times, row["provider"], "fbgemm_dynamic" in times)
+                    _judge(row, times, row["provider"], errs)
                 table.add(row)
             sync(device)
     except KeyboardInterrupt:
@@ -278,6 +308,13 @@ def run(args) -> list[dict]:
     for note in sorted(notes):
         say(f"note: {note}")
     return table.finish("fastdl int8", "PyTorch", args.csv)
+
+
+def _rel_err(out, ref: torch.Tensor) -> float | None:
+    """||out - ref|| / ||ref|| in float64 (None for an output that is not a tensor of ref's shape)."""
+    if not isinstance(out, torch.Tensor) or out.shape != ref.shape:
+        return None
+    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-300)).item()
 
 
 def _int8_kernels() -> str:

@@ -24,6 +24,18 @@ def _check_mode(mode: str) -> None:
         raise ValueError(f"Int8Linear: mode must be one of {', '.join(repr(m) for m in MODES)}, got {mode!r}")
 
 
+def _check_act_bits(act_bits, mode: str, trainable: bool) -> int:
+    """8 (exact 8-bit activations), or 7 (the opt-in 7-bit mode of ``int8_linear``) for dynamic inference layers."""
+    if type(act_bits) is not int or act_bits not in (7, 8):
+        raise ValueError(f"Int8Linear: act_bits must be 8 or 7, got {act_bits!r}")
+    if act_bits == 7 and (mode != "dynamic" or trainable):
+        raise ValueError(
+            "Int8Linear: act_bits=7 quantizes the activations of mode='dynamic' inference layers; this layer is "
+            f"mode={mode!r}, trainable={trainable} (QAT trains with 8-bit activations; freeze() first)"
+        )
+    return act_bits
+
+
 def _resolve_group_size(mode: str, group_size, trainable: bool):
     """``"auto"``: 16 for weight-only layers, per-channel (None) for W8A8, whose int32 GEMM needs one scale per
     output channel."""

@@ -3,7 +3,10 @@
 Modes
   ``"dynamic"``      W8A8: activations are quantized per token on the fly, the GEMM runs in int8 with int32
                      accumulation, dequant + bias in the epilogue (``fastdl.ops.int8_linear``). Per-output-channel
-                     weight scales.
+                     weight scales. ``act_bits=7`` (opt-in, inference layers) quantizes activations to 7-bit unsigned
+                     codes with a zero point per token (the accuracy class of fbgemm's ``reduce_range``): on CPUs
+                     without AVX512-VNNI its GEMM runs ``vpmaddubsw`` on the codes directly, 1.1-1.4x the exact 8-bit
+                     kernel there; elsewhere it is the same kernel with coarser activations.
   ``"weight_only"``  activations stay float; the int8 weight is converted inside the kernel
                      (``fastdl.ops.int8_weight_only_linear``). By default (``group_size=16``) the weight has a
                      per-channel fp32 scale and an 8-bit code per group of 16 input features
@@ -42,7 +45,8 @@ state_dict (format version 3)
              ``[out]`` (if any), ``_extra_state``
   trainable: ``weight`` fp32 master ``[out, in]``, ``bias``, ``_extra_state``
   ``_extra_state`` = the record ``{"format": "fastdl.Int8Linear", "version": 3, "mode": ..., "trainable": ...,
-  "in_features": ..., "out_features": ..., "group_size": 16 or None, "quantization": <one line describing it>}``
+  "in_features": ..., "out_features": ..., "group_size": 16 or None, "act_bits": 8 or 7, "quantization": <one line
+  describing it>}`` (``act_bits`` is informative: the layer's own setting stands, as ``mode``'s does)
   stored as a uint8 tensor of its JSON text (``fastdl.nn.decode_extra_state`` reads it), so the state dict holds only
   tensors: it saves as safetensors and loads with ``torch.load(weights_only=True)``. Version 2 is the same record
   kept as a Python dict; version 1 (fastdl before group scales) is that without ``group_size`` and
@@ -82,6 +86,7 @@ from ._int8_support import (  # noqa: F401 (MODES, GROUP_SIZES: part of this mod
     GROUP_SIZES,
     MODES,
     X_DTYPES,
+    _check_act_bits,
     _check_mode,
     _cpu_packing_available,
     _dequantize,
@@ -97,8 +102,9 @@ class Int8Linear(CheckedForward, DenseCopyOption, RuntimeChoice, VersionedModule
     ``Int8Linear.from_linear(linear, mode=...)`` or filled by ``load_state_dict``.
     """
 
-    __constants__ = ["in_features", "out_features", "mode", "trainable", "group_size"]
+    __constants__ = ["in_features", "out_features", "mode", "trainable", "group_size", "act_bits"]
     INPUT_DTYPES = X_DTYPES  # the int8 ops take no float64
+    act_bits: int = 8  # (a class default too: a layer pickled before act_bits existed has none of its own)
     FORMAT = FORMAT
     FORMAT_VERSION = FORMAT_VERSION
 
@@ -112,12 +118,14 @@ class Int8Linear(CheckedForward, DenseCopyOption, RuntimeChoice, VersionedModule
         device=None,
         dtype=None,
         group_size="auto",
+        act_bits: int = 8,
     ) -> None:
         super().__init__()
         _check_mode(mode)
         self.in_features, self.out_features = int(in_features), int(out_features)
         self.mode, self.trainable = mode, bool(trainable)
         self.group_size = _resolve_group_size(mode, group_size, self.trainable)
+        self.act_bits = _check_act_bits(act_bits, mode, self.trainable)
         # dtype is that of the float weight the layer is initialised (quantized) from and of the bias: a float dtype
         check_dtype_arg("Int8Linear", dtype)
         master_dtype = dtype or torch.float32
@@ -133,7 +141,8 @@ class Int8Linear(CheckedForward, DenseCopyOption, RuntimeChoice, VersionedModule
     #   trainable (QAT)     fp32 master weight, quantized copy cached for eval: _init_master, _qat_forward,
     #                       _eval_weights, _apply_trainable, _load_master_weight
     @classmethod
-    def _blank(cls, in_features: int, out_features: int, mode: str, trainable: bool, group_size) -> Int8Linear:
+    def _blank(cls, in_features: int, out_features: int, mode: str, trainable: bool, group_size,
+               act_bits: int = 8) -> Int8Linear:  # fmt: skip
         """A module with its configuration set and no tensors yet (``from_linear`` and ``freeze`` fill it)."""
         _check_mode(mode)
         mod = cls.__new__(cls)
@@ -141,6 +150,7 @@ class Int8Linear(CheckedForward, DenseCopyOption, RuntimeChoice, VersionedModule
         mod.in_features, mod.out_features = int(in_features), int(out_features)
         mod.mode, mod.trainable = mode, bool(trainable)
         mod.group_size = _resolve_group_size(mode, group_size, mod.trainable)
+        mod.act_bits = _check_act_bits(act_bits, mode, mod.trainable)
         return mod
 
     def _init_weight(self, w: torch.Tensor) -> None:
@@ -256,7 +266,9 @@ class Int8Linear(CheckedForward, DenseCopyOption, RuntimeChoice, VersionedModule
         bias = self._parameters.get("bias")  # not self.bias: nn.Module.__getattr__ costs ~1.2 us
         if self.mode == "weight_only":
             return int8_ops.int8_weight_only_linear(x, w_q, w_scale, bias, w_group)
-        return int8_ops.int8_linear(x, w_q, w_scale, bias, w_packed, w_comp)
+        if self.act_bits == 8:
+            return int8_ops.int8_linear(x, w_q, w_scale, bias, w_packed, w_comp)
+        return int8_ops.int8_linear(x, w_q, w_scale, bias, w_packed, w_comp, self.act_bits)
 
     def _kernel_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The int8 op path ("kernel") of either kind of layer."""
@@ -276,6 +288,7 @@ class Int8Linear(CheckedForward, DenseCopyOption, RuntimeChoice, VersionedModule
     # always run their op.
     def _choice_layer(self) -> tuple:
         layer = ("Int8Linear", self.mode, self.group_size, self.in_features, self.out_features, self.bias is not None)
+        layer += (("act_bits", self.act_bits),) if self.act_bits != 8 else ()
         return layer + (("dense_copy",) if self.dense_copy else ())
 
     def _choice_default(self, x) -> str:
@@ -365,12 +378,16 @@ class Int8Linear(CheckedForward, DenseCopyOption, RuntimeChoice, VersionedModule
             "mode": self.mode,
             "trainable": self.trainable,
             "group_size": self.group_size,
+            "act_bits": self.act_bits,
             "quantization": _QUANT_DOC[self.group_size],
         }
 
     def recipe(self) -> dict:
         """How to rebuild this layer from an ``nn.Linear`` of its shape (``fastdl.save``/``load`` use it)."""
-        return {"mode": self.mode, "trainable": self.trainable, "group_size": self.group_size}
+        r = {"mode": self.mode, "trainable": self.trainable, "group_size": self.group_size}
+        if self.act_bits != 8:  # (recipes written before act_bits existed stay equal to a default layer's)
+            r["act_bits"] = self.act_bits
+        return r
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         def val(t):
@@ -479,14 +496,15 @@ class Int8Linear(CheckedForward, DenseCopyOption, RuntimeChoice, VersionedModule
     # ------------------------------------------------------------------------------------------ conversions
     @classmethod
     def from_linear(
-        cls, linear: nn.Linear, mode: str = "dynamic", trainable: bool = False, group_size="auto"
+        cls, linear: nn.Linear, mode: str = "dynamic", trainable: bool = False, group_size="auto", act_bits: int = 8
     ) -> Int8Linear:
         """Quantize an ``nn.Linear``: per output channel (``mode="dynamic"``), or with group scales
         (``mode="weight_only"``, unless ``group_size=None``). ``trainable=True`` keeps an fp32 copy of its weights as
-        QAT master weights (the linear itself is not modified)."""
+        QAT master weights (the linear itself is not modified). ``act_bits=7``: 7-bit activations (see the module
+        docstring; dynamic inference layers only)."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"Int8Linear.from_linear expects an nn.Linear, got {type(linear).__name__}")
-        mod = cls._blank(linear.in_features, linear.out_features, mode, trainable, group_size)
+        mod = cls._blank(linear.in_features, linear.out_features, mode, trainable, group_size, act_bits)
         w = linear.weight.detach()
         if trainable:
             w = w.float()
@@ -538,4 +556,5 @@ class Int8Linear(CheckedForward, DenseCopyOption, RuntimeChoice, VersionedModule
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
             f"mode={self.mode!r}, trainable={self.trainable}"
             + (f", group_size={self.group_size}" if self.mode == "weight_only" else "")
+            + (f", act_bits={self.act_bits}" if self.act_bits != 8 else "")
         )

@@ -93,9 +93,13 @@ def check_mm(a_q, b_q, a_scale, b_scale, bias, out_dtype, b_packed, b_comp):
     return M, K, N
 
 
-def check_linear(x, w_q, w_scale, bias, w_packed, w_comp):
+def check_linear(x, w_q, w_scale, bias, w_packed, w_comp, act_bits=8):
     K, N = _check_weight("int8_linear", x, w_q, w_scale, bias)
     _check_packed("int8_linear", w_packed, w_comp, N, K, w_q)
+    require(
+        type(act_bits) is int and act_bits in (7, 8),
+        lambda: f"int8_linear: act_bits must be 8 or 7, got {act_bits!r}",
+    )
     return K, N
 
 

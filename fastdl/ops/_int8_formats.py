@@ -65,6 +65,30 @@ def quantize_rows_reference(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return q, scale
 
 
+def quantize_rows_u7_reference(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 7-bit activation mode's per-row quantization (``int8_linear(..., act_bits=7)``), bit-exact: returns the
+    int8 ``a = q - z`` in [-127, 127] and the fp32 scale, so that ``a * scale`` is the row's dequantized value."""
+    M, K = x2.shape
+    if K == 0 or M == 0:
+        return torch.zeros((M, K), dtype=torch.int8, device=x2.device), torch.zeros(M, device=x2.device)
+    xf = x2.float()
+    nonfinite = ~torch.isfinite(xf).all(dim=1)
+    clean = torch.where(nonfinite[:, None], 0.0, xf)
+    lo = clean.amin(dim=1).clamp(max=0.0)
+    hi = clean.amax(dim=1).clamp(min=0.0)
+    rng = hi - lo  # fp32
+    bad = nonfinite | ~torch.isfinite(rng)
+    safe = torch.where(bad | (rng == 0), 1.0, rng)
+    c127 = torch.full_like(safe, 127.0)
+    inv = torch.div(c127, safe)  # IEEE division (see quantize_rows_reference)
+    ok = ~bad & (rng != 0) & torch.isfinite(inv)
+    z = (-lo * inv).round_().clamp_(0.0, 127.0)
+    q = (clean * inv[:, None]).round_().add_(z[:, None]).clamp_(0.0, 127.0)
+    a = torch.where(ok[:, None], q - z[:, None], 0.0).to(torch.int8).contiguous()
+    scale = torch.where(ok, torch.div(safe, c127), torch.where(bad, math.nan, 0.0))
+    return a, scale
+
+
 def pack_reference(w_q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """VNNI packing with reshape/permute: element (n, k) lands at flat index
     ((n // 16) * (Kp // 4) + k // 4) * 64 + (n % 16) * 4 + k % 4."""

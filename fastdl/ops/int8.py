@@ -18,8 +18,16 @@ Ops (schemas below; every backend implements exactly these semantics, bit for bi
     ``acc = a_q @ b_q.T`` exactly in int32; ``out_dtype=torch.int32`` returns ``acc``; otherwise
     ``out = cast(((float(acc) * a_scale[m]) * b_scale[n]) + bias[n])`` in fp32, in this order, fused in the GEMM
     epilogue (no int32 ``[M, N]`` tensor for float outputs).
-``int8_linear(x, w_q, w_scale, bias, w_packed, w_comp)``
+``int8_linear(x, w_q, w_scale, bias, w_packed, w_comp, act_bits=8)``
     Dynamic W8A8: quantize ``x`` per token, int8 GEMM, dequantize + bias; output ``[..., N]`` in ``x.dtype``.
+    ``act_bits=7`` (opt-in) quantizes each row to 7-bit unsigned codes with a zero point instead, as fbgemm's
+    ``reduce_range``: ``lo = min(0, min x)``, ``hi = max(0, max x)``, ``range = hi - lo`` (fp32), ``inv = 127 /
+    range``, ``scale = range / 127`` (IEEE fp32 divisions), ``z = clamp(rint(-lo * inv), 0, 127)``, ``q =
+    clamp(rint(x * inv) + z, 0, 127)``, and the GEMM runs on ``a = q - z`` (in [-127, 127]) exactly in int32, with
+    ``scale`` as the row's scale. A row holding NaN/Inf, or whose range overflows fp32, gives NaN; a row whose range
+    is 0 or below ~3.7e-37 (``inv`` not finite) quantizes to 0. The step is ``range / 127`` instead of ``amax / 127``
+    (up to twice as coarse for a row of both signs, as fine for a one-signed row such as a post-ReLU one); on CPUs
+    without AVX512-VNNI the GEMM then takes the codes directly (vpmaddubsw pairs of a 7-bit code cannot saturate).
 ``int8_weight_only_linear(x, w_q, w_scale, bias, w_group_scale=None)``
     ``out = w_scale[n] * sum_k x[m, k] * d[n, k] + bias[n]``: activations stay float, int8 weights are converted
     inside the kernel, fp32 accumulation, output in ``x.dtype``. ``d = w_q`` (per-channel scales), or with the
@@ -66,6 +74,7 @@ from ._int8_formats import (  # the formats and their exact formulas in PyTorch
     plain_weight,
     quantize_per_group,
     quantize_rows_reference,
+    quantize_rows_u7_reference,
     unpack_reference,  # noqa: F401  (re-exported)
 )
 from ._library import (
@@ -96,7 +105,7 @@ MM_SCHEMA = (
     "Tensor? b_packed, Tensor? b_comp) -> Tensor"
 )
 LINEAR_SCHEMA = (
-    "(Tensor x, Tensor w_q, Tensor w_scale, Tensor? bias, Tensor? w_packed, Tensor? w_comp) -> Tensor"
+    "(Tensor x, Tensor w_q, Tensor w_scale, Tensor? bias, Tensor? w_packed, Tensor? w_comp, int act_bits=8) -> Tensor"
 )
 WEIGHT_ONLY_SCHEMA = "(Tensor x, Tensor w_q, Tensor w_scale, Tensor? bias, Tensor? w_group_scale=None) -> Tensor"
 QAT_SCHEMA = "(Tensor x, Tensor weight, Tensor? bias, bool weight_only=False) -> Tensor"
@@ -151,20 +160,27 @@ int8_mm_op = define("int8_mm", MM_SCHEMA, reference=_mm_reference, fake=_mm_fake
 
 
 # ------------------------------------------------------------------------------------------------ int8_linear
-def _linear_fake(x, w_q, w_scale, bias, w_packed, w_comp):
-    _, N = check_linear(x, w_q, w_scale, bias, w_packed, w_comp)
+def _linear_fake(x, w_q, w_scale, bias, w_packed, w_comp, act_bits=8):
+    _, N = check_linear(x, w_q, w_scale, bias, w_packed, w_comp, act_bits)
     return x.new_empty((*x.shape[:-1], N))
 
 
-def _linear_reference(x, w_q, w_scale, bias, w_packed, w_comp):
+def _linear_reference(x, w_q, w_scale, bias, w_packed, w_comp, act_bits=8):
     N = w_q.shape[0]
-    q, s = quantize_rows_reference(_rows(x))
+    q, s = (quantize_rows_u7_reference if act_bits == 7 else quantize_rows_reference)(_rows(x))
     acc = int32_acc_reference(q, plain_weight(w_q, w_packed))
     return dequant_reference(acc, s, w_scale, bias, x.dtype).reshape(*x.shape[:-1], N)
 
 
+def _linear_supports(backend, args):
+    if backend == "triton" and len(args) > 6 and args[6] == 7:
+        return "the 7-bit activation mode (act_bits=7) has no Triton kernel (GPUs multiply int8 exactly)"
+    return None
+
+
 int8_linear_op = define("int8_linear", LINEAR_SCHEMA, reference=_linear_reference, fake=_linear_fake,
-                        check=check_linear, cuda=("triton", "cpp", "torch"), triton="int8:int8_linear")  # fmt: skip
+                        check=check_linear, supports=_linear_supports, cuda=("triton", "cpp", "torch"),
+                        triton="int8:int8_linear")  # fmt: skip
 
 
 def has_cpu_kernel() -> bool:
@@ -197,6 +213,7 @@ int8_weight_only_linear_op = define("int8_weight_only_linear", WEIGHT_ONLY_SCHEM
 def _frozen_setup_context(ctx, inputs, output, grouped=False):
     x, w_q, w_scale, bias = inputs[:4]
     extra = inputs[4] if len(inputs) > 4 else None  # int8_linear: w_packed; weight-only: w_group_scale
+    # (int8_linear's act_bits changes only the quantization of x, through which the gradient passes straight)
     _frozen.save_context(ctx, x, bias, (w_q, w_scale, extra), grouped=grouped)
 
 
@@ -230,11 +247,11 @@ def _frozen_surrogate(x, w_q, w_scale, bias, extra, grouped):
     return out.to(x.dtype).reshape(*x.shape[:-1], N)
 
 
-def _linear_differentiable(x, w_q, w_scale, bias, w_packed, w_comp):
+def _linear_differentiable(x, w_q, w_scale, bias, w_packed, w_comp, act_bits=8):
     """int8_linear under torch.func transforms and forward AD: the reference's value (the activations quantized)
     with the documented straight-through derivative in x and bias."""
     detached_bias = None if bias is None else bias.detach()
-    value = _linear_reference(x.detach(), w_q, w_scale, detached_bias, w_packed, w_comp)
+    value = _linear_reference(x.detach(), w_q, w_scale, detached_bias, w_packed, w_comp, act_bits)
     return _straight_through(value, _frozen_surrogate(x, w_q, w_scale, bias, w_packed, grouped=False))
 
 
@@ -394,11 +411,16 @@ def int8_linear(
     bias: torch.Tensor | None = None,
     w_packed: torch.Tensor | None = None,
     w_comp: torch.Tensor | None = None,
+    act_bits: int = 8,
 ) -> torch.Tensor:
     """Dynamic W8A8 linear: ``x [..., K]`` is quantized per token on the fly, multiplied with the int8 weight
     ``w_q [N, K]`` (per-channel scales ``w_scale [N]``) in int32, dequantized (+ bias) in the epilogue; returns
-    ``[..., N]`` in x's dtype. A NaN/Inf in a row of x gives NaN in that output row only."""
-    return int8_linear_op(x, w_q, w_scale, bias, w_packed, w_comp)
+    ``[..., N]`` in x's dtype. A NaN/Inf in a row of x gives NaN in that output row only. ``act_bits=7``: 7-bit
+    unsigned activations with a zero point per row (fbgemm's ``reduce_range``; the module docstring has the
+    formula), faster on CPUs without AVX512-VNNI, the int32 products still exact."""
+    if act_bits == 8:
+        return int8_linear_op(x, w_q, w_scale, bias, w_packed, w_comp)
+    return int8_linear_op(x, w_q, w_scale, bias, w_packed, w_comp, act_bits)
 
 
 def int8_weight_only_linear(
