@@ -338,10 +338,14 @@ def test_a8_extra_error_is_small_next_to_int4_weight_error():
 
 def check_cpp_a8_level() -> str:
     """In a process capped by FASTDL_CPU_ISA: the W4A8 kernels of that level against float64 (quantization of x and
-    the integer kernel, every row count of its tiles, weight blocks, zeros, negative scales)."""
+    the integer kernels, the dot-product form and the GEMM, every row count of their tiles, weight blocks, zeros,
+    negative scales)."""
     g = torch.Generator().manual_seed(9)
     with fastdl.use_backend("cpp"):
-        for N, K, M in [(1, 32, 1), (7, 96, 2), (33, 256, 3), (40, 384, 4), (19, 128, 5), (65, 512, 17), (24, 2048, 9)]:
+        # M >= 16 takes the AVX-512 family's GEMM: panels of 32 weight rows (N tails 1 and 4), K chunks of 512, row
+        # blocks of 128 and tiles of 6 rows (135 = 128 + 6 + 1), K not a multiple of 64
+        for N, K, M in [(1, 32, 1), (7, 96, 2), (33, 256, 3), (40, 384, 4), (19, 128, 5), (65, 512, 17), (24, 2048, 9),
+                        (33, 96, 16), (100, 1024, 135)]:  # fmt: skip
             for G in groups_for(K):
                 for zeros in (False, True):
                     u, s, z = random_int4(N, K, G, zeros, seed=N + K + M + G + 1)

@@ -5,7 +5,8 @@
 //     dequantized once per x chunk into a small buffer, register tiles of x rows x weight rows); above, fused_linear's
 //     fgemm with the int4 weight dequantized strip by strip while it is packed. No dense copy of the weight at any M.
 //     The numbers behind each family's limits are beside its table (int4_avx512.cpp, int4_avx2.cpp).
-//   W4A8: x quantized per row and group, then the integer kernel, at every M.
+//   W4A8: x quantized per row and group, then the integer kernel: the dot-product form for few rows, the family's
+//     GEMM (AVX512-VNNI) from its a8_gemm_min_rows.
 // Threads split N in both.
 #include "int4_kernels.h"
 
@@ -194,6 +195,16 @@ int64_t bf16_dense_min_rows() {
     return forced ? forced : kBf16DenseMinRows;
 }
 
+// The rows from which W4A8 runs the family's GEMM (Kernels::a8_gemm_min_rows); FASTDL_INT4_A8_GEMM_ROWS=<rows>
+// overrides it (read once per process, for benchmarks).
+int64_t a8_gemm_min_rows() {
+    static const int64_t forced = [] {
+        const char *env = std::getenv("FASTDL_INT4_A8_GEMM_ROWS");
+        return env && *env ? std::max<int64_t>(1, std::atoll(env)) : int64_t(0);
+    }();
+    return forced ? forced : kernels().a8_gemm_min_rows;
+}
+
 bool bf16_dense(const at::Tensor &x, const Checked &c) {
     return x.scalar_type() == at::kBFloat16 && c.M >= bf16_dense_min_rows() && kernels().dequant_rows_bf16 &&
            fastdl::fused_linear::has_bf16_dot();
@@ -269,13 +280,15 @@ at::Tensor a8_route(const at::Tensor &x, const Checked &c) {
     qp.qx = qx.data_ptr<int8_t>();
     qp.sx = sx.data_ptr<float>();
     qp.sumx = sumx.data_ptr<int32_t>();
+    const bool gemm = kr.a8_gemm != nullptr && M >= a8_gemm_min_rows();
+    qp.natural = gemm;
     parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t m0, int64_t m1) { kr.quantize_x(qp, m0, m1); });
     F32Out of(c.out, M, N);
     A8Args a = c.args<A8Args>(of.ptr());
     a.qx = qp.qx;
     a.sx = qp.sx;
     a.sumx = qp.sumx;
-    over_columns(M, N, K, [&](int64_t n0, int64_t n1) { kr.a8(a, n0, n1); });
+    over_columns(M, N, K, [&](int64_t n0, int64_t n1) { (gemm ? kr.a8_gemm : kr.a8)(a, n0, n1); });
     return of.finish();
 }
 

@@ -7,6 +7,8 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 #include <memory>
 
 #define I4_SIMD __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c")))
@@ -79,15 +81,247 @@ dequant_rows_bf16(const Int4Args &a, int64_t n0, int64_t n1, uint16_t *dst) {
     }
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// W4A8 as a GEMM (many rows of x). The dot-product kernel of int4_stream.h (lanes over k, one weight row at a time)
+// unpacks each weight row again for every 4 rows of x and reduces its lanes per group: at M = 128 it ran at 0.6-0.7x
+// eager bf16 F.linear. Here the lanes are output columns, as in the int8 W8A8 kernel: a panel of kPanelCols weight
+// rows is unpacked once per block of x rows into the VNNI layout [K / 4][kPanelCols][4] of its codes u (0..15, the
+// unsigned operand of vpdpbusd) with its scales and zero points as [group][kPanelCols]; a register tile of kTileRows
+// rows x 2 zmm (32 columns) then takes one broadcast quad of x's codes (signed) per k-quad, and per group the exact
+// int32 sums (sum_k q_x u - z sum_k q_x) are converted and accumulated times s_w * s_x, as the dot kernel does.
+constexpr int64_t kPanelCols = 32;
+constexpr int64_t kRowBlock = 128; // x rows per block (512 KiB of codes at K = 4096: L2), each panel unpacked per block
+constexpr int64_t kChunkK = 512; // k per chunk: its panel codes (16 KiB) stay in L1 while every row tile runs over them
+
+// The unpacked panel of weight rows [n0, n0 + nc) (nc <= kPanelCols; missing rows are zero codes, never stored).
+struct A8Panel {
+    uint8_t *codes = nullptr; // [K / 4][kPanelCols][4]
+    float *scale = nullptr;   // [groups][kPanelCols]
+    int32_t *zero = nullptr;  // [groups][kPanelCols] (zero points given) or null (8)
+};
+
+// Index vectors of the 16 x 32 transpose below (vpermt2d over two sources: entries 0..15 the first, 16..31 the second).
+struct PanelIdx {
+    __m512i h[2], j[2], o[2];
+};
+
+I4_SIMD PanelIdx panel_idx() {
+    alignas(64) int32_t h[2][16], j[2][16], o[2][16];
+    for (int t = 0; t < 2; ++t) {
+        for (int ql = 0; ql < 4; ++ql)
+            for (int cl = 0; cl < 4; ++cl)
+                h[t][ql * 4 + cl] = 16 * (cl / 2) + t * 8 + (cl % 2) * 4 + ql;
+        for (int qq = 0; qq < 2; ++qq)
+            for (int p = 0; p < 2; ++p)
+                for (int cl = 0; cl < 4; ++cl)
+                    j[t][qq * 8 + p * 4 + cl] = 16 * p + (2 * t + qq) * 4 + cl;
+        for (int c = 0; c < 16; ++c)
+            o[t][c] = c < 8 ? t * 8 + c : 16 + t * 8 + (c - 8);
+    }
+    PanelIdx r;
+    for (int t = 0; t < 2; ++t) {
+        r.h[t] = _mm512_load_si512(h[t]);
+        r.j[t] = _mm512_load_si512(j[t]);
+        r.o[t] = _mm512_load_si512(o[t]);
+    }
+    return r;
+}
+
+// One 32-k block of 16 weight rows (rows[r]: its 16 packed bytes, low nibbles k 0..15, high k 16..31) into the 8
+// k-quads of the panel's VNNI layout at dst (quad q at dst + q * kPanelCols * 4). Two rows per zmm: 128-bit lanes
+// [lo(r), lo(r + 1), hi(r), hi(r + 1)], so dword (row parity e, quad q) sits at (q / 4) * 8 + e * 4 + q % 4; three
+// rounds of vpermt2d (24 in all, 8 per round) gather each quad's 16 rows into one vector.
+I4_SIMD inline void panel_block(const uint8_t *const (&rows)[16], const PanelIdx &ix, uint8_t *dst) {
+    const __m256i m = _mm256_set1_epi8(0x0F);
+    __m512i z[8];
+    for (int t = 0; t < 8; ++t) {
+        const __m256i v = _mm256_loadu2_m128i(reinterpret_cast<const __m128i *>(rows[2 * t + 1]),
+                                              reinterpret_cast<const __m128i *>(rows[2 * t]));
+        z[t] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, m)),
+                                  _mm256_and_si256(_mm256_srli_epi16(v, 4), m), 1);
+    }
+    __m512i h[4][2]; // rows 4p..4p+3, quads 4t..4t+3: dword ql * 4 + cl
+    for (int p = 0; p < 4; ++p)
+        for (int t = 0; t < 2; ++t)
+            h[p][t] = _mm512_permutex2var_epi32(z[2 * p], ix.h[t], z[2 * p + 1]);
+    for (int t = 0; t < 2; ++t)                                                      // quads 4t ..
+        for (int s = 0; s < 2; ++s) {                                                // .. + 2s + qq
+            const __m512i ja = _mm512_permutex2var_epi32(h[0][t], ix.j[s], h[1][t]); // rows 0..7
+            const __m512i jb = _mm512_permutex2var_epi32(h[2][t], ix.j[s], h[3][t]); // rows 8..15
+            for (int qq = 0; qq < 2; ++qq)
+                _mm512_storeu_si512(dst + (4 * t + 2 * s + qq) * kPanelCols * 4,
+                                    _mm512_permutex2var_epi32(ja, ix.o[qq], jb));
+        }
+}
+
+I4_SIMD void pack_panel(const A8Args &a, int64_t n0, int64_t nc, const PanelIdx &ix, const A8Panel &pn) {
+    const int64_t groups = a.K / a.group, rowb = a.K / 2;
+    alignas(16) static const uint8_t kZeroRow[16] = {};
+    for (int h = 0; h < 2; ++h) { // the two 16-row halves of the panel
+        const uint8_t *rows[16];
+        for (int r = 0; r < 16; ++r)
+            rows[r] = h * 16 + r < nc ? a.q + (n0 + h * 16 + r) * rowb : kZeroRow;
+        for (int64_t b = 0; b < a.K / 32; ++b) {
+            const uint8_t *blk[16];
+            for (int r = 0; r < 16; ++r)
+                blk[r] = rows[r] == kZeroRow ? kZeroRow : rows[r] + b * 16;
+            panel_block(blk, ix, pn.codes + (b * 8 * kPanelCols + h * 16) * 4);
+        }
+    }
+    for (int64_t c = 0; c < kPanelCols; ++c) {
+        const bool valid = c < nc;
+        const uint16_t *s = a.scales + (n0 + c) * groups;
+        const uint8_t *zr = a.zeros && valid ? a.zeros + (n0 + c) * groups : nullptr;
+        for (int64_t g = 0; g < groups; ++g) {
+            pn.scale[g * kPanelCols + c] = valid ? _cvtsh_ss(s[g]) : 0.f;
+            if (pn.zero)
+                pn.zero[g * kPanelCols + c] = zr ? zr[g] : 8;
+        }
+    }
+}
+
+// Rows [m0, m0 + MR) of x against groups [g0, g1) of the panel. The running fp32 sums of the rows are in part
+// (kPanelCols floats per row, from row m0), read unless g0 == 0; after the last group (g1 == groups) the columns
+// n0 .. n0 + nc - 1 are stored with the bias, else the sums go back to part.
+template <int MR>
+I4_SIMD void a8_gemm_tile(const A8Args &a, int64_t m0, int64_t n0, int64_t nc, int64_t ldg, const A8Panel &pn,
+                          int64_t g0, int64_t g1, float *part) {
+    const int64_t groups = a.K / a.group, quads = a.group / 4;
+    __m512 tot[MR][2];
+    for (int m = 0; m < MR; ++m) {
+        tot[m][0] = g0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(part + m * kPanelCols);
+        tot[m][1] = g0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(part + m * kPanelCols + 16);
+    }
+    const int8_t *xr[MR];
+    for (int m = 0; m < MR; ++m)
+        xr[m] = a.qx + (m0 + m) * a.K;
+    for (int64_t g = g0; g < g1; ++g) {
+        __m512i acc[MR][2];
+        for (int m = 0; m < MR; ++m)
+            acc[m][0] = acc[m][1] = _mm512_setzero_si512();
+        const uint8_t *b = pn.codes + g * quads * kPanelCols * 4;
+        const int64_t k0 = g * a.group;
+        for (int64_t q = 0; q < quads; ++q) {
+            const __m512i b0 = _mm512_loadu_si512(b + q * kPanelCols * 4);
+            const __m512i b1 = _mm512_loadu_si512(b + q * kPanelCols * 4 + 64);
+#pragma GCC unroll 8
+            for (int m = 0; m < MR; ++m) {
+                int32_t quad;
+                std::memcpy(&quad, xr[m] + k0 + 4 * q, 4);
+                const __m512i av = _mm512_set1_epi32(quad);
+                acc[m][0] = _mm512_dpbusd_epi32(acc[m][0], b0, av);
+                acc[m][1] = _mm512_dpbusd_epi32(acc[m][1], b1, av);
+            }
+        }
+        const __m512 sw0 = _mm512_loadu_ps(pn.scale + g * kPanelCols);
+        const __m512 sw1 = _mm512_loadu_ps(pn.scale + g * kPanelCols + 16);
+        for (int m = 0; m < MR; ++m) {
+            const int64_t mg = (m0 + m) * ldg + g;
+            const __m512i sumx = _mm512_set1_epi32(a.sumx[mg]);
+            __m512i e0, e1;
+            if (pn.zero) {
+                e0 =
+                    _mm512_sub_epi32(acc[m][0], _mm512_mullo_epi32(_mm512_loadu_si512(pn.zero + g * kPanelCols), sumx));
+                e1 = _mm512_sub_epi32(acc[m][1],
+                                      _mm512_mullo_epi32(_mm512_loadu_si512(pn.zero + g * kPanelCols + 16), sumx));
+            } else {
+                const __m512i z8 = _mm512_slli_epi32(sumx, 3);
+                e0 = _mm512_sub_epi32(acc[m][0], z8);
+                e1 = _mm512_sub_epi32(acc[m][1], z8);
+            }
+            const __m512 sx = _mm512_set1_ps(a.sx[mg]);
+            tot[m][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(e0), _mm512_mul_ps(sw0, sx), tot[m][0]);
+            tot[m][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(e1), _mm512_mul_ps(sw1, sx), tot[m][1]);
+        }
+    }
+    if (g1 < groups) {
+        for (int m = 0; m < MR; ++m) {
+            _mm512_storeu_ps(part + m * kPanelCols, tot[m][0]);
+            _mm512_storeu_ps(part + m * kPanelCols + 16, tot[m][1]);
+        }
+        return;
+    }
+    for (int h = 0; h < 2; ++h) {
+        const int64_t c0 = h * 16;
+        if (c0 >= nc)
+            break;
+        const __mmask16 mk = nc - c0 >= 16 ? __mmask16(0xffff) : __mmask16((1u << (nc - c0)) - 1u);
+        const __m512 bias = a.bias ? _mm512_maskz_loadu_ps(mk, a.bias + n0 + c0) : _mm512_setzero_ps();
+        for (int m = 0; m < MR; ++m)
+            _mm512_mask_storeu_ps(a.out + (m0 + m) * a.ldo + n0 + c0, mk, _mm512_add_ps(tot[m][h], bias));
+    }
+}
+
+I4_SIMD void a8_gemm(const A8Args &a, int64_t n0, int64_t n1) {
+    constexpr int kTileRows = 6;
+    const int64_t groups = a.K / a.group, ldg = (groups + 7) / 8 * 8;
+    const size_t code_bytes = static_cast<size_t>(a.K / 4 * kPanelCols * 4);
+    const size_t f_bytes = static_cast<size_t>(groups * kPanelCols * 4);
+    const size_t bytes = code_bytes + f_bytes * (a.zeros ? 2 : 1);
+    std::unique_ptr<uint8_t, decltype(&std::free)> buf(
+        static_cast<uint8_t *>(std::aligned_alloc(64, (bytes + 63) / 64 * 64)), &std::free);
+    A8Panel pn;
+    pn.codes = buf.get();
+    pn.scale = reinterpret_cast<float *>(buf.get() + code_bytes);
+    pn.zero = a.zeros ? reinterpret_cast<int32_t *>(buf.get() + code_bytes + f_bytes) : nullptr;
+    std::unique_ptr<float[]> part(new float[kRowBlock * kPanelCols]);
+    const PanelIdx ix = panel_idx();
+    const int64_t chunk = kChunkK / a.group > 1 ? kChunkK / a.group : 1; // groups per K chunk
+    for (int64_t r0 = 0; r0 < a.M; r0 += kRowBlock) {
+        const int64_t r1 = r0 + kRowBlock < a.M ? r0 + kRowBlock : a.M;
+        for (int64_t nb = n0; nb < n1; nb += kPanelCols) {
+            const int64_t nc = n1 - nb < kPanelCols ? n1 - nb : kPanelCols;
+            pack_panel(a, nb, nc, ix, pn);
+            for (int64_t g0 = 0; g0 < groups; g0 += chunk) {
+                const int64_t g1 = g0 + chunk < groups ? g0 + chunk : groups;
+                int64_t m0 = r0;
+                for (; m0 + kTileRows <= r1; m0 += kTileRows)
+                    a8_gemm_tile<kTileRows>(a, m0, nb, nc, ldg, pn, g0, g1, part.get() + (m0 - r0) * kPanelCols);
+                float *pt = part.get() + (m0 - r0) * kPanelCols;
+                switch (r1 - m0) {
+                case 5:
+                    a8_gemm_tile<5>(a, m0, nb, nc, ldg, pn, g0, g1, pt);
+                    break;
+                case 4:
+                    a8_gemm_tile<4>(a, m0, nb, nc, ldg, pn, g0, g1, pt);
+                    break;
+                case 3:
+                    a8_gemm_tile<3>(a, m0, nb, nc, ldg, pn, g0, g1, pt);
+                    break;
+                case 2:
+                    a8_gemm_tile<2>(a, m0, nb, nc, ldg, pn, g0, g1, pt);
+                    break;
+                case 1:
+                    a8_gemm_tile<1>(a, m0, nb, nc, ldg, pn, g0, g1, pt);
+                    break;
+                default:
+                    break;
+                }
+            }
+        }
+    }
+}
+
 } // namespace
 
+// W4A8 GEMM from 16 rows (4096 x 4096, 2 threads, wall ms, medians of 30 calls rotating over 6 weight copies, two
+// runs; dot kernel / GEMM): groups of 32 M = 8 1.04 / 1.13-1.32, M = 16 1.94-1.95 / 1.50-1.94, M = 32 3.76-3.85 /
+// 2.36-2.53, M = 64 7.33-7.47 / 3.95-4.12; groups of 128 M = 8 1.18 / 1.07-1.12, M = 16 2.24-2.35 / 1.33-1.54, M = 64
+// 8.73-8.89 / 3.51-3.73.
 // Route (thread CPU time, one Zen 4 core, 4096 x 4096, groups of 128, fp32 x, ms): stream / tiles at M = 1 1.40 /
 // 2.13, 2 1.94 / 2.31, 3 3.07 / 2.77, 4 3.68 / 2.76; tiles / fgemm at M = 8 4.39 / 13.6, 16 7.31 / 16.5, 128 42.1 /
 // 51.0, 512 179 / 246, 1024 362 / 417. Tiles from 3 rows, at every M.
 const Kernels *kernels_avx512() {
-    static const Kernels k{"avx512_vnni",       &i4_stream<Avx512Traits>, &i4a8_quantize<Avx512Traits>,
-                           &i4a8<Avx512Traits>, &i4_tiles<Avx512Traits>,  2,
-                           INT64_MAX,           &dequant_rows_bf16};
+    static const Kernels k{"avx512_vnni",
+                           &i4_stream<Avx512Traits>,
+                           &i4a8_quantize<Avx512Traits>,
+                           &i4a8<Avx512Traits>,
+                           &i4_tiles<Avx512Traits>,
+                           2,
+                           INT64_MAX,
+                           &dequant_rows_bf16,
+                           &a8_gemm,
+                           16};
     return &k;
 }
 

@@ -64,6 +64,7 @@ struct QuantX {
     int8_t *qx = nullptr;
     float *sx = nullptr;     // [M, ldg] (A8Args), the padding left as the caller set it
     int32_t *sumx = nullptr; // [M, ldg]
+    bool natural = false;    // codes in k order always (a8_gemm); else the paired order where K % 64 == 0
 };
 
 // W4A8 weight rows per block: each block's packed bytes (kA8BlockRows x K / 2: 32 KB at K = 4096) stay in L1/L2 while
@@ -83,6 +84,10 @@ struct Kernels {
     // weight rows [n0, n1) dequantized, (u - z) * s (exact in fp32), then rounded to bf16 (RNE) into dst
     // [n1 - n0, K]: the blocks of int4.cpp's bf16 route (AVX-512 only: only CPUs with AVX512_BF16 take that route)
     void (*dequant_rows_bf16)(const Int4Args &a, int64_t n0, int64_t n1, uint16_t *dst) = nullptr;
+    // W4A8 as a GEMM from a8_gemm_min_rows rows (x's codes in k order: QuantX::natural): all M rows, weight rows
+    // [n0, n1); null: a8 at every M (int4_avx512.cpp has the numbers)
+    void (*a8_gemm)(const A8Args &a, int64_t n0, int64_t n1) = nullptr;
+    int64_t a8_gemm_min_rows = INT64_MAX;
 };
 
 #if defined(__x86_64__) || defined(_M_X64)

@@ -412,7 +412,7 @@ inline int64_t i4a8_paired_pos(int64_t k) {
 // is NaN, not a silently wrong number).
 template <class V> I4_SIMD void i4a8_quantize(const QuantX &p, int64_t m0, int64_t m1) {
     const int64_t groups = p.K / p.group, ldg = (groups + 7) / 8 * 8; // (sx / sumx rows padded with zeros)
-    const bool paired = p.K % 64 == 0; // x's codes in the paired order (i4a8_row_paired reads them so)
+    const bool paired = !p.natural && p.K % 64 == 0; // the paired order (i4a8_row_paired reads x's codes so)
     for (int64_t m = m0; m < m1; ++m) {
         const float *x = p.x + m * p.ldx;
         for (int64_t g = 0; g < groups; ++g) {
