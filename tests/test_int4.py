@@ -85,6 +85,25 @@ def test_bf16_x_from_16_rows_over_several_weight_blocks():
         assert float(col_err.max()) <= 2e-2, lead
 
 
+def test_bf16_x_few_rows_matches_the_fp32_product():
+    """bf16 x at 3 to 7 rows with groups of 64 or 128 (on a CPU with AVX512_BF16 the C++ op runs the bf16 streaming
+    kernel: x as given times the exact u - z, two blocks and two groups at a time, a tail group): the fp32 product of
+    the same bf16 x rounded once, so within one bf16 rounding of the output of the float64 reference; zero points,
+    odd N, a group count that is odd."""
+    g = torch.Generator().manual_seed(8)
+    for N, K, G, M in [(33, 384, 128, 3), (17, 192, 64, 5), (40, 1024, 128, 7), (9, 256, 64, 4)]:
+        for zeros in (False, True):
+            u, s, z = random_int4(N, K, G, zeros, seed=N + K + M)
+            W = dequant_ref(u, s, z, G)
+            x = torch.randn(M, K, generator=g).bfloat16()
+            bias = torch.randn(N, generator=g)
+            out = int4_weight_only_linear(x, pack_ref(u), s, z, bias, G)
+            ref = linear_ref(x.double(), W, bias)
+            assert out.dtype == torch.bfloat16 and out.shape == (M, N)
+            worst = ((out.double() - ref).abs() / ref.abs().clamp_min(ref.abs().max() * 1e-3)).max()
+            assert float(worst) <= 2**-8, (N, K, G, M, zeros, float(worst))
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_op_noncontiguous_leading_dims_empty_and_bias_dtypes(backend):
     N, K, G = 33, 256, 64

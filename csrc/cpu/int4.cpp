@@ -231,14 +231,37 @@ at::Tensor bf16_dense_route(const at::Tensor &x, const Checked &c) {
     return c.out;
 }
 
+// The family's stream_max_rows; FASTDL_INT4_STREAM_ROWS=<rows> overrides it (read once per process, for benchmarks).
+int64_t stream_max_rows() {
+    static const int64_t forced = [] {
+        const char *env = std::getenv("FASTDL_INT4_STREAM_ROWS");
+        return env && *env ? std::max<int64_t>(1, std::atoll(env)) : int64_t(0);
+    }();
+    return forced ? forced : kernels().stream_max_rows;
+}
+
 // Float x: the bf16 route above, else the streaming kernel, the tile kernel or fgemm by M (the family's limits).
 at::Tensor weight_only_route(const at::Tensor &x, const Checked &c) {
     const Kernels &kr = kernels();
     const int64_t M = c.M, N = c.N, K = c.K;
     if (bf16_dense(x, c))
         return bf16_dense_route(x, c);
-    const bool tiles = M > kr.stream_max_rows && M <= kr.tiles_max_rows && kr.tiles;
-    const bool fgemm = M > kr.stream_max_rows && !tiles && x.scalar_type() != at::kHalf;
+    if (x.scalar_type() == at::kBFloat16 && M >= 3 && M < 8 && c.group >= 64 && kr.stream_bf16 &&
+        fastdl::fused_linear::has_bf16_dot()) {
+        // bf16 x, 3 to 7 rows, groups of 64 or 128, on a CPU that multiplies bf16 pairs: the bf16 streaming kernel (x
+        // as given) instead of the fp32 tiles (int4_avx512.cpp has the numbers: with groups of 32, and at 1, 2 or 8
+        // rows, it was not faster)
+        const at::Tensor x2 = x.reshape({M, K}).contiguous();
+        F32Out of(c.out, M, N);
+        Int4Args a = c.args<Int4Args>(of.ptr());
+        a.xh = reinterpret_cast<const uint16_t *>(x2.data_ptr<at::BFloat16>());
+        a.ldx = K;
+        over_columns(M, N, K, [&](int64_t n0, int64_t n1) { kr.stream_bf16(a, n0, n1); });
+        return of.finish();
+    }
+    const int64_t stream_rows = stream_max_rows();
+    const bool tiles = M > stream_rows && M <= kr.tiles_max_rows && kr.tiles;
+    const bool fgemm = M > stream_rows && !tiles && x.scalar_type() != at::kHalf;
     if (fgemm) { // x fp32 / bf16 as it is
         namespace fl = fastdl::fused_linear;
         const at::Tensor x2 = x.reshape({M, K}).contiguous();

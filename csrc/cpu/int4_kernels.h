@@ -31,6 +31,7 @@ struct Int4Args {
     const float *bias = nullptr;      // [N] or null
     float *out = nullptr;             // [M, N] fp32, row stride ldo
     int64_t ldo = 0;
+    const uint16_t *xh = nullptr; // stream_bf16 only: x as bf16 bits [M, K], row stride ldx (x is then unused)
 };
 
 // The streaming kernel reads each packed weight byte once per call for up to kStreamRows rows of x (the rows' FMAs
@@ -88,6 +89,9 @@ struct Kernels {
     // [n0, n1); null: a8 at every M (int4_avx512.cpp has the numbers)
     void (*a8_gemm)(const A8Args &a, int64_t n0, int64_t n1) = nullptr;
     int64_t a8_gemm_min_rows = INT64_MAX;
+    // The streaming kernel for bf16 x (Int4Args::xh; AVX512_BF16, taken only where fused_linear's family has it):
+    // vdpbf16ps on x and the exact u - z (in bf16), the group's sum times s in fp32; all M rows, weight rows [n0, n1)
+    void (*stream_bf16)(const Int4Args &a, int64_t n0, int64_t n1) = nullptr;
 };
 
 #if defined(__x86_64__) || defined(_M_X64)

@@ -19,7 +19,9 @@ Op ``int4_weight_only_linear(x, qweight, scales, zeros, bias, group_size) -> out
 (x: float32 / bfloat16 / float16, and float64 on the reference path, which accumulates in fp64). One exception, for
 speed where the products bound the time: bfloat16 x from 16 rows on a CPU with AVX512_BF16 multiplies W rounded to
 bfloat16 (as autocast rounds an fp32 weight; the products of bf16 pairs in hardware, fp32 accumulation, twice the
-fp32 rate), dequantized in blocks of rows into a bounded workspace (8 MiB, freed with the call). Inference op:
+fp32 rate), dequantized in blocks of rows into a bounded workspace (8 MiB, freed with the call). (At 3 to 7 rows of
+bfloat16 x the same CPUs multiply bf16 pairs too, but of x and the exact ``u - z``, the group's sum times its scale
+in fp32: the formula above, except that bf16 subnormals of x count as 0.) Inference op:
 differentiable in x and bias (``grad_x = g @ W``, ``grad_bias = sum g``, like ``int8_weight_only_linear``), no
 gradient for the weight. Backends: the C++ CPU kernel (``fastdl_cpp::int4_weight_only_linear``, registered by the
 extension) where the extension has it, else this module's PyTorch reference; on CUDA the Triton kernels of
