@@ -131,11 +131,7 @@ template <int MR> I4_BF16 void i4_rows_bf16(const Int4Args &a, int64_t m0, int64
         const uint8_t *q = a.q + n * rowb;
         const uint16_t *s = a.scales + n * groups;
         const uint8_t *zr = a.zeros ? a.zeros + n * groups : nullptr;
-        int64_t g8 = 0;
-        for (; g8 + 8 <= groups; g8 += 8)
-            Avx512Traits::half8(s + g8, sc + g8);
-        for (; g8 < groups; ++g8)
-            sc[g8] = Avx512Traits::half(s[g8]);
+        i4_row_scales<Avx512Traits>(s, groups, sc);
         __m512 tot0[MR], tot1[MR], sum[MR];
         for (int m = 0; m < MR; ++m)
             tot0[m] = tot1[m] = _mm512_setzero_ps();
@@ -162,24 +158,16 @@ template <int MR> I4_BF16 void i4_rows_bf16(const Int4Args &a, int64_t m0, int64
     }
 }
 
+template <int MR> struct RowsBf16 {
+    static I4_BF16 inline void run(const Int4Args &a, int64_t m0, int64_t n0, int64_t n1, float *sc) {
+        i4_rows_bf16<MR>(a, m0, n0, n1, sc);
+    }
+};
+
 I4_BF16 void stream_bf16(const Int4Args &a, int64_t n0, int64_t n1) {
     std::unique_ptr<float[]> sc(new float[a.K / a.group + 8]);
-    for (int64_t m0 = 0; m0 < a.M; m0 += kStreamRows) {
-        switch (a.M - m0 < kStreamRows ? a.M - m0 : kStreamRows) {
-        case 1:
-            i4_rows_bf16<1>(a, m0, n0, n1, sc.get());
-            break;
-        case 2:
-            i4_rows_bf16<2>(a, m0, n0, n1, sc.get());
-            break;
-        case 3:
-            i4_rows_bf16<3>(a, m0, n0, n1, sc.get());
-            break;
-        default:
-            i4_rows_bf16<4>(a, m0, n0, n1, sc.get());
-            break;
-        }
-    }
+    for (int64_t m0 = 0; m0 < a.M; m0 += kStreamRows)
+        by_rows<RowsBf16, kStreamRows>(a.M - m0, a, m0, n0, n1, sc.get());
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -353,6 +341,13 @@ I4_SIMD void a8_gemm_tile(const A8Args &a, int64_t m0, int64_t n0, int64_t nc, i
     }
 }
 
+template <int MR> struct GemmRows {
+    static I4_SIMD inline void run(const A8Args &a, int64_t m0, int64_t n0, int64_t nc, int64_t ldg, const A8Panel &pn,
+                                   int64_t g0, int64_t g1, float *part) {
+        a8_gemm_tile<MR>(a, m0, n0, nc, ldg, pn, g0, g1, part);
+    }
+};
+
 I4_SIMD void a8_gemm(const A8Args &a, int64_t n0, int64_t n1) {
     constexpr int kTileRows = 6;
     const int64_t groups = a.K / a.group, ldg = (groups + 7) / 8 * 8;
@@ -375,29 +370,9 @@ I4_SIMD void a8_gemm(const A8Args &a, int64_t n0, int64_t n1) {
             pack_panel(a, nb, nc, ix, pn);
             for (int64_t g0 = 0; g0 < groups; g0 += chunk) {
                 const int64_t g1 = g0 + chunk < groups ? g0 + chunk : groups;
-                int64_t m0 = r0;
-                for (; m0 + kTileRows <= r1; m0 += kTileRows)
-                    a8_gemm_tile<kTileRows>(a, m0, nb, nc, ldg, pn, g0, g1, part.get() + (m0 - r0) * kPanelCols);
-                float *pt = part.get() + (m0 - r0) * kPanelCols;
-                switch (r1 - m0) {
-                case 5:
-                    a8_gemm_tile<5>(a, m0, nb, nc, ldg, pn, g0, g1, pt);
-                    break;
-                case 4:
-                    a8_gemm_tile<4>(a, m0, nb, nc, ldg, pn, g0, g1, pt);
-                    break;
-                case 3:
-                    a8_gemm_tile<3>(a, m0, nb, nc, ldg, pn, g0, g1, pt);
-                    break;
-                case 2:
-                    a8_gemm_tile<2>(a, m0, nb, nc, ldg, pn, g0, g1, pt);
-                    break;
-                case 1:
-                    a8_gemm_tile<1>(a, m0, nb, nc, ldg, pn, g0, g1, pt);
-                    break;
-                default:
-                    break;
-                }
+                for (int64_t m0 = r0; m0 < r1; m0 += kTileRows)
+                    by_rows<GemmRows, kTileRows>(r1 - m0, a, m0, nb, nc, ldg, pn, g0, g1,
+                                                 part.get() + (m0 - r0) * kPanelCols);
             }
         }
     }

@@ -13,6 +13,15 @@
 // thread's slice are contiguous, so the hardware prefetcher streams them.
 // (Written as a header, not a template in one file: each family compiles it with its own target attribute.)
 
+// A weight row's group scales as fp32 into sc[0, groups): 8 at a time (vcvtph2ps), the rest one by one.
+template <class V> I4_SIMD inline void i4_row_scales(const uint16_t *s, int64_t groups, float *sc) {
+    int64_t g8 = 0;
+    for (; g8 + 8 <= groups; g8 += 8)
+        V::half8(s + g8, sc + g8);
+    for (; g8 < groups; ++g8)
+        sc[g8] = V::half(s[g8]);
+}
+
 template <class V, int MR> I4_SIMD inline void i4_rows(const Int4Args &a, int64_t m0, int64_t n0, int64_t n1) {
     using F = typename V::F;
     constexpr int VB = 32 / V::kLanes;
@@ -28,11 +37,7 @@ template <class V, int MR> I4_SIMD inline void i4_rows(const Int4Args &a, int64_
         const uint8_t *q = a.q + n * rowb;
         const uint16_t *s = a.scales + n * groups;
         const uint8_t *zr = a.zeros ? a.zeros + n * groups : nullptr;
-        int64_t g8 = 0;
-        for (; g8 + 8 <= groups; g8 += 8)
-            V::half8(s + g8, sc + g8);
-        for (; g8 < groups; ++g8)
-            sc[g8] = V::half(s[g8]);
+        i4_row_scales<V>(s, groups, sc);
         F tot[MR];
         for (int m = 0; m < MR; ++m)
             tot[m] = V::zero();
