@@ -57,7 +57,7 @@ from . import _recipe as recipes
 from ._hf_checkpoint import _check_layer_against_checkpoint, _finish_loaded_layer, _read_headers
 from ._recipe import GUARD, GUARD_KEY, QUANT_METHOD, install_save_guard
 
-POLICIES = ("fused", "int8", "int8_weight_only", "sparse24", "int4", "int4_weight_only")
+POLICIES = ("fused", "int8", "int8_weight_only", "int8_act7", "sparse24", "int4", "int4_weight_only")
 GROUP_SIZES = ("auto", 16, None)  # the int8 policies' (Int8Linear)
 INT4_GROUP_SIZES = ("auto", 32, 64, 128)  # the int4 policies' (Int4Linear; "auto": 128)
 _REGISTRY = "transformers.quantizers.auto"
@@ -145,7 +145,9 @@ def _is_conv1d(m) -> bool:
 def _kernel_name(m) -> str:
     name = type(m).__name__
     if name == "Int8Linear":
-        return "int8" if m.mode == "dynamic" else "int8_weight_only"
+        if m.mode == "weight_only":
+            return "int8_weight_only"
+        return "int8_act7" if m.act_bits == 7 else "int8"
     if name == "Sparse24Linear":
         return "sparse24"
     if name == "Int4Linear":
@@ -268,7 +270,8 @@ def _define() -> dict[str, type]:
 
     class FastdlConfig(QuantizationConfigMixin):
         """How ``from_pretrained`` converts the model's Linear layers: ``policy`` (``"fused"``, ``"int8"``,
-        ``"int8_weight_only"``, ``"sparse24"``, ``"int4"``, ``"int4_weight_only"``), ``group_size`` (int8 policies:
+        ``"int8_weight_only"``, ``"int8_act7"`` (W8A8 with 7-bit activations, ``Int8Linear(act_bits=7)``),
+        ``"sparse24"``, ``"int4"``, ``"int4_weight_only"``), ``group_size`` (int8 policies:
         ``"auto"``, 16 or None, as ``fastdl.nn.Int8Linear``; int4 policies: ``"auto"`` (128), 32 or 64) and
         ``modules_to_not_convert`` (names or patterns, as bitsandbytes' and torchao's; None: transformers' default,
         which keeps ``lm_head`` and tied layers). Read back from ``config.json`` it also carries the conversion recipe
@@ -287,7 +290,7 @@ def _define() -> dict[str, type]:
                                      f"128, got {group_size!r}")  # fmt: skip
             elif isinstance(group_size, bool) or group_size not in GROUP_SIZES:
                 raise ValueError(f"FastdlConfig: group_size must be 'auto', 16 or None, got {group_size!r}")
-            if policy == "int8" and group_size == 16:
+            if policy in ("int8", "int8_act7") and group_size == 16:
                 raise ValueError("FastdlConfig: group_size=16 needs policy='int8_weight_only' (W8A8 uses one scale "
                                  "per output channel); use group_size='auto' or None")  # fmt: skip
             if modules_to_not_convert is not None:
@@ -509,9 +512,10 @@ def _define() -> dict[str, type]:
 
         if policy == "fused":
             return FusedLinear.from_linear(lin, activation="none")
-        if policy in ("int8", "int8_weight_only"):
-            mode = "dynamic" if policy == "int8" else "weight_only"
-            return Int8Linear.from_linear(lin, mode=mode, group_size=group_size)
+        if policy in ("int8", "int8_weight_only", "int8_act7"):
+            mode = "weight_only" if policy == "int8_weight_only" else "dynamic"
+            return Int8Linear.from_linear(lin, mode=mode, group_size=group_size, act_bits=7 if policy == "int8_act7"
+                                          else 8)  # fmt: skip
         if policy == "sparse24":
             if not is_2_4(lin.weight):
                 raise ValueError("its weight is not 2:4 sparse (at most 2 non-zeros in every group of 4 inputs); "

@@ -214,6 +214,26 @@ def test_load_pretrained_is_an_alias(saved):
         assert torch.equal(model(IDS).logits, before["llama-int8"]["logits"])
 
 
+def test_int8_act7_on_load_save_and_reload(saved, tmp_path):
+    """FastdlConfig(policy="int8_act7"): Int8Linear layers with 7-bit activations, reported as such, and
+    save_pretrained + load_pretrained keep the setting (the recipe carries it), logits bit for bit."""
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    from fastdl.nn import Int8Linear
+
+    out, _, _ = saved
+    model = AutoModelForCausalLM.from_pretrained(out / "llama", quantization_config=FastdlConfig(policy="int8_act7"))
+    layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
+    assert layers and all(m.act_bits == 7 and m.mode == "dynamic" for m in layers)
+    rows = {r["layer"]: r for r in fastdl.report(model)}
+    assert rows["model.layers.0.mlp.down_proj"]["kernel"] == "int8_act7"
+    model.save_pretrained(tmp_path / "act7")
+    back = fastdl.load_pretrained(LlamaForCausalLM, tmp_path / "act7")
+    assert all(m.act_bits == 7 for m in back.modules() if isinstance(m, Int8Linear))
+    with torch.no_grad():
+        assert torch.equal(back(IDS).logits, model(IDS).logits)
+
+
 # ------------------------------------------------------------------------------------------ bad input
 def test_unknown_policy_names_the_known_ones():
     with pytest.raises(ValueError, match=r"unknown policy 'int9'; known policies: fused, int8, .*int4_weight_only"):
