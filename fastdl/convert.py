@@ -161,8 +161,7 @@ def _candidate(kind: str, site: _Site) -> nn.Module | None:
     if kind in ("int8", "int8_weight_only", "int8_act7"):
         from .nn import int8 as int8_mod
 
-        mode = "weight_only" if kind == "int8_weight_only" else "dynamic"
-        return int8_mod.Int8Linear.from_linear(lin, mode=mode, act_bits=7 if kind == "int8_act7" else 8)
+        return int8_mod.Int8Linear.from_linear(lin, **int8_mod.POLICY_ARGS[kind])
     if kind in ("int4", "int4_weight_only"):
         group = next((g for g in (128, 64, 32) if lin.in_features % g == 0), None)
         if group is None:

@@ -145,9 +145,9 @@ def _is_conv1d(m) -> bool:
 def _kernel_name(m) -> str:
     name = type(m).__name__
     if name == "Int8Linear":
-        if m.mode == "weight_only":
-            return "int8_weight_only"
-        return "int8_act7" if m.act_bits == 7 else "int8"
+        from .nn._int8_support import policy_of
+
+        return policy_of(m.mode, m.act_bits)
     if name == "Sparse24Linear":
         return "sparse24"
     if name == "Int4Linear":
@@ -513,9 +513,9 @@ def _define() -> dict[str, type]:
         if policy == "fused":
             return FusedLinear.from_linear(lin, activation="none")
         if policy in ("int8", "int8_weight_only", "int8_act7"):
-            mode = "weight_only" if policy == "int8_weight_only" else "dynamic"
-            return Int8Linear.from_linear(lin, mode=mode, group_size=group_size, act_bits=7 if policy == "int8_act7"
-                                          else 8)  # fmt: skip
+            from .nn._int8_support import POLICY_ARGS
+
+            return Int8Linear.from_linear(lin, group_size=group_size, **POLICY_ARGS[policy])
         if policy == "sparse24":
             if not is_2_4(lin.weight):
                 raise ValueError("its weight is not 2:4 sparse (at most 2 non-zeros in every group of 4 inputs); "

@@ -185,24 +185,22 @@ template <class F> void over_columns(int64_t M, int64_t N, int64_t K, const F &f
 //    12.2 / 10.5 ms (whole: 10.7); fp32 blocks (rounded in the kernel) 15.4 / 12.8. Blocks of 8 MiB of bf16.
 constexpr int64_t kBf16BlockBytes = int64_t{8} << 20;
 
-int64_t bf16_dense_min_rows() {
-    // FASTDL_INT4_BF16_DENSE_ROWS=<rows> overrides the threshold (read once per process: benchmarks measure the
-    // crossover with it)
-    static const int64_t forced = [] {
-        const char *env = std::getenv("FASTDL_INT4_BF16_DENSE_ROWS");
-        return env && *env ? std::max<int64_t>(1, std::atoll(env)) : int64_t(0);
-    }();
-    return forced ? forced : kBf16DenseMinRows;
+// A row-count threshold of the routes, overridden by the environment variable `name` when it is set (benchmarks
+// measure the crossovers with them; each caller reads its variable once per process).
+int64_t rows_or_env(const char *name, int64_t rows) {
+    const char *env = std::getenv(name);
+    return env && *env ? std::max<int64_t>(1, std::atoll(env)) : rows;
 }
 
-// The rows from which W4A8 runs the family's GEMM (Kernels::a8_gemm_min_rows); FASTDL_INT4_A8_GEMM_ROWS=<rows>
-// overrides it (read once per process, for benchmarks).
+int64_t bf16_dense_min_rows() {
+    static const int64_t rows = rows_or_env("FASTDL_INT4_BF16_DENSE_ROWS", kBf16DenseMinRows);
+    return rows;
+}
+
+// The rows from which W4A8 runs the family's GEMM (Kernels::a8_gemm_min_rows).
 int64_t a8_gemm_min_rows() {
-    static const int64_t forced = [] {
-        const char *env = std::getenv("FASTDL_INT4_A8_GEMM_ROWS");
-        return env && *env ? std::max<int64_t>(1, std::atoll(env)) : int64_t(0);
-    }();
-    return forced ? forced : kernels().a8_gemm_min_rows;
+    static const int64_t rows = rows_or_env("FASTDL_INT4_A8_GEMM_ROWS", kernels().a8_gemm_min_rows);
+    return rows;
 }
 
 bool bf16_dense(const at::Tensor &x, const Checked &c) {
@@ -231,37 +229,25 @@ at::Tensor bf16_dense_route(const at::Tensor &x, const Checked &c) {
     return c.out;
 }
 
-// The family's stream_max_rows; FASTDL_INT4_STREAM_ROWS=<rows> overrides it (read once per process, for benchmarks).
+// The family's stream_max_rows (FASTDL_INT4_STREAM_ROWS overrides it).
 int64_t stream_max_rows() {
-    static const int64_t forced = [] {
-        const char *env = std::getenv("FASTDL_INT4_STREAM_ROWS");
-        return env && *env ? std::max<int64_t>(1, std::atoll(env)) : int64_t(0);
-    }();
-    return forced ? forced : kernels().stream_max_rows;
+    static const int64_t rows = rows_or_env("FASTDL_INT4_STREAM_ROWS", kernels().stream_max_rows);
+    return rows;
 }
 
-// Float x: the bf16 route above, else the streaming kernel, the tile kernel or fgemm by M (the family's limits).
+// Float x: the bf16 route above, else the streaming kernel (for bf16 x in the family's stream_bf16 window its bf16
+// one), the tile kernel or fgemm by M (the family's limits).
 at::Tensor weight_only_route(const at::Tensor &x, const Checked &c) {
     const Kernels &kr = kernels();
     const int64_t M = c.M, N = c.N, K = c.K;
     if (bf16_dense(x, c))
         return bf16_dense_route(x, c);
-    if (x.scalar_type() == at::kBFloat16 && M >= 3 && M < 8 && c.group >= 64 && kr.stream_bf16 &&
-        fastdl::fused_linear::has_bf16_dot()) {
-        // bf16 x, 3 to 7 rows, groups of 64 or 128, on a CPU that multiplies bf16 pairs: the bf16 streaming kernel (x
-        // as given) instead of the fp32 tiles (int4_avx512.cpp has the numbers: with groups of 32, and at 1, 2 or 8
-        // rows, it was not faster)
-        const at::Tensor x2 = x.reshape({M, K}).contiguous();
-        F32Out of(c.out, M, N);
-        Int4Args a = c.args<Int4Args>(of.ptr());
-        a.xh = reinterpret_cast<const uint16_t *>(x2.data_ptr<at::BFloat16>());
-        a.ldx = K;
-        over_columns(M, N, K, [&](int64_t n0, int64_t n1) { kr.stream_bf16(a, n0, n1); });
-        return of.finish();
-    }
+    const bool bf16_stream = x.scalar_type() == at::kBFloat16 && kr.stream_bf16 && M >= kr.stream_bf16_rows[0] &&
+                             M <= kr.stream_bf16_rows[1] && c.group >= kr.stream_bf16_min_group &&
+                             fastdl::fused_linear::has_bf16_dot();
     const int64_t stream_rows = stream_max_rows();
-    const bool tiles = M > stream_rows && M <= kr.tiles_max_rows && kr.tiles;
-    const bool fgemm = M > stream_rows && !tiles && x.scalar_type() != at::kHalf;
+    const bool tiles = !bf16_stream && M > stream_rows && M <= kr.tiles_max_rows && kr.tiles;
+    const bool fgemm = !bf16_stream && M > stream_rows && !tiles && x.scalar_type() != at::kHalf;
     if (fgemm) { // x fp32 / bf16 as it is
         namespace fl = fastdl::fused_linear;
         const at::Tensor x2 = x.reshape({M, K}).contiguous();
@@ -275,12 +261,16 @@ at::Tensor weight_only_route(const at::Tensor &x, const Checked &c) {
                                        c.b.defined() ? c.b.data_ptr<float>() : nullptr, c.out.data_ptr(), xd))
             return c.out;
     }
-    const at::Tensor xf = x.reshape({M, K}).to(at::kFloat).contiguous();
+    // x as the kernel reads it: bf16 as given for stream_bf16, else fp32
+    const at::Tensor xk = x.reshape({M, K}).to(bf16_stream ? at::kBFloat16 : at::kFloat).contiguous();
     F32Out of(c.out, M, N);
     Int4Args a = c.args<Int4Args>(of.ptr());
-    a.x = xf.data_ptr<float>();
+    if (bf16_stream)
+        a.xh = reinterpret_cast<const uint16_t *>(xk.data_ptr<at::BFloat16>());
+    else
+        a.x = xk.data_ptr<float>();
     a.ldx = K;
-    const auto fn = tiles ? kr.tiles : kr.stream;
+    const auto fn = bf16_stream ? kr.stream_bf16 : tiles ? kr.tiles : kr.stream;
     over_columns(M, N, K, [&](int64_t n0, int64_t n1) { fn(a, n0, n1); });
     return of.finish();
 }

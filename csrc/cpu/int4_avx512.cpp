@@ -87,10 +87,10 @@ dequant_rows_bf16(const Int4Args &a, int64_t n0, int64_t n1, uint16_t *dst) {
 // integer in [-15, 15]: exact in bf16), two products per lane summed in fp32, and the group's sum is multiplied by s in
 // fp32 as in the fp32 kernel (so the weight is not rounded to bf16; vdpbf16ps treats bf16 subnormals of x as 0).
 // Blocks alternate two accumulators per row and groups two running sums, so no row waits on one dependency chain.
-// int4.cpp takes it for bf16 x at 3 to 7 rows with groups of 64 or 128. 4096 x 4096, 2 threads, wall ms, medians of
-// 30 calls rotating over 6 weight copies, two runs each, the fp32 kernels before (stream to 2 rows, tiles above) /
-// this: groups of 128 M = 1 0.42-0.94 / 0.42-0.68, M = 2 0.79-1.28 / 0.65-0.99, M = 3 1.62-1.96 / 0.82-1.13, M = 4
-// 1.37-1.61 / 0.94-1.16, M = 8 2.06-2.67 / 1.77-2.27; groups of 64 M = 3 1.84-2.06 / 1.21, M = 4 1.72-1.79 /
+// Its window (the table below): bf16 x at 3 to 7 rows with groups of 64 or 128. 4096 x 4096, 2 threads, wall ms,
+// medians of 30 calls rotating over 6 weight copies, two runs each, the fp32 kernels before (stream to 2 rows, tiles
+// above) / this: groups of 128 M = 1 0.42-0.94 / 0.42-0.68, M = 2 0.79-1.28 / 0.65-0.99, M = 3 1.62-1.96 / 0.82-1.13, M
+// = 4 1.37-1.61 / 0.94-1.16, M = 8 2.06-2.67 / 1.77-2.27; groups of 64 M = 3 1.84-2.06 / 1.21, M = 4 1.72-1.79 /
 // 1.31-1.43, M = 8 2.49-2.51 / 2.58-2.89; groups of 32 M = 1 0.60 / 1.00-1.09, M = 4 1.43-1.57 / 1.60-1.79, M = 8
 // 2.03-2.32 / 2.97-3.63 (one block per group: the group's own work dominates).
 #define I4_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,fma,f16c")))
@@ -398,7 +398,9 @@ const Kernels *kernels_avx512() {
                            &dequant_rows_bf16,
                            &a8_gemm,
                            16,
-                           &stream_bf16};
+                           &stream_bf16,
+                           {3, 7},
+                           64};
     return &k;
 }
 

@@ -90,8 +90,12 @@ struct Kernels {
     void (*a8_gemm)(const A8Args &a, int64_t n0, int64_t n1) = nullptr;
     int64_t a8_gemm_min_rows = INT64_MAX;
     // The streaming kernel for bf16 x (Int4Args::xh; AVX512_BF16, taken only where fused_linear's family has it):
-    // vdpbf16ps on x and the exact u - z (in bf16), the group's sum times s in fp32; all M rows, weight rows [n0, n1)
+    // vdpbf16ps on x and the exact u - z (in bf16), the group's sum times s in fp32; all M rows, weight rows [n0, n1).
+    // The route takes it for stream_bf16_rows[0] <= M <= stream_bf16_rows[1] and groups of stream_bf16_min_group or
+    // more (measured: int4_avx512.cpp).
     void (*stream_bf16)(const Int4Args &a, int64_t n0, int64_t n1) = nullptr;
+    int64_t stream_bf16_rows[2] = {0, 0};
+    int64_t stream_bf16_min_group = 0;
 };
 
 #if defined(__x86_64__) || defined(_M_X64)

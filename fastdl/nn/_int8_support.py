@@ -19,6 +19,19 @@ _QUANT_DOC = {
 }
 
 
+# The Int8Linear of each int8 conversion policy (fastdl.convert and the Hugging Face quantizer build from it).
+POLICY_ARGS = {
+    "int8": {"mode": "dynamic"},
+    "int8_weight_only": {"mode": "weight_only"},
+    "int8_act7": {"mode": "dynamic", "act_bits": 7},
+}
+
+
+def policy_of(mode: str, act_bits: int) -> str:
+    """The conversion policy an Int8Linear of this mode and act_bits is made by (the inverse of POLICY_ARGS)."""
+    return "int8_weight_only" if mode == "weight_only" else "int8_act7" if act_bits == 7 else "int8"
+
+
 def _check_mode(mode: str) -> None:
     if mode not in MODES:
         raise ValueError(f"Int8Linear: mode must be one of {', '.join(repr(m) for m in MODES)}, got {mode!r}")

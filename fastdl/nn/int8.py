@@ -79,12 +79,13 @@ from ._base import (
     resident_bytes,
     set_bias,
 )
-from ._int8_support import (  # noqa: F401 (MODES, GROUP_SIZES: part of this module's interface)
+from ._int8_support import (  # noqa: F401 (MODES, GROUP_SIZES, POLICY_ARGS: part of this module's interface)
     _QUANT_DOC,
     FORMAT,
     FORMAT_VERSION,
     GROUP_SIZES,
     MODES,
+    POLICY_ARGS,
     X_DTYPES,
     _check_act_bits,
     _check_mode,
@@ -266,8 +267,6 @@ class Int8Linear(CheckedForward, DenseCopyOption, RuntimeChoice, VersionedModule
         bias = self._parameters.get("bias")  # not self.bias: nn.Module.__getattr__ costs ~1.2 us
         if self.mode == "weight_only":
             return int8_ops.int8_weight_only_linear(x, w_q, w_scale, bias, w_group)
-        if self.act_bits == 8:
-            return int8_ops.int8_linear(x, w_q, w_scale, bias, w_packed, w_comp)
         return int8_ops.int8_linear(x, w_q, w_scale, bias, w_packed, w_comp, self.act_bits)
 
     def _kernel_forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -418,8 +418,6 @@ def int8_linear(
     ``[..., N]`` in x's dtype. A NaN/Inf in a row of x gives NaN in that output row only. ``act_bits=7``: 7-bit
     unsigned activations with a zero point per row (fbgemm's ``reduce_range``; the module docstring has the
     formula), faster on CPUs without AVX512-VNNI, the int32 products still exact."""
-    if act_bits == 8:
-        return int8_linear_op(x, w_q, w_scale, bias, w_packed, w_comp)
     return int8_linear_op(x, w_q, w_scale, bias, w_packed, w_comp, act_bits)
 
 
