@@ -232,10 +232,11 @@ def check_cpp_level() -> str:
     """Run in a process capped by FASTDL_CPU_ISA (test below): the C++ int4 kernels of that level against float64 -
     the streaming kernel (small M, every row count of its register tile), the tile kernel (every remainder of its
     row and weight-row tiles, x in two chunks at K = 4096, M = 67) and fgemm with the weight dequantized while packed
-    (M > 64 on AVX2) - with and without zeros, negative scales, fp32 / bf16 / fp16 x, long K. Returns the family."""
+    (M > 64 on AVX2) - with and without zeros, negative scales, fp32 / bf16 / fp16 x, long K; N leaves a remainder of
+    weight rows after the streaming kernel's blocks of several rows. Returns the family."""
     g = torch.Generator().manual_seed(7)
     with fastdl.use_backend("cpp"):
-        for N, K, M in [(1, 32, 1), (7, 96, 2), (33, 256, 3), (40, 384, 4), (9, 128, 5), (11, 64, 6), (13, 96, 7),
+        for N, K, M in [(1, 32, 1), (7, 96, 2), (34, 256, 3), (41, 384, 4), (9, 128, 5), (11, 64, 6), (13, 96, 7),
                         (65, 512, 17), (24, 2048, 64), (70, 4096, 67), (130, 4096, 1)]:
             for G in groups_for(K):
                 for zeros in (False, True):
@@ -363,7 +364,7 @@ def check_cpp_a8_level() -> str:
     with fastdl.use_backend("cpp"):
         # M >= 16 takes the AVX-512 family's GEMM: panels of 32 weight rows (N tails 1 and 4), K chunks of 512, row
         # blocks of 128 and tiles of 6 rows (135 = 128 + 6 + 1), K not a multiple of 64
-        for N, K, M in [(1, 32, 1), (7, 96, 2), (33, 256, 3), (40, 384, 4), (19, 128, 5), (65, 512, 17), (24, 2048, 9),
+        for N, K, M in [(1, 32, 1), (7, 96, 2), (34, 256, 3), (41, 384, 4), (19, 128, 5), (65, 512, 17), (24, 2048, 9),
                         (33, 96, 16), (100, 1024, 135)]:  # fmt: skip
             for G in groups_for(K):
                 for zeros in (False, True):

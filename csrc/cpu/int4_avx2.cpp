@@ -33,7 +33,8 @@ struct Avx2Traits : I4Common256, I4Float<Ymm> {
         w[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
     }
     static I4_SIMD inline F set1(float v) { return _mm256_set1_ps(v); }
-    static constexpr int kTileM = 3, kTileN = 3; // i4_tiles' register tile (9 accumulators)
+    static constexpr int stream_cols(int) { return 1; } // 16 registers: one weight row at a time (int4_stream.h)
+    static constexpr int kTileM = 3, kTileN = 3;        // i4_tiles' register tile (9 accumulators)
     static I4_SIMD inline F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
     // the 8 lanes reduced by op (add or max), halving the width three times
     template <class Op> static I4_SIMD inline float reduce(F v, Op op) {

@@ -35,6 +35,9 @@ struct Avx512Traits : I4Common256, I4Float<Zmm> {
         w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
     }
     static I4_SIMD inline F set1(float v) { return _mm512_set1_ps(v); }
+    // the streaming kernel's weight rows at once for MR rows of x (int4_stream.h, i4_rows: accumulators, totals and x
+    // vectors within the 32 registers)
+    static constexpr int stream_cols(int mr) { return mr == 1 ? 1 : mr == 2 ? 4 : mr == 3 ? 3 : 2; }
     static constexpr int kTileM = 4, kTileN = 6; // i4_tiles' register tile (24 accumulators)
     static I4_SIMD inline F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
     static I4_SIMD inline float hsum(F v) { return _mm512_reduce_add_ps(v); }
@@ -131,7 +134,7 @@ template <int MR> I4_BF16 void i4_rows_bf16(const Int4Args &a, int64_t m0, int64
         const uint8_t *q = a.q + n * rowb;
         const uint16_t *s = a.scales + n * groups;
         const uint8_t *zr = a.zeros ? a.zeros + n * groups : nullptr;
-        i4_row_scales<Avx512Traits>(s, groups, sc);
+        i4_row_scales<Avx512Traits>(s, nullptr, groups, sc, nullptr);
         __m512 tot0[MR], tot1[MR], sum[MR];
         for (int m = 0; m < MR; ++m)
             tot0[m] = tot1[m] = _mm512_setzero_ps();
@@ -386,14 +389,16 @@ I4_SIMD void a8_gemm(const A8Args &a, int64_t n0, int64_t n1) {
 // 8.73-8.89 / 3.51-3.73.
 // Route (thread CPU time, one Zen 4 core, 4096 x 4096, groups of 128, fp32 x, ms): stream / tiles at M = 1 1.40 /
 // 2.13, 2 1.94 / 2.31, 3 3.07 / 2.77, 4 3.68 / 2.76; tiles / fgemm at M = 8 4.39 / 13.6, 16 7.31 / 16.5, 128 42.1 /
-// 51.0, 512 179 / 246, 1024 362 / 417. Tiles from 3 rows, at every M.
+// 51.0, 512 179 / 246, 1024 362 / 417. Since the streaming kernel shares each x vector between weight rows
+// (stream_cols), stream / tiles at M = 3 1.26-1.38 / 2.0, M = 4 1.66 / 2.55 (one core, weights hot, groups of 128;
+// groups of 32 M = 3 1.71 / 2.48, M = 4 2.50 / 2.63): stream up to 4 rows, tiles from 5, at every M.
 const Kernels *kernels_avx512() {
     static const Kernels k{"avx512_vnni",
                            &i4_stream<Avx512Traits>,
                            &i4a8_quantize<Avx512Traits>,
                            &i4a8<Avx512Traits>,
                            &i4_tiles<Avx512Traits>,
-                           2,
+                           4,
                            INT64_MAX,
                            &dequant_rows_bf16,
                            &a8_gemm,

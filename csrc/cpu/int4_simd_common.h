@@ -48,6 +48,11 @@ struct I4Common256 {
     static I4_SIMD inline void half8(const uint16_t *p, float *dst) {
         _mm256_storeu_ps(dst, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p))));
     }
+    static I4_SIMD inline void times_u8(const float *a, const uint8_t *b, float *dst) {
+        const __m256 bf =
+            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(b))));
+        _mm256_storeu_ps(dst, _mm256_mul_ps(_mm256_loadu_ps(a), bf));
+    }
 };
 
 } // namespace

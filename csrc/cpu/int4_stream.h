@@ -4,66 +4,170 @@
 //   Z zp(int z)            the zero point of a group, in the form codes() takes
 //   void codes(const uint8_t *p, Z z, F (&w)[32 / kLanes])
 //                          16 packed bytes -> the 32 values u - z, as fp32, in k order
-//   F zero(), F set1(float), F loadx(const float *), F fma(F a, F b, F c) (a * b + c), F add(F, F), float hsum(F)
+//   F zero(), F set1(float), F loadx(const float *), F fma(F a, F b, F c) (a * b + c), F add(F, F), F mul(F, F),
+//   float hsum(F)
 //   float half(uint16_t)   fp16 bits -> fp32; void half8(const uint16_t *p, float *dst): 8 of them
+//   void times_u8(const float *a, const uint8_t *b, float *dst): dst[i] = a[i] * b[i], 8 of them
 //
-// Loop nest: per weight row, per group: the group's blocks accumulate x * (u - z) into two accumulators per x row
-// (two FMA chains), then the group total is added into the row's sum times the group's scale. Each packed byte is
+// Loop nest: per weight row, per group: the group's blocks accumulate x * u (x * (u - 8) without zero points) into
+// one or two FMA chains per x row, then the group total is added into the row's sum times the group's scale; the
+// zero points are subtracted once per weight row (i4_rows_of). Each packed byte is
 // loaded once per call; the MR rows of x (<= kStreamRows) share every dequantized vector. The weight rows of a
 // thread's slice are contiguous, so the hardware prefetcher streams them.
 // (Written as a header, not a template in one file: each family compiles it with its own target attribute.)
 
-// A weight row's group scales as fp32 into sc[0, groups): 8 at a time (vcvtph2ps), the rest one by one.
-template <class V> I4_SIMD inline void i4_row_scales(const uint16_t *s, int64_t groups, float *sc) {
+// A weight row's group scales as fp32 into sc[0, groups): 8 at a time (vcvtph2ps), the rest one by one; with zero
+// points, also zs[g] = sc[g] * z[g] (exact: an fp16 value times an integer below 16).
+template <class V>
+I4_SIMD inline void i4_row_scales(const uint16_t *s, const uint8_t *zr, int64_t groups, float *sc, float *zs) {
     int64_t g8 = 0;
-    for (; g8 + 8 <= groups; g8 += 8)
+    for (; g8 + 8 <= groups; g8 += 8) {
         V::half8(s + g8, sc + g8);
-    for (; g8 < groups; ++g8)
+        if (zr)
+            V::times_u8(sc + g8, zr + g8, zs + g8);
+    }
+    for (; g8 < groups; ++g8) {
         sc[g8] = V::half(s[g8]);
+        if (zr)
+            zs[g8] = sc[g8] * static_cast<float>(zr[g8]);
+    }
+}
+
+// One 32-k block (block b of a group) for MR rows of x (row m at xr + m * ldx, from the group's first k) and NR weight
+// rows (row r's packed group at q + r * rowb): each x vector is loaded once for the NR weight rows (a 512-bit load
+// per 16 products and row had bound the kernel: two rows of x took twice one row's time), the codes of each weight
+// row dequantized once for the MR rows.
+template <class V, int MR, int NR, int C>
+I4_SIMD __attribute__((always_inline)) inline void i4_block(const uint8_t *q, int64_t rowb, typename V::Z table,
+                                                            const float *xr, int64_t ldx, int64_t b,
+                                                            typename V::F (&acc)[MR][NR][C]) {
+    using F = typename V::F;
+    constexpr int VB = 32 / V::kLanes;
+    F xv[MR][VB] = {}; // with one weight row, x is read where it is used (the FMAs' memory operands: no registers)
+    if constexpr (NR > 1)
+        for (int m = 0; m < MR; ++m)
+            for (int j = 0; j < VB; ++j)
+                xv[m][j] = V::loadx(xr + m * ldx + b * 32 + j * V::kLanes);
+    for (int r = 0; r < NR; ++r) {
+        F w[VB];
+        V::codes(q + r * rowb + b * 16, table, w);
+        for (int m = 0; m < MR; ++m)
+            for (int j = 0; j < VB; ++j) {
+                const F x = NR > 1 ? xv[m][j] : V::loadx(xr + m * ldx + b * 32 + j * V::kLanes);
+                F &c = acc[m][r][j % C];
+                c = V::fma(x, w[j], c);
+            }
+    }
+}
+
+// sum_k x[k] u[k] over one group (gs[m][r]), with the table u -> u: the zero points come in once per weight row
+// (i4_rows_of). C FMA chains per (x row, weight row): 2 where one pair of rows alone would wait on one chain.
+template <class V, int MR, int NR, int C>
+I4_SIMD __attribute__((always_inline)) inline void i4_group(const uint8_t *q, int64_t rowb, typename V::Z table,
+                                                            const float *xr, int64_t ldx, int64_t blocks,
+                                                            typename V::F (&gs)[MR][NR]) {
+    typename V::F acc[MR][NR][C];
+    for (int m = 0; m < MR; ++m)
+        for (int r = 0; r < NR; ++r)
+            for (int c = 0; c < C; ++c)
+                acc[m][r][c] = V::zero();
+    for (int64_t b = 0; b < blocks; ++b)
+        i4_block<V, MR, NR, C>(q, rowb, table, xr, ldx, b, acc);
+    for (int m = 0; m < MR; ++m)
+        for (int r = 0; r < NR; ++r)
+            gs[m][r] = C == 2 ? V::add(acc[m][r][0], acc[m][r][1]) : acc[m][r][0];
+}
+
+// Group g of NR weight rows into the totals tot: the group's sums times its scales (sg[r * ld]).
+template <class V, int MR, int NR, int C>
+I4_SIMD __attribute__((always_inline)) inline void
+i4_group_total(const Int4Args &a, const uint8_t *q, int64_t rowb, typename V::Z table, const float *x0, int64_t blocks,
+               const float *sg, int64_t ld, int64_t g, typename V::F (&tot)[MR][NR]) {
+    typename V::F gs[MR][NR];
+    i4_group<V, MR, NR, C>(q + g * a.group / 2, rowb, table, x0 + g * a.group, a.ldx, blocks, gs);
+    for (int r = 0; r < NR; ++r) {
+        const typename V::F sv = V::set1(sg[r * ld]);
+        for (int m = 0; m < MR; ++m)
+            tot[m][r] = V::fma(gs[m][r], sv, tot[m][r]);
+    }
+}
+
+// MR rows of x against weight rows [n0, n1), NR at a time (the last n1 - n0 mod NR one at a time). With zero points
+// the kernel sums x * u per group (a fixed table: no per-group set-up) and subtracts sum_g s_g z_g sum_{k in g} x_k
+// once per weight row, from the sums of x per group (xs, made once per call) and zs; with groups of 32 the per-group
+// set-up (the zero point's table) had been as many instructions as the block's products. With one row of each the
+// group sums go into two totals per row, even and odd groups, so no group waits on the one before.
+template <class V, int MR, int NR, int C>
+I4_SIMD void i4_rows_of(const Int4Args &a, int64_t m0, int64_t n0, int64_t n1) {
+    using F = typename V::F;
+    constexpr int P = NR == 1 && MR == 1 ? 2 : 1; // more rows: as many independent totals already
+    const int64_t groups = a.K / a.group, blocks = a.group / 32, rowb = a.K / 2, ld = groups + 8;
+    const bool zp = a.zeros != nullptr;
+    // per weight row r: sc (its scales; + 8: half8's tail) and zs (s * z per group); xs: x's sums per row and group
+    std::unique_ptr<float[]> buf(new float[2 * NR * ld + MR * groups + 8]);
+    float *sc = buf.get(), *zs = sc + NR * ld, *xs = zs + NR * ld;
+    if (zp)
+        for (int m = 0; m < MR; ++m)
+            for (int64_t g = 0; g < groups; ++g) {
+                const float *xr = a.x + (m0 + m) * a.ldx + g * a.group;
+                F s = V::loadx(xr);
+                for (int64_t k = V::kLanes; k < a.group; k += V::kLanes)
+                    s = V::add(s, V::loadx(xr + k));
+                xs[m * groups + g] = V::hsum(s);
+            }
+    const auto table = V::zp(zp ? 0 : 8);
+    const float *x0 = a.x + m0 * a.ldx;
+    int64_t n = n0;
+    for (; n + NR <= n1; n += NR) {
+        const uint8_t *q = a.q + n * rowb;
+        for (int r = 0; r < NR; ++r)
+            i4_row_scales<V>(a.scales + (n + r) * groups, zp ? a.zeros + (n + r) * groups : nullptr, groups,
+                             sc + r * ld, zs + r * ld);
+        F tot[MR][NR], tot1[MR][NR]; // tot1: the odd groups' when P == 2
+        for (int m = 0; m < MR; ++m)
+            for (int r = 0; r < NR; ++r)
+                tot[m][r] = tot1[m][r] = V::zero();
+        int64_t g = 0;
+        for (; g + P <= groups; g += P) { // (two named totals: an index into one array had kept it in memory)
+            i4_group_total<V, MR, NR, C>(a, q, rowb, table, x0, blocks, sc + g, ld, g, tot);
+            if constexpr (P == 2)
+                i4_group_total<V, MR, NR, C>(a, q, rowb, table, x0, blocks, sc + g + 1, ld, g + 1, tot1);
+        }
+        if (g < groups)
+            i4_group_total<V, MR, NR, C>(a, q, rowb, table, x0, blocks, sc + g, ld, g, tot);
+        for (int r = 0; r < NR; ++r) {
+            const float b = a.bias ? a.bias[n + r] : 0.f;
+            for (int m = 0; m < MR; ++m) {
+                F t = P == 2 ? V::add(tot[m][r], tot1[m][r]) : tot[m][r];
+                if (zp) { // minus sum_g s_g z_g xs[m][g]
+                    const float *zr = zs + r * ld, *xm = xs + m * groups;
+                    int64_t h = 0;
+                    for (; h + V::kLanes <= groups; h += V::kLanes)
+                        t = V::fma(V::loadx(zr + h), V::set1(0.f) - V::loadx(xm + h), t);
+                    float tail = 0.f;
+                    for (; h < groups; ++h)
+                        tail += zr[h] * xm[h];
+                    a.out[(m0 + m) * a.ldo + n + r] = V::hsum(t) - tail + b;
+                } else {
+                    a.out[(m0 + m) * a.ldo + n + r] = V::hsum(t) + b;
+                }
+            }
+        }
+    }
+    if constexpr (NR > 1) {
+        if (n < n1)
+            i4_rows_of<V, MR, 1, C>(a, m0, n, n1);
+    }
 }
 
 template <class V, int MR> I4_SIMD inline void i4_rows(const Int4Args &a, int64_t m0, int64_t n0, int64_t n1) {
-    using F = typename V::F;
-    constexpr int VB = 32 / V::kLanes;
-    const int64_t groups = a.K / a.group, blocks = a.group / 32, rowb = a.K / 2;
-    // Per group the kernel needs its scale as fp32 and its zero point's table: with groups of 32 (one block each)
-    // that set-up was as many instructions as the block's products (M = 1: 0.80 ms at 4096 x 4096, 38 % of the DRAM
-    // bandwidth, Zen 4). The row's scales are converted 8 at a time (vcvtph2ps) into sc first, and without zero
-    // points the table is made once.
-    std::unique_ptr<float[]> sc_buf(new float[groups + 8]);
-    float *sc = sc_buf.get();
-    const auto z8 = V::zp(8);
-    for (int64_t n = n0; n < n1; ++n) {
-        const uint8_t *q = a.q + n * rowb;
-        const uint16_t *s = a.scales + n * groups;
-        const uint8_t *zr = a.zeros ? a.zeros + n * groups : nullptr;
-        i4_row_scales<V>(s, groups, sc);
-        F tot[MR];
-        for (int m = 0; m < MR; ++m)
-            tot[m] = V::zero();
-        for (int64_t g = 0; g < groups; ++g) {
-            F acc[MR][2];
-            for (int m = 0; m < MR; ++m)
-                acc[m][0] = acc[m][1] = V::zero();
-            const auto z = zr ? V::zp(zr[g]) : z8;
-            for (int64_t b = 0; b < blocks; ++b) {
-                const int64_t k = (g * blocks + b) * 32;
-                F w[VB];
-                V::codes(q + k / 2, z, w);
-                for (int m = 0; m < MR; ++m) {
-                    const float *xr = a.x + (m0 + m) * a.ldx + k;
-                    for (int j = 0; j < VB; ++j)
-                        acc[m][j & 1] = V::fma(V::loadx(xr + j * V::kLanes), w[j], acc[m][j & 1]);
-                }
-            }
-            const F sv = V::set1(sc[g]);
-            for (int m = 0; m < MR; ++m)
-                tot[m] = V::fma(V::add(acc[m][0], acc[m][1]), sv, tot[m]);
-        }
-        const float b = a.bias ? a.bias[n] : 0.f;
-        for (int m = 0; m < MR; ++m)
-            a.out[(m0 + m) * a.ldo + n] = V::hsum(tot[m]) + b;
-    }
+    constexpr int NR = V::stream_cols(MR);
+    // two FMA chains per pair of rows only for one weight row, one or two x rows and groups of several blocks (more
+    // x rows: as many chains already, and the AVX2 family's 16 registers ran 10-15 % slower at 3-4 rows with two)
+    if (NR == 1 && MR <= 2 && a.group > 32)
+        i4_rows_of<V, MR, NR, 2>(a, m0, n0, n1);
+    else
+        i4_rows_of<V, MR, NR, 1>(a, m0, n0, n1);
 }
 
 // Kern<R>::run(args...) with R = rows, for 1 <= rows <= MaxR: a register tile's row count as a template argument.
