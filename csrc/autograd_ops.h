@@ -30,6 +30,9 @@ inline bool requires_grad_arg(const std::optional<at::Tensor> &t) {
 inline bool requires_grad_arg(bool) { // a flag argument
     return false;
 }
+inline bool requires_grad_arg(c10::string_view) { // a name (an activation)
+    return false;
+}
 
 // Whether a call records a graph: grad mode is on and an argument requires a gradient. When it does not (inference,
 // frozen weights), the Autograd kernels call the device kernel directly, as PyTorch's generated kernels do, instead of

@@ -92,13 +92,6 @@ constexpr int64_t kAvx2StreamMaxM = 32;
 // took before (fwd_f32_aten, M >= 256).
 constexpr int64_t kFgStreamOut = int64_t{1} << 18;
 
-Act parse_activation(c10::string_view s, const char *fn) {
-    Act act = Act::None;
-    TORCH_CHECK_VALUE(find_activation(std::string_view(s.data(), s.size()), act), fn, ": activation must be one of ",
-                      activation_names(), ", got '", std::string(s.data(), s.size()), "'");
-    return act;
-}
-
 void check_compute_dtype(const at::Tensor &x, const char *fn) {
     const auto c = x.scalar_type();
     TORCH_CHECK(c == at::kFloat || c == at::kBFloat16 || c == at::kHalf, fn,
@@ -232,6 +225,13 @@ std::tuple<at::Tensor, at::Tensor> forward_onednn(const at::Tensor &x2, const at
 }
 
 } // namespace
+
+Act parse_activation(c10::string_view s, const char *fn) {
+    Act act = Act::None;
+    TORCH_CHECK_VALUE(find_activation(std::string_view(s.data(), s.size()), act), fn, ": activation must be one of ",
+                      activation_names(), ", got '", std::string(s.data(), s.size()), "'");
+    return act;
+}
 
 // (Geometry: fused_linear_host.h)
 Geometry checked_geometry(const at::Tensor &x, const at::Tensor &weight, c10::string_view activation, const char *fn) {

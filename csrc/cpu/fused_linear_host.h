@@ -48,6 +48,8 @@ struct Geometry {
     std::vector<int64_t> out_shape;
 };
 Geometry checked_geometry(const at::Tensor &x, const at::Tensor &weight, c10::string_view activation, const char *fn);
+// The activation named s (ValueError naming fn and the list otherwise).
+Act parse_activation(c10::string_view s, const char *fn);
 // An optional operand (bias, residual, grad_out, preact): floating point, on x's device, of this shape.
 void check_optional(const at::Tensor &t, const char *name, at::IntArrayRef shape, const at::Tensor &x, const char *fn);
 

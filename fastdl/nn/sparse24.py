@@ -54,7 +54,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops import sparse24 as sp_ops
-from ..ops.fused_linear import activation_fn, check_activation, fused_linear
+from ..ops.fused_linear import apply_activation, check_activation, fused_linear
 from ..ops.fused_linear import has_cpu_kernel as _fused_linear_on_cpu
 from ..runtime_choice import RuntimeChoice
 from ._base import (
@@ -411,11 +411,7 @@ class Sparse24Linear(DenseCopyOption, RuntimeChoice, VersionedModule):
             out = sp_ops.sparse24_linear(x, self.values, self.meta, self.bias)
         if not torch.compiler.is_compiling():
             self.__dict__["last_path"] = path  # not nn.Module.__setattr__: ~5 us a call, seen at M = 1
-        if self.activation != "none":
-            if out.dtype in (torch.float32, torch.float64):  # no no-op casts: ~4 us each at M = 1
-                out = activation_fn(out, self.activation)
-            else:
-                out = activation_fn(out.float(), self.activation).to(out.dtype)
+        out = apply_activation(out, self.activation)
         if residual is not None:  # as fused_linear (the dense_fused path): [..., N], result in x's dtype
             if residual.shape != out.shape or not residual.is_floating_point():
                 raise ValueError(f"{layer_name(self)}: residual must be a floating tensor of shape "
@@ -467,9 +463,7 @@ class Sparse24Linear(DenseCopyOption, RuntimeChoice, VersionedModule):
         b = self._parameters.get("bias")
         out = F.linear(x, dense, b if b is None or b.dtype == torch.float32 else b.float())
         self.__dict__["last_path"] = "dense"
-        if self.activation != "none":
-            out = activation_fn(out, self.activation)
-        return not_a_view(out)
+        return not_a_view(apply_activation(out, self.activation))
 
     # ------------------------------------------------------------------------------------------ state dict
     def _record_fields(self) -> dict:

@@ -6,7 +6,7 @@ The raw ops are ``torch.ops.fastdl.<name>``; the functions here are their Python
 """
 
 from ._library import SCHEMAS
-from .fused_linear import ACTIVATIONS, fused_linear
+from .fused_linear import ACTIVATIONS, activation, fused_linear
 from .int4 import (
     dequantize_int4,
     import_awq,
@@ -33,6 +33,7 @@ from .sparse24 import compress_2_4, decompress_2_4, mask_2_4, pack_mask, sparse2
 __all__ = [
     "ACTIVATIONS",
     "SCHEMAS",
+    "activation",
     "compress_2_4",
     "decompress_2_4",
     "dequantize_int4",

@@ -51,6 +51,8 @@ BACKWARD_SCHEMA = (
     "(Tensor grad_out, Tensor x, Tensor weight, Tensor preact, str activation, bool[3] output_mask) "
     "-> (Tensor, Tensor, Tensor)"
 )
+ACTIVATION_SCHEMA = "(Tensor x, str activation) -> Tensor"
+ACTIVATION_BACKWARD_SCHEMA = "(Tensor grad_out, Tensor x, str activation) -> Tensor"
 
 
 # ----------------------------------------------------------------------------------------------- argument checks
@@ -304,6 +306,116 @@ register_autograd(fused_linear_op, _backward, _setup_context, double_backward=_d
 
 
 register_autocast_rule("fused_linear")
+
+
+# ------------------------------------------------------------------------------------------------ activation
+# One of ACTIVATIONS on its own, for the layers whose kernels have no activation epilogue (Sparse24Linear): out =
+# round(act(x)) and grad_x = round(grad_out * act'(x)), computed in fp32 (fp64 for float64 x), rounded once to x's
+# dtype - what PyTorch's activation functions compute on the same tensor. The C++ kernels (csrc/cpu/activation.cpp)
+# use fused_linear's epilogue and backward pass; ATen's GELU builds a oneDNN primitive per call, which dominates the
+# small calls (the reason is at the C++ file).
+def _check_act(x, activation, fn="activation"):
+    check_activation(activation, fn)
+    require_dtype(
+        isinstance(x, torch.Tensor) and x.dtype in _FLOAT,
+        lambda: f"{fn}: x must be a floating tensor (float32, bfloat16, float16, float64), got "
+        f"{getattr(x, 'dtype', type(x).__name__)}",
+    )
+
+
+def _act_reference(x, activation):
+    _check_act(x, activation)
+    if activation == "none":
+        return x.clone(memory_format=torch.contiguous_format)
+    acc = _acc_dtype(x.dtype)
+    return activation_fn(x.to(acc), activation).to(x.dtype)
+
+
+def _act_fake(x, activation):
+    _check_act(x, activation)
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _check_act_backward(grad_out, x, activation):
+    fn = "activation_backward"
+    _check_act(x, activation, fn)
+    _check_optional(grad_out, "grad_out", tuple(x.shape), x, fn)
+
+
+def _act_backward_reference(grad_out, x, activation):
+    _check_act_backward(grad_out, x, activation)
+    acc = _acc_dtype(x.dtype)
+    g = grad_out.to(acc)
+    return (g if activation == "none" else g * activation_grad(x.to(acc), activation)).to(x.dtype)
+
+
+def _act_backward_fake(grad_out, x, activation):
+    _check_act_backward(grad_out, x, activation)
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _act_cpp_supports(backend, args):
+    x = args[1] if len(args) == 3 else args[0]
+    if backend == "cpp" and x.dtype == torch.float64:
+        return "float64 is served by the reference"
+    return None
+
+
+# cpp_autograd=True: csrc/activation_autograd.cpp. On CUDA the reference (PyTorch's activation functions).
+activation_op = define("activation", ACTIVATION_SCHEMA, reference=_act_reference, fake=_act_fake, check=_check_act,
+                       supports=_act_cpp_supports, cpp_autograd=True)  # fmt: skip
+activation_backward_op = define("activation_backward", ACTIVATION_BACKWARD_SCHEMA, reference=_act_backward_reference,
+                                fake=_act_backward_fake, check=_check_act_backward,
+                                supports=_act_cpp_supports)  # fmt: skip
+
+
+def _act_setup_context(ctx, inputs, output):
+    x, activation = inputs
+    ctx.activation = activation
+    ctx.save_for_backward(x)
+
+
+def _act_backward(ctx, grad_out):
+    if grad_out is None or not ctx.needs_input_grad[0]:
+        return None, None
+    (x,) = ctx.saved_tensors
+    return activation_backward_op(grad_out.contiguous(), x, ctx.activation), None
+
+
+def _act_double_backward(ctx, grad_out):
+    if grad_out is None or not ctx.needs_input_grad[0]:
+        return None, None
+    (x,) = ctx.saved_tensors
+    return grad_of(_act_reference, (x, ctx.activation), (True, False), (grad_out,))[0], None
+
+
+register_autograd(activation_op, _act_backward, _act_setup_context, double_backward=_act_double_backward)
+
+
+@functools.cache
+def _act_on_cpu() -> bool:
+    return has_cpp_kernel("activation", "cpu")
+
+
+def apply_activation(out: torch.Tensor, activation: str) -> torch.Tensor:
+    """``act(out)`` as a layer applies it after a GEMM with no activation epilogue (Sparse24Linear): the activation
+    op where its C++ kernel serves out's device (eager; fp32 / bf16 / fp16), else PyTorch's function, computing in
+    fp32 for 16-bit dtypes (no no-op casts: ~4 us each at M = 1). The same values either way, up to PyTorch's and
+    fastdl's fp32 rounding of the function itself. ``out`` for "none"."""
+    if activation == "none":
+        return out
+    if out.device.type == "cpu" and out.dtype != torch.float64 and not torch.compiler.is_compiling() and _act_on_cpu():
+        return activation_op(out, activation)
+    if out.dtype in (torch.float32, torch.float64):
+        return activation_fn(out, activation)
+    return activation_fn(out.float(), activation).to(out.dtype)
+
+
+def activation(x: torch.Tensor, activation: str) -> torch.Tensor:
+    """``act(x)`` for one of ``ACTIVATIONS``, computed in fp32 and rounded once to x's dtype, differentiable in x:
+    what ``torch.nn.functional`` computes, with fastdl's kernels on the CPU (fused_linear's epilogue) and PyTorch's on
+    other devices. Returns a new contiguous tensor (also for "none")."""
+    return activation_op(x, activation)
 
 
 # ------------------------------------------------------------------------------------------------ public API
