@@ -1417,3 +1417,51 @@ def test_cpp_isa_levels_exact_w8a8_and_weight_only_paths(isa):
         assert kernels == "scalar"
     elif isa == "avx2" and fastdl.info(print_result=False)["int8_cpu_kernels"] != "scalar":
         assert kernels == "avx2"
+
+
+# ------------------------------------------------------------------------------------------ activation
+@pytest.mark.parametrize("kind", ["dynamic", "weight_only", "qat"])
+def test_activation_applied_on_every_path_and_kept_through_save_load_freeze_to_linear(kind, tmp_path):
+    """Int8Linear(activation=...) is the layer followed by the activation (values and, for QAT, gradients), around
+    whichever path the run-time choice takes; recipe, record, fastdl.save / load, freeze and to_linear keep it; a bad
+    name is refused naming the layer."""
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 48)
+    trainable = kind == "qat"
+    mode = "weight_only" if kind == "weight_only" else "dynamic"
+    plain = Int8Linear.from_linear(copy.deepcopy(lin), mode=mode, trainable=trainable).train(trainable)
+    layer = Int8Linear.from_linear(copy.deepcopy(lin), mode=mode, trainable=trainable, activation="gelu")
+    layer.train(trainable)
+    x = torch.randn(5, 64, requires_grad=trainable)
+    x2 = x.detach().clone().requires_grad_(trainable)
+    y, ref = layer(x), F.gelu(plain(x2))
+    assert rel_err(y, ref) <= 1e-5
+    if trainable:
+        g = torch.randn_like(y)
+        y.backward(g)
+        ref.backward(g)
+        assert rel_err(x.grad, x2.grad) <= 1e-5 and rel_err(layer.weight.grad, plain.weight.grad) <= 1e-5
+    else:  # every path of the run-time choice: the activation is applied around the chosen path
+        layer.dense_copy = True
+        with torch.no_grad():
+            for path in layer._choice_paths(x):
+                assert rel_err(layer._forward(x), F.gelu(layer._linear_forward(x))) <= 1e-6
+                assert rel_err(F.gelu(layer._run_path(path, x)), F.gelu(plain._run_path(path, x))) <= 1e-6
+    assert layer.recipe()["activation"] == "gelu" and "activation" not in plain.recipe()
+    assert "activation='gelu'" in repr(layer)
+    model = nn.Sequential(copy.deepcopy(lin))
+    fastdl.convert(model, "int8" if mode == "dynamic" else "int8_weight_only")
+    model[0] = layer
+    fastdl.save(model, tmp_path / "m")
+    loaded = fastdl.load(nn.Sequential(nn.Linear(64, 48)), tmp_path / "m")
+    assert loaded[0].activation == "gelu"
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.eval()(x), layer.eval()(x))
+        frozen = layer.freeze()
+        assert frozen.activation == "gelu"
+        torch.testing.assert_close(frozen(x), layer(x))
+        back = layer.to_linear()
+        assert isinstance(back, nn.Sequential) and isinstance(back[1], nn.GELU)
+        assert torch.equal(back[0].weight, plain.to_linear().weight)
+    with pytest.raises(ValueError, match="Int8Linear: activation must be one of"):
+        Int8Linear(8, 8, activation="tanh")

@@ -2,7 +2,7 @@
 kernel. fastdl's modules vs ``nn.Sequential(nn.Linear, activation)`` at M = 1, K = N = 64 (fp32), in one process,
 calls interleaved:
 
-  no grad      ``FusedLinear(activation=act)``, ``Int8Linear`` (W8A8 and weight-only) + act,
+  no grad      ``FusedLinear(activation=act)``, ``Int8Linear(activation=act)`` (W8A8 and weight-only),
                ``Sparse24Linear(activation=act)``, each vs nn.Linear + act on the same weight
   grad         forward + backward (``y.backward(g)``, gradients for the parameters and x): ``FusedLinear``,
                ``Int8Linear(trainable=True)`` (quantization-aware training), ``Sparse24Linear(trainable=True)``
@@ -57,10 +57,10 @@ def _cases(K: int, N: int, act: str):
         from ..nn.int8 import Int8Linear
 
         for mode in ("dynamic", "weight_only"):
-            q = Int8Linear.from_linear(copy.deepcopy(lin), mode=mode).eval()
-            out.append((f"Int8Linear[{mode}]", False, nn.Sequential(q, _act_module(act)), baseline(lin)))
-        qat = Int8Linear.from_linear(copy.deepcopy(lin), mode="dynamic", trainable=True).train()
-        out.append(("Int8Linear[dynamic, QAT]", True, nn.Sequential(qat, _act_module(act)), baseline(lin)))
+            q = Int8Linear.from_linear(copy.deepcopy(lin), mode=mode, activation=act).eval()
+            out.append((f"Int8Linear[{mode}]", False, q, baseline(lin)))
+        qat = Int8Linear.from_linear(copy.deepcopy(lin), mode="dynamic", trainable=True, activation=act).train()
+        out.append(("Int8Linear[dynamic, QAT]", True, qat, baseline(lin)))
     except Exception as exc:  # reported, the other modules still run
         say(f"  Int8Linear unavailable: {type(exc).__name__}: {exc}")
     if K % 4 == 0:

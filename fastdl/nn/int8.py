@@ -33,6 +33,10 @@ them; ``cache_bytes()`` counts it, ``release_caches()`` drops it), or the copy i
 ``fastdl.nn.DENSE_COPY_FREE_BYTES``, 64 KiB: e.g. 64 x 64 fp32, where the op's per-call cost shows). Neither
 ``fastdl.convert`` nor the run-time choice opts in. ``runtime_choice = False`` pins the op.
 
+``activation`` (one of ``fastdl.ops.ACTIVATIONS``, default "none"; as ``FusedLinear`` and ``Sparse24Linear`` take it) is
+applied to the layer's output on every path: ``fastdl.ops.activation`` on the CPU (fp32 compute, one rounding;
+ATen's fp32 GELU builds a oneDNN primitive per call, which dominates small layers), PyTorch's function elsewhere.
+
 QAT (``trainable=True``) holds fp32 master weights (``weight``, a Parameter, like ``nn.Linear``): in training mode the
 forward runs the int8 GEMM on the quantized weight and activations and the backward is straight-through in the float
 dtype (``fastdl.ops.int8_linear_qat``), so a standard (DDP) loop fine-tunes it; in eval mode it serves inference from
@@ -46,7 +50,8 @@ state_dict (format version 3)
   trainable: ``weight`` fp32 master ``[out, in]``, ``bias``, ``_extra_state``
   ``_extra_state`` = the record ``{"format": "fastdl.Int8Linear", "version": 3, "mode": ..., "trainable": ...,
   "in_features": ..., "out_features": ..., "group_size": 16 or None, "act_bits": 8 or 7, "quantization": <one line
-  describing it>}`` (``act_bits`` is informative: the layer's own setting stands, as ``mode``'s does)
+  describing it>}`` and ``"activation"`` when it is not "none" (``act_bits`` and ``activation`` are informative: the
+  layer's own settings stand, as ``mode``'s does)
   stored as a uint8 tensor of its JSON text (``fastdl.nn.decode_extra_state`` reads it), so the state dict holds only
   tensors: it saves as safetensors and loads with ``torch.load(weights_only=True)``. Version 2 is the same record
   kept as a Python dict; version 1 (fastdl before group scales) is that without ``group_size`` and
@@ -64,6 +69,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops import int8 as int8_ops
+from ..ops.fused_linear import activation_module, apply_activation, check_activation
 from ..ops.fused_linear import fused_linear as _fused_linear
 from ..ops.fused_linear import has_cpu_kernel as _fused_linear_on_cpu
 from ..runtime_choice import RuntimeChoice
@@ -103,9 +109,10 @@ class Int8Linear(CheckedForward, DenseCopyOption, RuntimeChoice, VersionedModule
     ``Int8Linear.from_linear(linear, mode=...)`` or filled by ``load_state_dict``.
     """
 
-    __constants__ = ["in_features", "out_features", "mode", "trainable", "group_size", "act_bits"]
+    __constants__ = ["in_features", "out_features", "mode", "trainable", "group_size", "act_bits", "activation"]
     INPUT_DTYPES = X_DTYPES  # the int8 ops take no float64
     act_bits: int = 8  # (a class default too: a layer pickled before act_bits existed has none of its own)
+    activation: str = "none"  # (likewise)
     FORMAT = FORMAT
     FORMAT_VERSION = FORMAT_VERSION
 
@@ -120,9 +127,12 @@ class Int8Linear(CheckedForward, DenseCopyOption, RuntimeChoice, VersionedModule
         dtype=None,
         group_size="auto",
         act_bits: int = 8,
+        activation: str = "none",
     ) -> None:
         super().__init__()
         _check_mode(mode)
+        check_activation(activation, "Int8Linear")
+        self.activation = activation
         self.in_features, self.out_features = int(in_features), int(out_features)
         self.mode, self.trainable = mode, bool(trainable)
         self.group_size = _resolve_group_size(mode, group_size, self.trainable)
@@ -143,15 +153,17 @@ class Int8Linear(CheckedForward, DenseCopyOption, RuntimeChoice, VersionedModule
     #                       _eval_weights, _apply_trainable, _load_master_weight
     @classmethod
     def _blank(cls, in_features: int, out_features: int, mode: str, trainable: bool, group_size,
-               act_bits: int = 8) -> Int8Linear:  # fmt: skip
+               act_bits: int = 8, activation: str = "none") -> Int8Linear:  # fmt: skip
         """A module with its configuration set and no tensors yet (``from_linear`` and ``freeze`` fill it)."""
         _check_mode(mode)
+        check_activation(activation, "Int8Linear")
         mod = cls.__new__(cls)
         VersionedModule.__init__(mod)
         mod.in_features, mod.out_features = int(in_features), int(out_features)
         mod.mode, mod.trainable = mode, bool(trainable)
         mod.group_size = _resolve_group_size(mode, group_size, mod.trainable)
         mod.act_bits = _check_act_bits(act_bits, mode, mod.trainable)
+        mod.activation = activation
         return mod
 
     def _init_weight(self, w: torch.Tensor) -> None:
@@ -228,6 +240,11 @@ class Int8Linear(CheckedForward, DenseCopyOption, RuntimeChoice, VersionedModule
     # ----------------------------------------------------------------------------------------------- forward
     # forward(x) (CheckedForward): self._forward(x), with the layer's own error for an x it cannot take (INPUT_DTYPES)
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._linear_forward(x)
+        return out if self.activation == "none" else apply_activation(out, self.activation)
+
+    def _linear_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The layer without its activation (the paths the run-time choice times)."""
         if self.trainable:
             return self._qat_forward(x)
         k = self.in_features
@@ -379,6 +396,7 @@ class Int8Linear(CheckedForward, DenseCopyOption, RuntimeChoice, VersionedModule
             "group_size": self.group_size,
             "act_bits": self.act_bits,
             "quantization": _QUANT_DOC[self.group_size],
+            **({"activation": self.activation} if self.activation != "none" else {}),
         }
 
     def recipe(self) -> dict:
@@ -386,6 +404,8 @@ class Int8Linear(CheckedForward, DenseCopyOption, RuntimeChoice, VersionedModule
         r = {"mode": self.mode, "trainable": self.trainable, "group_size": self.group_size}
         if self.act_bits != 8:  # (recipes written before act_bits existed stay equal to a default layer's)
             r["act_bits"] = self.act_bits
+        if self.activation != "none":  # (likewise)
+            r["activation"] = self.activation
         return r
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
@@ -495,15 +515,16 @@ class Int8Linear(CheckedForward, DenseCopyOption, RuntimeChoice, VersionedModule
     # ------------------------------------------------------------------------------------------ conversions
     @classmethod
     def from_linear(
-        cls, linear: nn.Linear, mode: str = "dynamic", trainable: bool = False, group_size="auto", act_bits: int = 8
+        cls, linear: nn.Linear, mode: str = "dynamic", trainable: bool = False, group_size="auto", act_bits: int = 8,
+        activation: str = "none",
     ) -> Int8Linear:
         """Quantize an ``nn.Linear``: per output channel (``mode="dynamic"``), or with group scales
         (``mode="weight_only"``, unless ``group_size=None``). ``trainable=True`` keeps an fp32 copy of its weights as
         QAT master weights (the linear itself is not modified). ``act_bits=7``: 7-bit activations (see the module
-        docstring; dynamic inference layers only)."""
+        docstring; dynamic inference layers only). ``activation``: applied to the output (the module docstring)."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"Int8Linear.from_linear expects an nn.Linear, got {type(linear).__name__}")
-        mod = cls._blank(linear.in_features, linear.out_features, mode, trainable, group_size, act_bits)
+        mod = cls._blank(linear.in_features, linear.out_features, mode, trainable, group_size, act_bits, activation)
         w = linear.weight.detach()
         if trainable:
             w = w.float()
@@ -515,9 +536,10 @@ class Int8Linear(CheckedForward, DenseCopyOption, RuntimeChoice, VersionedModule
         mod.train(linear.training)
         return mod
 
-    def to_linear(self, dtype: torch.dtype = torch.float32) -> nn.Linear:
+    def to_linear(self, dtype: torch.dtype = torch.float32) -> nn.Module:
         """The equivalent ``nn.Linear`` with the dequantized weight ``qweight * weight_scale`` (for a trainable
-        layer: the dequantized master weight, i.e. what eval mode computes with)."""
+        layer: the dequantized master weight, i.e. what eval mode computes with); ``nn.Sequential(Linear,
+        activation)`` when the layer has an activation."""
         if self.trainable:
             q, s, g = _quantize_weight(self.weight, self.group_size, search=False)
         else:
@@ -528,7 +550,8 @@ class Int8Linear(CheckedForward, DenseCopyOption, RuntimeChoice, VersionedModule
             lin.weight.copy_(_dequantize(q, s, g))
             if self.bias is not None:
                 lin.bias.copy_(self.bias)
-        return lin
+        act = activation_module(self.activation)
+        return lin if act is None else nn.Sequential(lin, act)
 
     def freeze(self) -> Int8Linear:
         """An inference ``Int8Linear`` with this layer's current quantized weights (a trainable layer's master
@@ -536,7 +559,8 @@ class Int8Linear(CheckedForward, DenseCopyOption, RuntimeChoice, VersionedModule
         if not self.trainable:
             return self
         q, s, g = _quantize_weight(self.weight, self.group_size, search=False)
-        mod = Int8Linear._blank(self.in_features, self.out_features, self.mode, False, self.group_size)
+        mod = Int8Linear._blank(self.in_features, self.out_features, self.mode, False, self.group_size,
+                                activation=self.activation)
         if self.bias is not None:
             mod.bias = nn.Parameter(self.bias.detach().clone(), requires_grad=False)
         else:
@@ -556,4 +580,5 @@ class Int8Linear(CheckedForward, DenseCopyOption, RuntimeChoice, VersionedModule
             f"mode={self.mode!r}, trainable={self.trainable}"
             + (f", group_size={self.group_size}" if self.mode == "weight_only" else "")
             + (f", act_bits={self.act_bits}" if self.act_bits != 8 else "")
+            + (f", activation={self.activation!r}" if self.activation != "none" else "")
         )
