@@ -114,6 +114,21 @@ def test_double_backward_matches_float64():
     assert torch.autograd.gradgradcheck(lambda t: activation(t, "gelu"), (x,))
 
 
+def test_autocast_keeps_x_dtype_and_the_fast_path():
+    """Under CPU autocast the op runs in x's dtype (as F.gelu does), eager calls keep the C++ node."""
+    for dt in (torch.float32, torch.bfloat16):
+        x = torch.randn(4, 8, dtype=dt, requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = activation(x, "gelu")
+        assert y.dtype == dt
+        if _cpp_kernel():
+            assert type(y.grad_fn).__name__ == "CppFunction"
+        y.sum().backward()
+        x64 = x.detach().double().requires_grad_()
+        activation_fn(x64, "gelu").sum().backward()
+        assert rel_err(x.grad, x64.grad) <= TOL[dt]
+
+
 def test_compile_fullgraph():
     x = torch.randn(3, 16)
     f = torch.compile(lambda t: activation(t, "gelu") * 2, fullgraph=True, backend="eager")

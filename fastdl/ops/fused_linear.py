@@ -390,6 +390,9 @@ def _act_double_backward(ctx, grad_out):
 
 
 register_autograd(activation_op, _act_backward, _act_setup_context, double_backward=_act_double_backward)
+# Under autocast the op runs in x's dtype, as PyTorch's activation functions do (none is on autocast's CPU lists);
+# the rule (casting nothing) keeps eager calls off the dispatcher's Python path.
+register_autocast_rule("activation", cast=lambda args, dtype: args)
 
 
 @functools.cache
