@@ -11,7 +11,7 @@
 //
 // Loop nest: per weight row, per group: the group's blocks accumulate x * u (x * (u - 8) without zero points) into
 // one or two FMA chains per x row, then the group total is added into the row's sum times the group's scale; the
-// zero points are subtracted once per weight row (i4_rows_of). Each packed byte is
+// zero points are subtracted once per weight row (i4_row_blocks). Each packed byte is
 // loaded once per call; the MR rows of x (<= kStreamRows) share every dequantized vector. The weight rows of a
 // thread's slice are contiguous, so the hardware prefetcher streams them.
 // (Written as a header, not a template in one file: each family compiles it with its own target attribute.)
@@ -61,7 +61,7 @@ I4_SIMD __attribute__((always_inline)) inline void i4_block(const uint8_t *q, in
 }
 
 // sum_k x[k] u[k] over one group (gs[m][r]), with the table u -> u: the zero points come in once per weight row
-// (i4_rows_of). C FMA chains per (x row, weight row): 2 where one pair of rows alone would wait on one chain.
+// (i4_row_blocks). C FMA chains per (x row, weight row): 2 where one pair of rows alone would wait on one chain.
 template <class V, int MR, int NR, int C>
 I4_SIMD __attribute__((always_inline)) inline void i4_group(const uint8_t *q, int64_t rowb, typename V::Z table,
                                                             const float *xr, int64_t ldx, int64_t blocks,
@@ -92,29 +92,25 @@ i4_group_total(const Int4Args &a, const uint8_t *q, int64_t rowb, typename V::Z 
     }
 }
 
-// MR rows of x against weight rows [n0, n1), NR at a time (the last n1 - n0 mod NR one at a time). With zero points
-// the kernel sums x * u per group (a fixed table: no per-group set-up) and subtracts sum_g s_g z_g sum_{k in g} x_k
-// once per weight row, from the sums of x per group (xs, made once per call) and zs; with groups of 32 the per-group
-// set-up (the zero point's table) had been as many instructions as the block's products. With one row of each the
-// group sums go into two totals per row, even and odd groups, so no group waits on the one before.
+// What a call of the streaming kernel prepares once for its MR rows of x: with zero points, x's sums per row and
+// group (xs); and space for NR weight rows' scales (sc) and s * z per group (zs), each row at a stride of ld.
+struct I4RowBufs {
+    int64_t ld;
+    std::unique_ptr<float[]> buf;
+    float *sc, *zs, *xs;
+};
+
+// Weight rows [n0, n1) of MR rows of x, NR at a time; returns where it stopped (n1 - (n1 - n0) mod NR). With zero
+// points the kernel sums x * u per group (a fixed table: no per-group set-up) and subtracts sum_g s_g z_g sum_{k in g}
+// x_k once per weight row, from xs and zs; with groups of 32 the per-group set-up (the zero point's table) had been as
+// many instructions as the block's products. With one row of each the group sums go into two totals per row, even
+// and odd groups, so no group waits on the one before.
 template <class V, int MR, int NR, int C>
-I4_SIMD void i4_rows_of(const Int4Args &a, int64_t m0, int64_t n0, int64_t n1) {
+I4_SIMD int64_t i4_row_blocks(const Int4Args &a, int64_t m0, int64_t n0, int64_t n1, const I4RowBufs &bufs) {
     using F = typename V::F;
     constexpr int P = NR == 1 && MR == 1 ? 2 : 1; // more rows: as many independent totals already
-    const int64_t groups = a.K / a.group, blocks = a.group / 32, rowb = a.K / 2, ld = groups + 8;
+    const int64_t groups = a.K / a.group, blocks = a.group / 32, rowb = a.K / 2, ld = bufs.ld;
     const bool zp = a.zeros != nullptr;
-    // per weight row r: sc (its scales; + 8: half8's tail) and zs (s * z per group); xs: x's sums per row and group
-    std::unique_ptr<float[]> buf(new float[2 * NR * ld + MR * groups + 8]);
-    float *sc = buf.get(), *zs = sc + NR * ld, *xs = zs + NR * ld;
-    if (zp)
-        for (int m = 0; m < MR; ++m)
-            for (int64_t g = 0; g < groups; ++g) {
-                const float *xr = a.x + (m0 + m) * a.ldx + g * a.group;
-                F s = V::loadx(xr);
-                for (int64_t k = V::kLanes; k < a.group; k += V::kLanes)
-                    s = V::add(s, V::loadx(xr + k));
-                xs[m * groups + g] = V::hsum(s);
-            }
     const auto table = V::zp(zp ? 0 : 8);
     const float *x0 = a.x + m0 * a.ldx;
     int64_t n = n0;
@@ -122,52 +118,72 @@ I4_SIMD void i4_rows_of(const Int4Args &a, int64_t m0, int64_t n0, int64_t n1) {
         const uint8_t *q = a.q + n * rowb;
         for (int r = 0; r < NR; ++r)
             i4_row_scales<V>(a.scales + (n + r) * groups, zp ? a.zeros + (n + r) * groups : nullptr, groups,
-                             sc + r * ld, zs + r * ld);
+                             bufs.sc + r * ld, bufs.zs + r * ld);
         F tot[MR][NR], tot1[MR][NR]; // tot1: the odd groups' when P == 2
         for (int m = 0; m < MR; ++m)
             for (int r = 0; r < NR; ++r)
                 tot[m][r] = tot1[m][r] = V::zero();
         int64_t g = 0;
         for (; g + P <= groups; g += P) { // (two named totals: an index into one array had kept it in memory)
-            i4_group_total<V, MR, NR, C>(a, q, rowb, table, x0, blocks, sc + g, ld, g, tot);
+            i4_group_total<V, MR, NR, C>(a, q, rowb, table, x0, blocks, bufs.sc + g, ld, g, tot);
             if constexpr (P == 2)
-                i4_group_total<V, MR, NR, C>(a, q, rowb, table, x0, blocks, sc + g + 1, ld, g + 1, tot1);
+                i4_group_total<V, MR, NR, C>(a, q, rowb, table, x0, blocks, bufs.sc + g + 1, ld, g + 1, tot1);
         }
         if (g < groups)
-            i4_group_total<V, MR, NR, C>(a, q, rowb, table, x0, blocks, sc + g, ld, g, tot);
+            i4_group_total<V, MR, NR, C>(a, q, rowb, table, x0, blocks, bufs.sc + g, ld, g, tot);
         for (int r = 0; r < NR; ++r) {
             const float b = a.bias ? a.bias[n + r] : 0.f;
             for (int m = 0; m < MR; ++m) {
-                F t = P == 2 ? V::add(tot[m][r], tot1[m][r]) : tot[m][r];
-                if (zp) { // minus sum_g s_g z_g xs[m][g]
-                    const float *zr = zs + r * ld, *xm = xs + m * groups;
+                const F t = P == 2 ? V::add(tot[m][r], tot1[m][r]) : tot[m][r];
+                float corr = 0.f; // sum_g s_g z_g xs[m][g]
+                if (zp) {
+                    const float *zr = bufs.zs + r * ld, *xm = bufs.xs + m * groups;
+                    F c = V::zero();
                     int64_t h = 0;
                     for (; h + V::kLanes <= groups; h += V::kLanes)
-                        t = V::fma(V::loadx(zr + h), V::set1(0.f) - V::loadx(xm + h), t);
-                    float tail = 0.f;
+                        c = V::fma(V::loadx(zr + h), V::loadx(xm + h), c);
+                    corr = V::hsum(c);
                     for (; h < groups; ++h)
-                        tail += zr[h] * xm[h];
-                    a.out[(m0 + m) * a.ldo + n + r] = V::hsum(t) - tail + b;
-                } else {
-                    a.out[(m0 + m) * a.ldo + n + r] = V::hsum(t) + b;
+                        corr += zr[h] * xm[h];
                 }
+                a.out[(m0 + m) * a.ldo + n + r] = V::hsum(t) - corr + b;
             }
         }
     }
-    if constexpr (NR > 1) {
-        if (n < n1)
-            i4_rows_of<V, MR, 1, C>(a, m0, n, n1);
-    }
+    return n;
 }
 
+// Two FMA chains per pair of rows only for one weight row, one or two x rows and groups of several blocks (more x
+// rows: as many chains already, and the AVX2 family's 16 registers ran 10-15 % slower at 3-4 rows with two).
+template <class V, int MR>
+I4_SIMD int64_t i4_single_rows(const Int4Args &a, int64_t m0, int64_t n0, int64_t n1, const I4RowBufs &bufs) {
+    if (MR <= 2 && a.group > 32)
+        return i4_row_blocks<V, MR, 1, 2>(a, m0, n0, n1, bufs);
+    return i4_row_blocks<V, MR, 1, 1>(a, m0, n0, n1, bufs);
+}
+
+// MR rows of x against weight rows [n0, n1): V::stream_cols(MR) weight rows at a time, the rest one at a time.
 template <class V, int MR> I4_SIMD inline void i4_rows(const Int4Args &a, int64_t m0, int64_t n0, int64_t n1) {
+    using F = typename V::F;
     constexpr int NR = V::stream_cols(MR);
-    // two FMA chains per pair of rows only for one weight row, one or two x rows and groups of several blocks (more
-    // x rows: as many chains already, and the AVX2 family's 16 registers ran 10-15 % slower at 3-4 rows with two)
-    if (NR == 1 && MR <= 2 && a.group > 32)
-        i4_rows_of<V, MR, NR, 2>(a, m0, n0, n1);
-    else
-        i4_rows_of<V, MR, NR, 1>(a, m0, n0, n1);
+    const int64_t groups = a.K / a.group, ld = groups + 8; // + 8: half8's tail
+    I4RowBufs bufs{ld, std::unique_ptr<float[]>(new float[2 * NR * ld + MR * groups + 8]), nullptr, nullptr, nullptr};
+    bufs.sc = bufs.buf.get();
+    bufs.zs = bufs.sc + NR * ld;
+    bufs.xs = bufs.zs + NR * ld;
+    if (a.zeros)
+        for (int m = 0; m < MR; ++m)
+            for (int64_t g = 0; g < groups; ++g) {
+                const float *xr = a.x + (m0 + m) * a.ldx + g * a.group;
+                F s = V::loadx(xr);
+                for (int64_t k = V::kLanes; k < a.group; k += V::kLanes)
+                    s = V::add(s, V::loadx(xr + k));
+                bufs.xs[m * groups + g] = V::hsum(s);
+            }
+    int64_t n = n0;
+    if constexpr (NR > 1)
+        n = i4_row_blocks<V, MR, NR, 1>(a, m0, n0, n1, bufs);
+    i4_single_rows<V, MR>(a, m0, n, n1, bufs);
 }
 
 // Kern<R>::run(args...) with R = rows, for 1 <= rows <= MaxR: a register tile's row count as a template argument.

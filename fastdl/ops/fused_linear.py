@@ -354,8 +354,7 @@ def _act_backward_fake(grad_out, x, activation):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-def _act_cpp_supports(backend, args):
-    x = args[1] if len(args) == 3 else args[0]
+def _act_cpp_supports(backend, x):
     if backend == "cpp" and x.dtype == torch.float64:
         return "float64 is served by the reference"
     return None
@@ -363,10 +362,11 @@ def _act_cpp_supports(backend, args):
 
 # cpp_autograd=True: csrc/activation_autograd.cpp. On CUDA the reference (PyTorch's activation functions).
 activation_op = define("activation", ACTIVATION_SCHEMA, reference=_act_reference, fake=_act_fake, check=_check_act,
-                       supports=_act_cpp_supports, cpp_autograd=True)  # fmt: skip
+                       supports=lambda backend, args: _act_cpp_supports(backend, args[0]),
+                       cpp_autograd=True)  # fmt: skip
 activation_backward_op = define("activation_backward", ACTIVATION_BACKWARD_SCHEMA, reference=_act_backward_reference,
                                 fake=_act_backward_fake, check=_check_act_backward,
-                                supports=_act_cpp_supports)  # fmt: skip
+                                supports=lambda backend, args: _act_cpp_supports(backend, args[1]))  # fmt: skip
 
 
 def _act_setup_context(ctx, inputs, output):
