@@ -278,7 +278,7 @@ def test_cpp_onednn_route_is_taken_where_the_rules_say_and_matches_reference(dty
 # super blocks, threads split by columns or by rows), K not a multiple of 8 / 16 / 32, N not a multiple of 16 / 48.
 LEVEL_SHAPES = [(1, 7, 33), (2, 300, 17), (4, 33, 50), (5, 1, 9), (7, 33, 7), (16, 127, 53), (24, 257, 48),
                 (32, 64, 65), (33, 520, 70), (127, 40, 130), (500, 19, 33), (61, 4095, 20), (9, 65, 100),
-                (14, 1030, 37)]
+                (14, 1030, 37), (9, 4104, 20), (40, 2056, 24)]  # the last two: fp32 routes by K (fwd_f32_onednn)
 
 
 def check_cpp_levels_match() -> str:

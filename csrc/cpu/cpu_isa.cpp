@@ -24,6 +24,7 @@ struct Detected {
     Features features;
     Level level = kScalar;
     char model[96] = "unknown";
+    bool intel = false;
 };
 
 #if FASTDL_CPU_X86
@@ -92,6 +93,7 @@ Detected detect() {
         }
     }
     read_model(d.model, sizeof(d.model));
+    d.intel = max_leaf[1] == 0x756E6547u && max_leaf[3] == 0x49656E69u && max_leaf[2] == 0x6C65746Eu; // "GenuineIntel"
     // Virtual machines often report a bare brand ("AMD EPYC"): the cpuid family / model tell the generation apart
     // (AMD family 23 = Zen 1/2, 25 = Zen 3/4, 26 = Zen 5).
     const unsigned base_family = (r1[0] >> 8) & 0xF, base_model = (r1[0] >> 4) & 0xF;
@@ -175,6 +177,10 @@ bool capped() {
 }
 const char *model_name() {
     return detected().model;
+}
+
+bool vendor_intel() {
+    return detected().intel;
 }
 
 const char *level_name(Level level) {

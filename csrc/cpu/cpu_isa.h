@@ -44,6 +44,10 @@ const char *level_name(Level level);
 // The cpuid brand string, trimmed, with the cpuid family and model ("AMD EPYC (cpuid family 25, model 17)");
 // "unknown" where cpuid has none.
 const char *model_name();
+// Whether the cpuid vendor is "GenuineIntel". Some path rules depend on it: PyTorch's oneDNN and MKL reach a larger
+// share of the FMA peak on Intel cores than on AMD ones, so where fastdl's kernel and oneDNN are close the crossover
+// differs by vendor (fused_linear.cpp, fwd_f32_onednn).
+bool vendor_intel();
 
 } // namespace cpu
 } // namespace fastdl

@@ -16,9 +16,13 @@
 //     Where the pb kernel would run with a weight of at most 4M elements (from M = 64), the oneDNN route instead
 //     (fused_linear_onednn.h: PyTorch's oneDNN inner product with the activation as a post-op; rules at
 //     fwd_bf16_onednn).
-//   AVX-512 families, fp32: M <= 64 small-M FMA kernel, M > 64 the oneDNN route for K >= 128 (fwd_f32_onednn: 1.0-2.2x
-//     the fp32 pb kernel), else the fp32 pb kernel (MKL's sgemm is 2-3x slower on this AMD CPU at every M measured).
-//   AVX2 family (bf16 and fp32) and the bf16 of the AVX-512 F family (no AVX512_BF16): fp32 FMA kernels that read the
+//   AVX-512 families, fp32: M <= 64 small-M FMA kernel (from M = 16 only for K >= 128: fwd_f32_small), M > 64 the
+//     oneDNN route for K >= 128 (fwd_f32_onednn: 1.0-2.2x the fp32 pb kernel; also from M = 5 for K > 4096, and on
+//     Intel from M = 25 for K > 2048), else the fp32 pb kernel (MKL's sgemm is 2-3x slower on the AMD dev machine at
+//     every M measured).
+//   AVX-512 F family (no AVX512_BF16), bf16, M > 32: the fp32 pb kernel on x widened once (exact) and the weight
+//     widened (fp32 master weights: rounded to bf16, as autocast) while it is packed, in chunks of panels.
+//   AVX2 family (bf16 and fp32) and the bf16 of the AVX-512 F family at M <= 32: fp32 FMA kernels that read the
 //     operands in their stored dtype (bf16 widened in registers, fp32 master weights rounded to bf16 on the way, never
 //     a converted copy of the weight): M <= 4 weight streaming (inner products), M <= 32 a broadcast kernel reading the
 //     weight rows in place against x^T, larger M the packed-panel GEMM "fgemm" (6 x 16 register tiles, the epilogue
@@ -77,6 +81,14 @@ namespace {
 // on the dev machine (Zen 5, 2 threads, K = N = 4096) at every M <= 64: M = 1: 0.52 vs 2.1 ms, 16: 2.4 vs 7.8, 64:
 // 8.0 vs 13. (The kernel takes at most kernels().fwd_f32.max_m rows.)
 constexpr int64_t kFwdF32SmallM = 64;
+// AVX-512 families, fp32, below the oneDNN route (fwd_f32_onednn): the small-M kernel (inner products of x rows with
+// weight rows) up to M = 64, except at K < 128 from M = 16, where its horizontal sums outweigh the few FMAs of each
+// product and the pb kernel (broadcast, no sums) wins. Intel Xeon (family 6 model 207), 2 threads, gelu + bias, us,
+// small-M vs pb: 16x64x512 29.1 vs 23.6 | 32x64x512 43.1 vs 28.7 | 64x64x512 73.4 vs 44.4 (eager F.linear + gelu 63);
+// kept at K >= 128: 8x512x512 47 vs 66, 16x1024^2 228 vs 373, 16x4096^2 4.35 vs 12.3 ms.
+bool fwd_f32_small(int64_t M, int64_t K) {
+    return M <= kFwdF32SmallM && (K >= 128 || M < 16);
+}
 // AVX2 family: the kernels reading the weight in place (streaming up to M = 4, then broadcast) up to this M, the
 // fgemm above it. Zen 4 capped to AVX2, 1 thread, K = N = 4096, GFLOP/s bf16 / fp32 (broadcast vs fgemm): M = 8:
 // 41 / 36 vs 25 / 24 | 16: 72 / 61 vs 45 / 41 | 24: 64 / 67 vs 59 / 56 | 32: 60 / 59 vs 64 / 52 (the fgemm's
@@ -138,11 +150,13 @@ void forward_compute(const at::Tensor &x2, const at::Tensor &w, int64_t M, int64
         return forward_kernels(kr.fwd_bf16, x2, w, M, N, K, e);
     }
     if (c == at::kFloat && kr.pb_f32.block) { // AVX-512 F
-        if (M <= std::min(kFwdF32SmallM, kr.fwd_f32.max_m))
+        if (fwd_f32_small(M, K) && M <= kr.fwd_f32.max_m)
             return forward_kernels(kr.fwd_f32, x2, w, M, N, K, e);
         if (w.scalar_type() == at::kFloat)
             return forward_pb(DType::F32, x2, w, M, N, K, e);
     }
+    if (c == at::kBFloat16 && kr.pb_f32.block && M > kAvx2StreamMaxM) // AVX-512 F without AVX512_BF16
+        return forward_pb(DType::F32, x2.to(at::kFloat), w, M, N, K, e, w.scalar_type() == at::kFloat);
     if (kr.fgemm.block && (c == at::kBFloat16 || c == at::kFloat)) { // AVX2 (and AVX-512 F for bf16)
         const FwdKernel &fk = c == at::kBFloat16 ? kr.fwd_bf16 : kr.fwd_f32;
         if (fk.run && M <= std::min(kAvx2StreamMaxM, fk.max_m))
@@ -179,8 +193,17 @@ void forward_compute(const at::Tensor &x2, const at::Tensor &w, int64_t M, int64
 // The route needs the weight in the compute dtype (fp32 master weights with bf16 x keep fastdl's kernels, which round
 // it in registers), computes the stored pre-activation only in fp32 (bf16 training keeps the kernels: out must come
 // from the fp32 accumulator), and takes a bf16 residual only without an activation (a binary post-op).
+// Below M = 65 (Intel Xeon, cpuid family 6 model 207: AVX-512 without BF16, 2 threads, gelu + bias, us, small-M
+// kernel vs oneDNN, in-process): a long K leaves the small-M kernel's rows of x (4 rows of K floats per pass over
+// the weight) out of L1: 8x11008x4096 10.9 vs 9.7 ms, 16x11008x4096 17.5 vs 11.7 ms, 32x11008x4096 30 vs 16 ms,
+// 32x8192x2048 8.4 vs 6.1 ms; so K > 4096 goes to oneDNN from M = 5. On Intel cores oneDNN also wins from M = 25 at K
+// > 2048 (48x4096^2 8.75-9.05 vs 7.7-7.9 ms; 24x4096^2 4.85-5.05 vs 5.0; K <= 2048 kept: 48x2048^2 1.91-1.96 vs
+// 1.91, 48x1024^2 0.47-0.58 vs 0.50-0.59), where on the AMD dev machine (Zen 4) the kernel won (48x4096^2 9.76 vs
+// 10.7 ms).
 bool fwd_f32_onednn(int64_t M, int64_t K) {
-    return M > kFwdF32SmallM && K >= 128;
+    if (K < 128)
+        return false;
+    return M > kFwdF32SmallM || (M > 4 && K > 4096) || (M > 24 && K > 2048 && cpu::vendor_intel());
 }
 bool fwd_bf16_onednn(int64_t M, int64_t N, int64_t K) {
     return M >= 64 && fwd_bf16_pb(M, N, K) && N * K <= (int64_t{1} << 22);
@@ -325,6 +348,23 @@ at::Tensor linear_forward(const at::Tensor &x2, const at::Tensor &w, const std::
 
 bool has_bf16_dot() {
     return kernels().pb_bf16.block != nullptr;
+}
+
+// Intel Xeon (cpuid family 6 model 207: AVX-512 with VNNI, without BF16), 2 threads, K = N = 4096, fp32 x, ms, two
+// alternating runs, the format's own kernel -> pb (eager fp32 F.linear on the dense weight):
+//   int8 per channel M = 32 6.7-7.6 -> 5.5-6.4 | 64 11.6-12.4 -> 12.6-12.8 (11.4-13.1) | 128 22.7-36.5 -> 17.0-18.1
+//   (17.7-25.6) | 512 102-165 -> 65-96 (61-114); groups of 16 (before: from 128 rows the AVX2 family's fgemm) M = 32
+//   7.3-7.5 -> 5.9-6.8 | 64 13.5-14.8 -> 12.8 | 128 16.8-26.0 -> 16.8-18.6; kept at 16 rows (3.6-3.7 vs 3.6-4.5);
+//   int4 (the tile kernel) M = 64 13.8-16.7 -> 11.6-14.9 | 128 26.7-35.0 -> 18.8-20.4 | 512 104-160 -> 67-98; kept at
+//   32 rows (7.3-7.4 vs 7.8-9.3).
+// On other vendors (AMD Zen 4, whose rules were measured against the AVX2 family's fgemm, not against this kernel):
+// grouped int8 from 128 rows as before (through this kernel now, not re-measured there), the rest unchanged.
+int64_t quantized_pb_min_rows(bool int4, bool grouped) {
+    if (!kernels().pb_f32.pack_quant)
+        return INT64_MAX;
+    if (cpu::vendor_intel())
+        return int4 ? 64 : 32;
+    return !int4 && grouped ? 128 : INT64_MAX;
 }
 
 } // namespace fused_linear

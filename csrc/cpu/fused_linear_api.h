@@ -18,5 +18,11 @@ at::Tensor linear_forward(const at::Tensor &x2, const at::Tensor &w, const std::
 // bf16 linear_forward then runs at twice the fp32 rate, which the quantized formats' bf16 routes use.
 bool has_bf16_dot();
 
+// The fewest rows of x from which a weight-only layer's GEMM (int4, or int8 with per-channel or grouped scales) runs
+// through fgemm_quantized_weight's pb kernel on this family (the AVX-512 families: 16-lane FMAs, the weight
+// dequantized per chunk of panels while packed) instead of the format's own kernels; INT64_MAX: never (the AVX2 and
+// scalar families: the formats' own rules). The crossovers and their numbers are at the definition.
+int64_t quantized_pb_min_rows(bool int4, bool grouped);
+
 } // namespace fused_linear
 } // namespace fastdl

@@ -594,18 +594,76 @@ FL_AVX512 void pbf_block_avx512(const void *a, int64_t lda, int64_t K, const flo
         _mm_sfence();
 }
 
-// B[k][n] = w[n][k] for fp32: blocks of 16 x 16 floats.
-FL_AVX512 void pbf_pack_wt_avx512(const float *w, int64_t ldw, int64_t N, int64_t K, int64_t panel0, int64_t panel1,
+// 16 weight elements as fp32: fp32 as stored (W = F32), bf16 widened (W = BF16), or fp32 rounded to bf16 precision
+// (W = F32 with ROUND: RNE, NaN stays NaN; autocast's weight cast, kept in fp32).
+template <DType W, bool ROUND> FL_AVX512 FL_INLINE __m512 load_w16(const void *w, int64_t i, __mmask16 m) {
+    const __m512 v = v_load(w, W, i, m);
+    if constexpr (!ROUND)
+        return v;
+    const __m512i b = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_and_si512(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))),
+                                       _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
+    return _mm512_mask_mov_ps(_mm512_castsi512_ps(r), _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), v);
+}
+
+// B[k][n] = w[n][k] as fp32 (load_w16): blocks of 16 x 16 elements.
+template <DType W, bool ROUND>
+FL_AVX512 void pbf_pack_wt_avx512(const void *w, int64_t ldw, int64_t N, int64_t K, int64_t panel0, int64_t panel1,
                                   float *bp) {
     const auto block = [&](int64_t n0, int64_t k0, uint32_t *out) FL_AVX512 {
         const __mmask16 m = mask16(K - k0);
         __m512i r[16];
         for (int i = 0; i < 16; ++i)
-            r[i] = _mm512_castps_si512(n0 + i < N ? _mm512_maskz_loadu_ps(m, w + (n0 + i) * ldw + k0)
-                                                  : _mm512_setzero_ps());
+            r[i] =
+                _mm512_castps_si512(n0 + i < N ? load_w16<W, ROUND>(w, (n0 + i) * ldw + k0, m) : _mm512_setzero_ps());
         store_transposed(r, out, kGemmNR);
     };
     for_wt_blocks(pb_kpt(K, DType::F32), panel0, panel1, reinterpret_cast<uint32_t *>(bp), block);
+}
+
+// 16 k of an int8 weight row j dequantized as fgemm does it (fused_linear_avx2.cpp's load_int8_weight):
+// (q * group code) * the row's scale, both products exact or rounded the same way; m: the valid k.
+FL_AVX512 FL_INLINE __m512 load_int8_w16(const Int8Weight &w, int64_t j, int64_t k, __mmask16 m) {
+    __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, w.q + j * w.ldq + k)));
+    if (w.group) // k is a multiple of 16, groups of 16: one code
+        v = _mm512_mul_ps(v, _mm512_set1_ps(static_cast<float>(w.group[j * w.ldg + k / 16])));
+    return _mm512_mul_ps(v, _mm512_set1_ps(w.scale[j]));
+}
+
+// 16 k (k % 16 == 0, K % 32 == 0) of an int4 weight row j dequantized: (u - z) * s, exact (load_int4_weight there). In
+// a 32-k block, k 0..15 are the low nibbles of its 16 bytes and k 16..31 the high ones (int4_kernels.h).
+FL_AVX512 FL_INLINE __m512 load_int4_w16(const Int4Weight &w, int64_t K, int64_t j, int64_t k) {
+    const int64_t groups = K / w.group, g = k / w.group;
+    __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i *>(w.q + j * (K / 2) + (k / 32) * 16));
+    if (k % 32 >= 16)
+        b = _mm_srli_epi16(b, 4);
+    const int z = w.zeros ? w.zeros[j * groups + g] : 8;
+    b = _mm_sub_epi8(_mm_and_si128(b, _mm_set1_epi8(0x0F)), _mm_set1_epi8(static_cast<char>(z)));
+    const __m512 s = _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<short>(w.scales[j * groups + g])));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), s);
+}
+
+// B[k][n] = the dequantized weight row n at k (Int8Weight, or Int4Weight when INT4): blocks of 16 x 16.
+template <bool INT4>
+FL_AVX512 void pbf_pack_quant(const Int8Weight &w8, const Int4Weight &w4, int64_t N, int64_t K, int64_t panel0,
+                              int64_t panel1, uint32_t *bp) {
+    const auto block = [&](int64_t n0, int64_t k0, uint32_t *out) FL_AVX512 {
+        const __mmask16 m = mask16(K - k0);
+        __m512i r[16];
+        for (int i = 0; i < 16; ++i) {
+            __m512 v = _mm512_setzero_ps();
+            if (n0 + i < N) {
+                if constexpr (INT4)
+                    v = load_int4_w16(w4, K, n0 + i, k0);
+                else
+                    v = load_int8_w16(w8, n0 + i, k0, m);
+            }
+            r[i] = _mm512_castps_si512(v);
+        }
+        store_transposed(r, out, kGemmNR);
+    };
+    for_wt_blocks(pb_kpt(K, DType::F32), panel0, panel1, bp, block);
 }
 
 // B[k][n] = b[k * ld + n]: rows of 48 floats copied (zero past N).
@@ -1125,8 +1183,8 @@ FL_AVX512 void fwd_f32_entry(const void *x, int64_t ldx, int64_t M, const void *
     fwd_small_f32(static_cast<const float *>(x), ldx, M, static_cast<const float *>(w), ldw, K, n0, n1, epi, workspace);
 }
 
-FL_AVX512BF16 void pb_pack_wt_bf16(const void *w, DType w_dtype, int64_t ldw, int64_t N, int64_t K, int64_t panel0,
-                                   int64_t panel1, uint32_t *bp) {
+FL_AVX512BF16 void pb_pack_wt_bf16(const void *w, DType w_dtype, bool, int64_t ldw, int64_t N, int64_t K,
+                                   int64_t panel0, int64_t panel1, uint32_t *bp) {
     pb_pack_wt_avx512bf16(w, w_dtype, ldw, N, K, panel0, panel1, bp);
 }
 
@@ -1148,15 +1206,28 @@ FL_AVX512BF16 void pb_block_bf16(const void *a, int64_t lda, PbA mode, int64_t K
     }
 }
 
-// fp32 pb: weights / B operands are fp32 (the glue only takes this path with fp32 operands), A rows or packed.
-FL_AVX512 void pb_pack_wt_f32(const void *w, DType, int64_t ldw, int64_t N, int64_t K, int64_t panel0, int64_t panel1,
-                              uint32_t *bp) {
-    pbf_pack_wt_avx512(static_cast<const float *>(w), ldw, N, K, panel0, panel1, reinterpret_cast<float *>(bp));
+// fp32 pb: A rows or packed, fp32; weights fp32, or for the bf16 forward of the AVX-512 F family (x widened by the
+// glue) bf16 or fp32 rounded to bf16; the backward's B operands (pack_rows) fp32.
+FL_AVX512 void pb_pack_wt_f32(const void *w, DType w_dtype, bool round_bf16, int64_t ldw, int64_t N, int64_t K,
+                              int64_t panel0, int64_t panel1, uint32_t *bp) {
+    float *out = reinterpret_cast<float *>(bp);
+    if (w_dtype == DType::BF16)
+        return pbf_pack_wt_avx512<DType::BF16, false>(w, ldw, N, K, panel0, panel1, out);
+    if (round_bf16)
+        return pbf_pack_wt_avx512<DType::F32, true>(w, ldw, N, K, panel0, panel1, out);
+    pbf_pack_wt_avx512<DType::F32, false>(w, ldw, N, K, panel0, panel1, out);
 }
 
 FL_AVX512 void pb_pack_rows_f32(const GemmOperand &b, int64_t N, int64_t K, int64_t panel0, int64_t panel1,
                                 uint32_t *bp) {
     pbf_pack_rows_avx512(static_cast<const float *>(b.ptr), b.ld, N, K, panel0, panel1, reinterpret_cast<float *>(bp));
+}
+
+FL_AVX512 void pb_pack_quant_f32(const Int8Weight &w8, const Int4Weight &w4, int64_t N, int64_t K, int64_t panel0,
+                                 int64_t panel1, uint32_t *bp) {
+    if (w4.q)
+        return pbf_pack_quant<true>(w8, w4, N, K, panel0, panel1, bp);
+    pbf_pack_quant<false>(w8, w4, N, K, panel0, panel1, bp);
 }
 
 FL_AVX512 void pb_block_f32(const void *a, int64_t lda, PbA mode, int64_t K, const uint32_t *panel, int64_t N,
@@ -1196,7 +1267,7 @@ Kernels make_avx512() {
     t.epilogue = simd_epilogue<Avx512Vec>;
     t.dpre_pass = simd_dpre_pass<Avx512Vec>;
     t.fwd_f32 = FwdKernel{fwd_f32_entry, fwd_workspace_avx512, kFwdF32MaxM, INT64_MAX};
-    t.pb_f32 = PbKernels{pb_pack_wt_f32, pb_pack_rows_f32, pb_block_f32, pbf_pack_a_avx512};
+    t.pb_f32 = PbKernels{pb_pack_wt_f32, pb_pack_rows_f32, pb_block_f32, pbf_pack_a_avx512, pb_pack_quant_f32};
     return t;
 }
 

@@ -126,6 +126,15 @@ void run_gemm_bf16(const GemmOperand &a, const GemmOperand &b, int64_t M, int64_
 // (whole panels: 3 + 2 1/3, 13 % slower at M = 4096 grad_weight).
 namespace {
 constexpr int64_t kPbRowBlock = 256; // rows per pass over the thread's panels (x block stays in L2)
+// With fp32 panels, a thread whose packed panels would take more than kPbChunkAbove packs and computes them in chunks
+// of about kPbChunkBytes: packed all at once, a large weight's panels (33 MB per thread at 4096 x 4096, 90 MB at
+// 11008 x 4096) went through memory between the packing and the GEMM, and those over 64 MB were allocated per call
+// (thread_scratch). Intel Xeon (family 6 model 207, AVX-512 without BF16), 2 threads, gelu, ms, whole -> chunks, two
+// alternating runs: bf16 forward (AVX-512 F family) 128x4096^2 25.5 -> 17.2-23.0 (eager fp32 F.linear + gelu 18.1-22.6)
+// | 128x4096x11008 92-97 -> 44-48 (eager fp32 47-53) | 512x4096^2 74-86 -> 61-64 (eager fp32 61-62); fp32 training
+// step (forward on oneDNN, the backward's pb) 128x4096^2 68-101 -> 61-63 (eager 64-95). The BF16 family keeps whole
+// packing (its pb rule was measured so; 16.9 MB per thread at 512 x 4096^2, not re-measured in chunks).
+constexpr int64_t kPbChunkAbove = int64_t{8} << 20, kPbChunkBytes = int64_t{1} << 20;
 } // namespace
 
 void run_pb(DType compute, const void *a, int64_t lda, PbA a_mode, int64_t M, int64_t N, int64_t K, PbPack pack,
@@ -161,23 +170,33 @@ void run_pb(DType compute, const void *a, int64_t lda, PbA a_mode, int64_t M, in
                 --hi;
             if (lo >= hi)
                 continue;
-            const Scratch ws = thread_scratch(kTaskSlot, sizeof(uint32_t) * (hi - lo) * kpt * kGemmNR);
+            // the panels packed all at once, or (F32) in chunks of about 1 MB when all of them would take more than
+            // kPbChunkAbove (each chunk then computed against every row while it is in L2)
+            const int64_t panel_bytes = static_cast<int64_t>(sizeof(uint32_t)) * kpt * kGemmNR;
+            const int64_t chunk = compute == DType::F32 && (hi - lo) * panel_bytes > kPbChunkAbove
+                                      ? std::max<int64_t>(1, kPbChunkBytes / panel_bytes)
+                                      : hi - lo;
+            const Scratch ws = thread_scratch(kTaskSlot, panel_bytes * chunk);
             uint32_t *bp = static_cast<uint32_t *>(ws.ptr);
-            pack(lo, hi, bp);
-            for (int64_t b0 = 0; b0 < M; b0 += kPbRowBlock) {
-                for (int64_t p = lo; p < hi; ++p) {
-                    int64_t g0, g1;
-                    range(p, g0, g1);
-                    const int64_t r0 = std::max(b0, g0 * kGemmMR), r1 = std::min({b0 + kPbRowBlock, M, g1 * kGemmMR});
-                    if (r0 < r1)
-                        pk.block(a, lda, a_mode, K, bp + (p - lo) * kpt * kGemmNR, N, r0, r1, p * kGemmNR, e);
+            for (int64_t c0 = lo; c0 < hi; c0 += chunk) {
+                const int64_t c1 = std::min(hi, c0 + chunk);
+                pack(c0, c1, bp);
+                for (int64_t b0 = 0; b0 < M; b0 += kPbRowBlock) {
+                    for (int64_t p = c0; p < c1; ++p) {
+                        int64_t g0, g1;
+                        range(p, g0, g1);
+                        const int64_t r0 = std::max(b0, g0 * kGemmMR);
+                        const int64_t r1 = std::min({b0 + kPbRowBlock, M, g1 * kGemmMR});
+                        if (r0 < r1)
+                            pk.block(a, lda, a_mode, K, bp + (p - c0) * kpt * kGemmNR, N, r0, r1, p * kGemmNR, e);
+                    }
                 }
             }
         }
     });
 }
 
-// fgemm (the AVX2 family; the AVX-512 F family's bf16 path): A packed once into fp32 panels (shared, in parallel),
+// fgemm (the AVX2 family; the AVX-512 F family's bf16 backward): A packed once into fp32 panels (shared, in parallel),
 // then each thread computes a contiguous range of 16-column units (it packs only the B blocks of its columns), or a
 // range of rows when there are too few columns for the threads.
 void run_fgemm(const FgemmArgs &g, const Epilogue &e) {
@@ -213,13 +232,13 @@ void run_fgemm(const FgemmArgs &g, const Epilogue &e) {
 }
 
 void forward_pb(DType compute, const at::Tensor &x2, const at::Tensor &w, int64_t M, int64_t N, int64_t K,
-                const Epilogue &e) {
+                const Epilogue &e, bool round_w) {
     const void *wp = w.data_ptr();
     const DType wd = dtype_of(w.scalar_type());
     const PbKernels &pk = compute == DType::BF16 ? kernels().pb_bf16 : kernels().pb_f32;
     run_pb(
         compute, x2.data_ptr(), K, PbA::Rows, M, N, K,
-        [&](int64_t p0, int64_t p1, uint32_t *bp) { pk.pack_wt(wp, wd, K, N, K, p0, p1, bp); }, e);
+        [&](int64_t p0, int64_t p1, uint32_t *bp) { pk.pack_wt(wp, wd, round_w, K, N, K, p0, p1, bp); }, e);
 }
 
 void forward_kernels(const FwdKernel &fk, const at::Tensor &x2, const at::Tensor &w, int64_t M, int64_t N, int64_t K,
@@ -279,6 +298,26 @@ void forward_aten(const at::Tensor &x2, const at::Tensor &w, int64_t M, int64_t 
 
 bool fgemm_quantized_weight(const void *x, DType x_dtype, int64_t ldx, int64_t M, const Int8Weight &w8,
                             const Int4Weight &w4, int64_t N, int64_t K, const float *bias, void *out, DType out_dtype) {
+    const PbKernels &pk = kernels().pb_f32;
+    if (pk.block && pk.pack_quant) { // the AVX-512 families
+        at::Tensor xf;
+        if (x_dtype == DType::BF16) { // widened once (exact): the pb kernel broadcasts fp32 x elements
+            xf = at::from_blob(const_cast<void *>(x), {M, K}, {ldx, 1}, at::TensorOptions().dtype(at::kBFloat16))
+                     .to(at::kFloat)
+                     .contiguous();
+            x = xf.data_ptr();
+            ldx = K;
+        }
+        Epilogue e;
+        e.bias = bias;
+        e.out = out;
+        e.ld_out = N;
+        e.out_dtype = out_dtype;
+        run_pb(
+            DType::F32, x, ldx, PbA::Rows, M, N, K,
+            [&](int64_t p0, int64_t p1, uint32_t *bp) { pk.pack_quant(w8, w4, N, K, p0, p1, bp); }, e);
+        return true;
+    }
     if (!kernels().fgemm.block)
         return false;
     FgemmArgs g;

@@ -83,11 +83,12 @@ void run_gemm_bf16(const GemmOperand &a, const GemmOperand &b, int64_t M, int64_
 using PbPack = c10::function_ref<void(int64_t, int64_t, uint32_t *)>;
 void run_pb(DType compute, const void *a, int64_t lda, PbA a_mode, int64_t M, int64_t N, int64_t K, PbPack pack,
             const Epilogue &e);
-// fgemm (the AVX2 family; the AVX-512 F family's bf16 path).
+// fgemm (the AVX2 family; the AVX-512 F family's bf16 backward).
 void run_fgemm(const FgemmArgs &g, const Epilogue &e);
 // The forward of x2 [M, K] and w [N, K] with the pb kernels / the kernels reading the weight in place (fk) / ATen.
+// round_w: an fp32 w rounded to bf16 while packed (F32 compute of a bf16 x, see PbKernels).
 void forward_pb(DType compute, const at::Tensor &x2, const at::Tensor &w, int64_t M, int64_t N, int64_t K,
-                const Epilogue &e);
+                const Epilogue &e, bool round_w = false);
 void forward_kernels(const FwdKernel &fk, const at::Tensor &x2, const at::Tensor &w, int64_t M, int64_t N, int64_t K,
                      const Epilogue &e);
 void forward_aten(const at::Tensor &x2, const at::Tensor &w, int64_t M, int64_t N, const Epilogue &e,

@@ -132,15 +132,18 @@ struct Bf16Gemm {
 // (pairs interleaved on the fly), or pre-packed in panels of 8 rows, PbA::Packed (lda unused): BF16 by gemm_pack_a, F32
 // by pack_a_f32. B is packed in 48-column panels of pb_kpt(K, compute) x 48 dwords, panel p of [panel0, panel1) at
 // bp + (p - panel0) * pb_kpt(K, compute) * 48: by pack_wt (B[k][n] = w[n][k]; BF16: w bf16 or fp32 rounded to bf16,
-// RNE; F32: w fp32) or pack_rows (B[k][n] = b[k * ld + n], same dtypes). block computes C rows [m0, m1) x the
-// panel at `panel`, columns [j0, j0 + 48) (m0 % 8 == 0 when packed).
+// RNE; F32: w fp32, or w bf16 widened, or with round_bf16 w fp32 rounded to bf16 (the AVX-512 F family's bf16
+// forward, whose x is widened to fp32 first)) or pack_rows (B[k][n] = b[k * ld + n], same dtypes). block computes C
+// rows [m0, m1) x the panel at `panel`, columns [j0, j0 + 48) (m0 % 8 == 0 when packed).
 enum class PbA : int { Rows = 0, Packed, Cols };
 inline int64_t pb_kpt(int64_t K, DType compute = DType::BF16) { // k (pairs) per panel, whole 16 x 16 transposes
     return ((compute == DType::BF16 ? (K + 1) / 2 : K) + 15) / 16 * 16;
 }
+struct Int8Weight; // (below, with fgemm)
+struct Int4Weight;
 struct PbKernels {
-    void (*pack_wt)(const void *w, DType w_dtype, int64_t ldw, int64_t N, int64_t K, int64_t panel0, int64_t panel1,
-                    uint32_t *bp) = nullptr;
+    void (*pack_wt)(const void *w, DType w_dtype, bool round_bf16, int64_t ldw, int64_t N, int64_t K, int64_t panel0,
+                    int64_t panel1, uint32_t *bp) = nullptr;
     void (*pack_rows)(const GemmOperand &b, int64_t N, int64_t K, int64_t panel0, int64_t panel1,
                       uint32_t *bp) = nullptr;
     void (*block)(const void *a, int64_t lda, PbA mode, int64_t K, const uint32_t *panel, int64_t N, int64_t m0,
@@ -149,6 +152,10 @@ struct PbKernels {
     // ap[(panel * K + k) * 8 + r] (PbA::Packed).
     void (*pack_a)(const float *src, int64_t ld, int64_t rows, int64_t K, int64_t panel0, int64_t panel1,
                    float *ap) = nullptr;
+    // F32 only: as pack_wt for a quantized weight (Int8Weight or Int4Weight below, the other one empty), dequantized
+    // while packed exactly as fgemm dequantizes it.
+    void (*pack_quant)(const Int8Weight &w8, const Int4Weight &w4, int64_t N, int64_t K, int64_t panel0, int64_t panel1,
+                       uint32_t *bp) = nullptr;
 };
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -234,9 +241,11 @@ struct Fgemm {
 };
 
 // x [M, K] (fp32 or bf16, row stride ldx) times a quantized weight (FgemmArgs::bq or ::b4, the other one empty)
-// through fgemm, + bias (fp32 or null), into out [M, N] (row stride N, fp32 or bf16): fused_linear.cpp runs it on its
-// threads; false (nothing written) when this process's family has no fgemm. For the weight-only layers where they are
-// compute-bound (int8.cpp, int4.cpp): the weight is dequantized strip by strip as it is packed, never as a whole.
+// through fgemm (the AVX2 family) or the fp32 pb kernel (the AVX-512 families: 16-lane FMAs, 8 x 48 tiles, the
+// weight packed in chunks of panels of about 1 MB per thread; a bf16 x widened to fp32 first), + bias (fp32 or null),
+// into out [M, N] (row stride N, fp32 or bf16): fused_linear.cpp runs it on its threads; false (nothing written) when
+// this process's family has neither. For the weight-only layers where they are compute-bound (int8.cpp, int4.cpp):
+// the weight is dequantized strip by strip (chunk by chunk) as it is packed, never as a whole.
 bool fgemm_quantized_weight(const void *x, DType x_dtype, int64_t ldx, int64_t M, const Int8Weight &w8,
                             const Int4Weight &w4, int64_t N, int64_t K, const float *bias, void *out, DType out_dtype);
 
