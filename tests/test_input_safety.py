@@ -176,12 +176,15 @@ def check_invalid_meta_in_kernels() -> int:
 
 
 @needs_cpp
-@pytest.mark.parametrize("route", ["kernels", "dense"])
+@pytest.mark.parametrize("route", ["kernels", "dense", "pb"])
 @pytest.mark.parametrize("isa", LEVELS)
 def test_invalid_meta_found_by_every_kernel(isa, route):
     script = "import torch, test_input_safety as t; torch.set_num_threads(2); print(t.check_invalid_meta_in_kernels())"
-    if route == "dense":  # every call through the dense route (read once per process)
-        script = "import os; os.environ['FASTDL_SPARSE24_DENSE_ROWS'] = '1'; " + script
+    env = {"kernels": "FASTDL_CPU_PB_ROWS", "dense": "FASTDL_SPARSE24_DENSE_ROWS", "pb": "FASTDL_CPU_PB_ROWS"}[route]
+    rows = str(2**40) if route == "kernels" else "1"  # every call through that route, or none (read once per process)
+    script = f"import os; os.environ['{env}'] = '{rows}'; " + script
+    if route == "pb":  # (the AVX-512 families, K % 16 == 0: fused_linear's pb kernel; the others ignore the variable)
+        script = "import os; os.environ['FASTDL_SPARSE24_DENSE_ROWS'] = str(2**40); " + script
     assert int(run_at_isa(isa, script).split()[-1]) == 300
 
 

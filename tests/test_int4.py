@@ -251,6 +251,20 @@ def check_cpp_level() -> str:
     return fastdl.info(print_result=False)["cpu"]["kernels"]["int4"]
 
 
+@pytest.mark.parametrize("isa", ["avx512", "native"])
+def test_cpp_pb_route_matches_float64(isa):
+    """FASTDL_CPU_PB_ROWS=1: every float call of an AVX-512 family above the streaming rows takes fused_linear's fp32 pb
+    kernel with the int4 weight dequantized per chunk of panels while packed (the route large M takes on Intel:
+    held_pb_min_rows), against float64 on check_cpp_level's shapes; other families ignore the variable."""
+    from conftest import run_at_isa
+
+    if not fastdl.backends.available("cpp", "int4_weight_only_linear", "cpu")[0]:
+        pytest.skip("no C++ int4 kernel in this build")
+    out = run_at_isa(isa, "import os; os.environ['FASTDL_CPU_PB_ROWS'] = '1'; import test_int4; "
+                          "print(test_int4.check_cpp_level())")
+    assert out.strip().splitlines()[-1] in ("scalar", "avx2", "avx512_vnni"), out
+
+
 @pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512", "native"])
 def test_cpp_kernels_of_every_isa_level_match_float64(isa):
     from conftest import native_cpu_kernels, run_at_isa

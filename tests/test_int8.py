@@ -675,6 +675,17 @@ print("ok", fastdl.info()["int8_cpu_kernels"])
     assert out.split()[-1] == (expect or native), (isa, out)
 
 
+@pytest.mark.skipif(not backends.available("cpp", "int8_linear", "cpu")[0], reason="needs the compiled extension")
+@pytest.mark.parametrize("isa", ["avx512", "native"])
+def test_cpp_pb_route_weight_only(isa):
+    """FASTDL_CPU_PB_ROWS=1: every weight-only call of an AVX-512 family takes fused_linear's fp32 pb kernel with the
+    int8 weight dequantized per chunk of panels while packed (the route large M takes: held_pb_min_rows), on every
+    shape of check_weight_only_paths against float64; other families ignore the variable."""
+    out = run_at_isa(isa, "import os; os.environ['FASTDL_CPU_PB_ROWS'] = '1'; import test_int8 as t; "
+                          "print('weight_only', t.check_weight_only_paths())")
+    assert "weight_only" in out, out
+
+
 # ---------------------------------------------------------------------------------------- accuracy, K = 4096
 @pytest.mark.parametrize("backend", LIN_BACKENDS)
 def test_accuracy_gaussian_k4096(backend):

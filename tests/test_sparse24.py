@@ -205,7 +205,8 @@ def test_sparse_linear_leading_dims_noncontiguous_mixed_dtypes(backend):
 
 LEVEL_LINEAR_SHAPES = [(1, 68, 9), (2, 4, 5), (3, 100, 25), (4, 12, 7), (5, 132, 17), (7, 1028, 26), (9, 520, 3),
                        (33, 260, 10), (200, 36, 5), (250, 268, 50), (24, 4, 17),
-                       (5, 4096, 1100)]  # the dense route's blocks: 1024 rows in bf16, 256 in fp32, then a tail
+                       (5, 4096, 1100),  # the dense route's blocks: 1024 rows in bf16, 256 in fp32, then a tail
+                       (70, 528, 50), (33, 64, 20), (130, 272, 49)]  # K % 16 == 0: the pb route where it is forced
 
 
 def check_cpp_levels_match() -> str:
@@ -247,6 +248,7 @@ def test_cpp_isa_levels_match(isa):
     contract's results (the dense route is switched off: FASTDL_SPARSE24_DENSE_ROWS above every M), and the process
     runs the kernels of the level it was capped at (avx2: the AVX2 kernels, also on an AVX-512 CPU)."""
     out = run_at_isa(isa, "import os; os.environ['FASTDL_SPARSE24_DENSE_ROWS'] = str(2**40); "
+                          "os.environ['FASTDL_CPU_PB_ROWS'] = str(2**40); "
                           "import test_sparse24 as t; print('kernels', t.check_cpp_levels_match())")
     family = out.split()[-1]
     native = native_cpu_kernels()["sparse24"]
@@ -255,6 +257,18 @@ def test_cpp_isa_levels_match(isa):
     assert family == expect, (isa, out)
     if isa == "avx2" and native != "scalar":
         assert family == "avx2", out
+
+
+@pytest.mark.skipif(not HAS_CPP, reason="needs the compiled extension fastdl._C (C++ kernels)")
+@pytest.mark.parametrize("isa", ["avx512", "native"])
+def test_cpp_pb_route_matches(isa):  # the route large M takes on the AVX-512 families (held_pb_min_rows)
+    """FASTDL_CPU_PB_ROWS=1: sparse24_linear with K % 16 == 0 on an AVX-512 family runs fused_linear's fp32 pb kernel
+    with the weight decompressed per chunk of panels while packed: same contract, every dtype pair, bias,
+    non-contiguous x (other families and K ignore the variable)."""
+    out = run_at_isa(isa, "import os; os.environ['FASTDL_CPU_PB_ROWS'] = '1'; "
+                          "os.environ['FASTDL_SPARSE24_DENSE_ROWS'] = str(2**40); import test_sparse24 as t; "
+                          "print('kernels', t.check_cpp_levels_match())")
+    assert out.split()[-1] in ("scalar", "avx2", "avx512", "avx512_bf16"), out
 
 
 @pytest.mark.skipif(not HAS_CPP, reason="needs the compiled extension fastdl._C (C++ kernels)")

@@ -350,21 +350,43 @@ bool has_bf16_dot() {
     return kernels().pb_bf16.block != nullptr;
 }
 
-// Intel Xeon (cpuid family 6 model 207: AVX-512 with VNNI, without BF16), 2 threads, K = N = 4096, fp32 x, ms, two
-// alternating runs, the format's own kernel -> pb (eager fp32 F.linear on the dense weight):
+// Intel Xeon (cpuid family 6 model 207: AVX-512 with VNNI, without BF16), 2 threads, ms, two alternating runs, the
+// format's own kernel -> pb (eager fp32 F.linear on the dense weight). K = N = 4096, fp32 x:
 //   int8 per channel M = 32 6.7-7.6 -> 5.5-6.4 | 64 11.6-12.4 -> 12.6-12.8 (11.4-13.1) | 128 22.7-36.5 -> 17.0-18.1
 //   (17.7-25.6) | 512 102-165 -> 65-96 (61-114); groups of 16 (before: from 128 rows the AVX2 family's fgemm) M = 32
 //   7.3-7.5 -> 5.9-6.8 | 64 13.5-14.8 -> 12.8 | 128 16.8-26.0 -> 16.8-18.6; kept at 16 rows (3.6-3.7 vs 3.6-4.5);
 //   int4 (the tile kernel) M = 64 13.8-16.7 -> 11.6-14.9 | 128 26.7-35.0 -> 18.8-20.4 | 512 104-160 -> 67-98; kept at
-//   32 rows (7.3-7.4 vs 7.8-9.3).
-// On other vendors (AMD Zen 4, whose rules were measured against the AVX2 family's fgemm, not against this kernel):
-// grouped int8 from 128 rows as before (through this kernel now, not re-measured there), the rest unchanged.
-int64_t quantized_pb_min_rows(bool int4, bool grouped) {
+//   32 rows (7.3-7.4 vs 7.8-9.3);
+//   2:4 (the sparse kernel), fp32 x / bf16 x with bf16 values: M = 64 11.6-14.5 -> 10.6-10.9 / 12.9-15.5 -> 10.1-10.5
+//   (10.6-11.7) | 128 20.7-20.8 -> 18.0-18.4 / 19.2-19.5 -> 17.2-17.8 (17.2-18.1) | 512 64.8-65.2 -> 63.5-65.1 /
+//   68-72 -> 62-63 (59-62); bf16 x M = 32 6.9-7.0 -> 6.1; kept: fp32 x M = 32 (5.9-6.7 vs 6.6), M = 16 (3.6 vs 4.8).
+//   512 x 512: M = 359 1.03-1.05 -> 0.72 / 1.34-1.37 -> 0.75-0.76 (0.72-0.75) | 128 0.38-0.49 -> 0.28-0.30 / 0.49-0.65
+//   -> 0.30-0.31 (0.27-0.35) | 64 0.25-0.27 -> 0.18-0.19 / 0.32-0.36 -> 0.18-0.19 (0.18-0.26).
+// On other vendors (AMD Zen 4, whose rules were measured against the AVX2 family's fgemm and the 2:4 dense route, not
+// against this kernel): grouped int8 from 128 rows as before (through this kernel now, not re-measured there), the rest
+// unchanged. A bf16 x on the AVX512_BF16 family keeps its bf16 kernels (2:4).
+int64_t held_pb_min_rows(Held kind) {
     if (!kernels().pb_f32.pack_quant)
         return INT64_MAX;
-    if (cpu::vendor_intel())
-        return int4 ? 64 : 32;
-    return !int4 && grouped ? 128 : INT64_MAX;
+    static const int64_t forced = [] {
+        const char *env = std::getenv("FASTDL_CPU_PB_ROWS");
+        return env && *env ? std::max<int64_t>(1, std::atoll(env)) : int64_t(0);
+    }();
+    if (forced)
+        return forced;
+    if (!cpu::vendor_intel())
+        return kind == Held::Int8Grouped ? 128 : INT64_MAX;
+    switch (kind) {
+    case Held::Int8:
+    case Held::Int8Grouped:
+        return 32;
+    case Held::Int4:
+        return 64;
+    case Held::Sparse24:
+        return 64;
+    default: // Sparse24Bf16x
+        return has_bf16_dot() ? INT64_MAX : 32;
+    }
 }
 
 } // namespace fused_linear

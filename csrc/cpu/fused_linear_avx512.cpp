@@ -644,20 +644,38 @@ FL_AVX512 FL_INLINE __m512 load_int4_w16(const Int4Weight &w, int64_t K, int64_t
     return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), s);
 }
 
-// B[k][n] = the dequantized weight row n at k (Int8Weight, or Int4Weight when INT4): blocks of 16 x 16.
-template <bool INT4>
-FL_AVX512 void pbf_pack_quant(const Int8Weight &w8, const Int4Weight &w4, int64_t N, int64_t K, int64_t panel0,
-                              int64_t panel1, uint32_t *bp) {
+// 16 k (k % 16 == 0, K % 16 == 0) of a 2:4 weight row j decompressed: its 8 kept values of these 16 positions expanded
+// under the 16-bit mask of meta bytes k / 8, k / 8 + 1 (valid meta: 8 bits set), bf16 values widened, fp32 values
+// rounded to bf16 with ROUND.
+template <DType V, bool ROUND>
+FL_AVX512 FL_INLINE __m512 load_sparse24_w16(const Sparse24Weight &w, int64_t K, int64_t j, int64_t k) {
+    uint16_t m;
+    std::memcpy(&m, w.meta + j * (K / 8) + k / 8, 2);
+    const __m512 v = load_w16<V, ROUND>(w.values, j * (K / 2) + k / 2, 0xFF);
+    return _mm512_maskz_expand_ps(static_cast<__mmask16>(m), v);
+}
+
+// B[k][n] = the weight row n at k, dequantized (Int8Weight, FMT = 0; Int4Weight, 1) or decompressed (Sparse24Weight
+// with bf16 values, 2; fp32, 3; fp32 rounded to bf16, 4): blocks of 16 x 16.
+template <int FMT>
+FL_AVX512 void pbf_pack_quant(const Int8Weight &w8, const Int4Weight &w4, const Sparse24Weight &s24, int64_t N,
+                              int64_t K, int64_t panel0, int64_t panel1, uint32_t *bp) {
     const auto block = [&](int64_t n0, int64_t k0, uint32_t *out) FL_AVX512 {
         const __mmask16 m = mask16(K - k0);
         __m512i r[16];
         for (int i = 0; i < 16; ++i) {
             __m512 v = _mm512_setzero_ps();
             if (n0 + i < N) {
-                if constexpr (INT4)
-                    v = load_int4_w16(w4, K, n0 + i, k0);
-                else
+                if constexpr (FMT == 0)
                     v = load_int8_w16(w8, n0 + i, k0, m);
+                else if constexpr (FMT == 1)
+                    v = load_int4_w16(w4, K, n0 + i, k0);
+                else if constexpr (FMT == 2)
+                    v = load_sparse24_w16<DType::BF16, false>(s24, K, n0 + i, k0);
+                else if constexpr (FMT == 3)
+                    v = load_sparse24_w16<DType::F32, false>(s24, K, n0 + i, k0);
+                else
+                    v = load_sparse24_w16<DType::F32, true>(s24, K, n0 + i, k0);
             }
             r[i] = _mm512_castps_si512(v);
         }
@@ -667,7 +685,9 @@ FL_AVX512 void pbf_pack_quant(const Int8Weight &w8, const Int4Weight &w4, int64_
 }
 
 // B[k][n] = b[k * ld + n]: rows of 48 floats copied (zero past N).
-FL_AVX512 void pbf_pack_rows_avx512(const float *b, int64_t ld, int64_t N, int64_t K, int64_t panel0, int64_t panel1,
+// (B fp32 as stored, bf16 widened, or fp32 rounded to bf16: load_w16.)
+template <DType W, bool ROUND>
+FL_AVX512 void pbf_pack_rows_avx512(const void *b, int64_t ld, int64_t N, int64_t K, int64_t panel0, int64_t panel1,
                                     float *bp) {
     const int64_t kpt = pb_kpt(K, DType::F32);
     for (int64_t p = panel0; p < panel1; ++p) {
@@ -677,7 +697,7 @@ FL_AVX512 void pbf_pack_rows_avx512(const float *b, int64_t ld, int64_t N, int64
 #pragma GCC unroll 3
             for (int g = 0; g < 3; ++g)
                 _mm512_storeu_ps(out + k * kGemmNR + 16 * g,
-                                 _mm512_maskz_loadu_ps(mask16(N - j0 - 16 * g), b + k * ld + j0 + 16 * g));
+                                 load_w16<W, ROUND>(b, k * ld + j0 + 16 * g, mask16(N - j0 - 16 * g)));
     }
 }
 
@@ -1206,8 +1226,8 @@ FL_AVX512BF16 void pb_block_bf16(const void *a, int64_t lda, PbA mode, int64_t K
     }
 }
 
-// fp32 pb: A rows or packed, fp32; weights fp32, or for the bf16 forward of the AVX-512 F family (x widened by the
-// glue) bf16 or fp32 rounded to bf16; the backward's B operands (pack_rows) fp32.
+// fp32 pb: A rows or packed, fp32; weights / the backward's B operands (pack_rows) fp32, or for the bf16 forward and
+// backward of the AVX-512 F family (x and dpre in fp32 from the glue) bf16 or fp32 rounded to bf16.
 FL_AVX512 void pb_pack_wt_f32(const void *w, DType w_dtype, bool round_bf16, int64_t ldw, int64_t N, int64_t K,
                               int64_t panel0, int64_t panel1, uint32_t *bp) {
     float *out = reinterpret_cast<float *>(bp);
@@ -1220,14 +1240,29 @@ FL_AVX512 void pb_pack_wt_f32(const void *w, DType w_dtype, bool round_bf16, int
 
 FL_AVX512 void pb_pack_rows_f32(const GemmOperand &b, int64_t N, int64_t K, int64_t panel0, int64_t panel1,
                                 uint32_t *bp) {
-    pbf_pack_rows_avx512(static_cast<const float *>(b.ptr), b.ld, N, K, panel0, panel1, reinterpret_cast<float *>(bp));
+    float *out = reinterpret_cast<float *>(bp);
+    if (b.dtype == DType::BF16)
+        return pbf_pack_rows_avx512<DType::BF16, false>(b.ptr, b.ld, N, K, panel0, panel1, out);
+    if (b.round_bf16)
+        return pbf_pack_rows_avx512<DType::F32, true>(b.ptr, b.ld, N, K, panel0, panel1, out);
+    pbf_pack_rows_avx512<DType::F32, false>(b.ptr, b.ld, N, K, panel0, panel1, out);
 }
 
-FL_AVX512 void pb_pack_quant_f32(const Int8Weight &w8, const Int4Weight &w4, int64_t N, int64_t K, int64_t panel0,
-                                 int64_t panel1, uint32_t *bp) {
-    if (w4.q)
-        return pbf_pack_quant<true>(w8, w4, N, K, panel0, panel1, bp);
-    pbf_pack_quant<false>(w8, w4, N, K, panel0, panel1, bp);
+FL_AVX512 void pb_pack_quant_f32(const Int8Weight &w8, const Int4Weight &w4, const Sparse24Weight &s24, int64_t N,
+                                 int64_t K, int64_t panel0, int64_t panel1, uint32_t *bp) {
+    const int fmt = w4.q ? 1 : !s24.values ? 0 : s24.vdt == DType::BF16 ? 2 : s24.round_bf16 ? 4 : 3;
+    switch (fmt) {
+    case 0:
+        return pbf_pack_quant<0>(w8, w4, s24, N, K, panel0, panel1, bp);
+    case 1:
+        return pbf_pack_quant<1>(w8, w4, s24, N, K, panel0, panel1, bp);
+    case 2:
+        return pbf_pack_quant<2>(w8, w4, s24, N, K, panel0, panel1, bp);
+    case 3:
+        return pbf_pack_quant<3>(w8, w4, s24, N, K, panel0, panel1, bp);
+    default:
+        return pbf_pack_quant<4>(w8, w4, s24, N, K, panel0, panel1, bp);
+    }
 }
 
 FL_AVX512 void pb_block_f32(const void *a, int64_t lda, PbA mode, int64_t K, const uint32_t *panel, int64_t N,

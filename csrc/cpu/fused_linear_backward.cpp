@@ -49,6 +49,13 @@ bool gx_f32_fgemm(int64_t M, int64_t N, int64_t K) {
 bool gw_f32_pb(int64_t M, int64_t N, int64_t K) {
     return M >= 2 || N * K >= (int64_t{1} << 20);
 }
+// bf16 on the AVX-512 F family (no AVX512_BF16): from M = 33 (as the forward) both GEMMs on the fp32 pb kernels, dpre
+// written in fp32 (holding the bf16-rounded values) and x widened once, the weight widened (fp32 master weights
+// rounded to bf16) as it is packed, instead of fgemm's 8-lane tiles. Intel Xeon (family 6 model 207), 2 threads,
+// bf16 autocast training step of a gelu layer (forward and backward), ms, two alternating runs, fgemm -> pb (eager
+// fp32 step): 64x512x512 1.10-1.23 -> 0.80-0.85 (0.75-0.88) | 359x512x512 3.73-3.82 -> 2.66-2.72 (2.49-2.52) |
+// 128x4096^2 93-100 -> 67-72 (64-66) | 512x4096^2 315-326 -> 206-211 (194-197).
+constexpr int64_t kBf16PbMinM = 32;
 // AVX2 family (no AVX-512), a forward K <= 192 from 256 rows: MKL's sgemm (at::mm) for grad_x, and for grad_weight
 // while N <= 512, on dpre written in fp32 (bf16 training: fp32 holding the bf16-rounded values, so the products are
 // the same as fgemm's). With so few output columns (K) fgemm's packing of the whole dpre (a round trip through memory)
@@ -69,11 +76,12 @@ bool gw_aten_small_k(int64_t M, int64_t N, int64_t K) {
 
 // What the family of this process offers the backward for compute dtype c and this weight.
 struct BackwardFamily {
-    bool fast_bf16 = false; // AVX512_BF16: pb, packed bf16 GEMM and small-M kernels
-    bool f32_pb = false;    // AVX-512 F with an fp32 weight: the fp32 pb kernels
-    bool fg = false;        // fgemm for both GEMMs: the AVX2 family (bf16, fp32), the AVX-512 F family's bf16
-    bool fg_gx = false;     // fgemm for grad_x: as fg, plus AVX-512 fp32 grad_x of large weights at M <= 64
-    bool avx2 = false;      // fg without AVX-512: MKL's sgemm at small K (gx_aten_small_k, gw_aten_small_k)
+    bool fast_bf16 = false;   // AVX512_BF16: pb, packed bf16 GEMM and small-M kernels
+    bool f32_pb = false;      // AVX-512 F with an fp32 weight: the fp32 pb kernels
+    bool f32_pb_bf16 = false; // AVX-512 F without AVX512_BF16, bf16: the fp32 pb kernels on an fp32 dpre, M > 32
+    bool fg = false;          // fgemm for both GEMMs: the AVX2 family (bf16, fp32), the AVX-512 F family's bf16
+    bool fg_gx = false;       // fgemm for grad_x: as fg, plus AVX-512 fp32 grad_x of large weights at M <= 64
+    bool avx2 = false;        // fg without AVX-512: MKL's sgemm at small K (gx_aten_small_k, gw_aten_small_k)
 };
 
 BackwardFamily backward_family(at::ScalarType c, at::ScalarType wt, int64_t M, int64_t N, int64_t K) {
@@ -81,6 +89,7 @@ BackwardFamily backward_family(at::ScalarType c, at::ScalarType wt, int64_t M, i
     BackwardFamily f;
     f.fast_bf16 = c == at::kBFloat16 && kr.pb_bf16.block && kr.gemm_bf16.tile && kr.small_bf16.grad_x;
     f.f32_pb = c == at::kFloat && kr.pb_f32.block && kr.pb_f32.pack_a && wt == at::kFloat;
+    f.f32_pb_bf16 = c == at::kBFloat16 && kr.pb_f32.block && kr.pb_f32.pack_a && !kr.pb_bf16.block && M > kBf16PbMinM;
     f.fg = kr.fgemm.block && (c == at::kBFloat16 || (c == at::kFloat && !kr.pb_f32.block));
     f.fg_gx = f.fg || (kr.fgemm.block && f.f32_pb && gx_f32_fgemm(M, N, K));
     f.avx2 = f.fg && !kr.pb_f32.block;
@@ -96,7 +105,7 @@ at::Tensor backward_dpre(const at::Tensor &grad_out, const at::Tensor &preact, c
     const auto c = x.scalar_type();
     const at::Tensor g2 = as_matrix(grad_out, M, N);
     at::Tensor dpre;
-    const bool dpre_is_g = need_d && act == Act::None && g2.scalar_type() == c; // round_c(g) == g: nothing to write
+    const bool dpre_is_g = need_d && !d_f32 && act == Act::None && g2.scalar_type() == c; // round_c(g) == g
     if (dpre_is_g)
         dpre = g2;
     else if (need_d) { // internal: a kept buffer (a fresh 8 MB one: page faults, grad_x-only backward M = 4096,
@@ -177,7 +186,7 @@ GradXPath choose_grad_x_path(const BackwardFamily &f, at::ScalarType c, int64_t 
         return GradXPath::Zeros;
     if (f.fast_bf16 && gx_bf16_pb(M, N, K))
         return GradXPath::PbBf16;
-    if (f.f32_pb && gx_f32_pb(M) && !f.fg_gx)
+    if ((f.f32_pb && gx_f32_pb(M) && !f.fg_gx) || f.f32_pb_bf16)
         return GradXPath::PbF32;
     if (f.fast_bf16)
         return M <= kSmallGradXMax ? GradXPath::SmallBf16 : GradXPath::GemmBf16;
@@ -207,12 +216,12 @@ at::Tensor backward_grad_x(GradXPath path, const at::Tensor &dpre, const at::Ten
             store_only(gx, K, DType::BF16, false));
         break;
     }
-    case GradXPath::PbF32: {
-        const GemmOperand wb{w.data_ptr(), K, DType::F32, false};
+    case GradXPath::PbF32: { // (bf16 x: dpre in fp32, the weight bf16 or fp32 rounded to bf16)
+        const GemmOperand wb{w.data_ptr(), K, wd, false, c == at::kBFloat16 && wd == DType::F32};
         run_pb(
             DType::F32, dpre.data_ptr(), N, PbA::Rows, M, K, N,
             [&](int64_t p0, int64_t p1, uint32_t *bp) { kr.pb_f32.pack_rows(wb, K, N, p0, p1, bp); },
-            store_only(gx, K, DType::F32, false));
+            store_only(gx, K, dtype_of(c), false));
         break;
     }
     case GradXPath::SmallBf16: { // stream the weight rows once (threads split the columns of grad_x)
@@ -255,7 +264,7 @@ GradWPath choose_grad_weight_path(const BackwardFamily &f, at::ScalarType c, int
         return GradWPath::Zeros;
     if (f.fast_bf16)
         return M > kSmallGradXMax ? GradWPath::PbBf16 : GradWPath::SmallBf16;
-    if (f.f32_pb && gw_f32_pb(M, N, K))
+    if ((f.f32_pb && gw_f32_pb(M, N, K)) || f.f32_pb_bf16)
         return GradWPath::PbF32;
     if (f.fg && !(f.avx2 && gw_aten_small_k(M, N, K)))
         return GradWPath::Fgemm;
@@ -306,7 +315,7 @@ at::Tensor backward_grad_weight(GradWPath path, const at::Tensor &dpre, const at
         const float *dp = dpre.data_ptr<float>();
         parallel_for(0, apanels, std::max<int64_t>(1, 8192 / std::max<int64_t>(M, 1)),
                      [&](int64_t p0, int64_t p1) { kr.pb_f32.pack_a(dp, N, N, M, p0, p1, app); });
-        const GemmOperand xb{x2.data_ptr(), K, DType::F32, false};
+        const GemmOperand xb{x2.data_ptr(), K, dtype_of(x2.scalar_type()), false}; // (bf16 x: widened as packed)
         run_pb(
             DType::F32, app, 0, PbA::Packed, N, K, M,
             [&](int64_t p0, int64_t p1, uint32_t *bp) { kr.pb_f32.pack_rows(xb, K, M, p0, p1, bp); }, e);
@@ -355,8 +364,10 @@ fused_linear_backward_cpu(const at::Tensor &grad_out, const at::Tensor &x, const
     const GradXPath gx_path = choose_grad_x_path(fam, c, M, N, K);
     const GradWPath gw_path = choose_grad_weight_path(fam, c, M, N, K);
     // a bf16 dpre for MKL's sgemm would be widened to fp32 by at::mm's caller: write it in fp32 at once
-    const bool d_f32 = c == at::kBFloat16 && ((need_gx && gx_path == GradXPath::AtenRounded) ||
-                                              (need_gw && gw_path == GradWPath::AtenRounded));
+    // (and for the fp32 pb kernels, which read dpre as fp32)
+    const bool d_f32 =
+        c == at::kBFloat16 && ((need_gx && (gx_path == GradXPath::AtenRounded || gx_path == GradXPath::PbF32)) ||
+                               (need_gw && (gw_path == GradWPath::AtenRounded || gw_path == GradWPath::PbF32)));
     const at::Tensor dpre = backward_dpre(grad_out, preact, x, act, M, N, need_gx || need_gw, d_f32, need_gb, gb);
     at::Tensor gx = at::empty({0}, x.options());
     if (need_gx)

@@ -296,26 +296,35 @@ void forward_aten(const at::Tensor &x2, const at::Tensor &w, int64_t M, int64_t 
     run_epilogue(e, dst.data_ptr<float>(), M, N);
 }
 
+namespace {
+// x [M, K] (fp32 / bf16, row stride ldx) times a weight held quantized or compressed (one of w8, w4, s24) through the
+// fp32 pb kernel, the weight dequantized / decompressed per chunk of panels while packed (pack_quant); + bias.
+void pb_held_weight(const void *x, DType x_dtype, int64_t ldx, int64_t M, const Int8Weight &w8, const Int4Weight &w4,
+                    const Sparse24Weight &s24, int64_t N, int64_t K, const float *bias, void *out, DType out_dtype) {
+    const PbKernels &pk = kernels().pb_f32;
+    at::Tensor xf;
+    if (x_dtype == DType::BF16) { // widened once (exact): the pb kernel broadcasts fp32 x elements
+        xf = at::from_blob(const_cast<void *>(x), {M, K}, {ldx, 1}, at::TensorOptions().dtype(at::kBFloat16))
+                 .to(at::kFloat)
+                 .contiguous();
+        x = xf.data_ptr();
+        ldx = K;
+    }
+    Epilogue e;
+    e.bias = bias;
+    e.out = out;
+    e.ld_out = N;
+    e.out_dtype = out_dtype;
+    run_pb(
+        DType::F32, x, ldx, PbA::Rows, M, N, K,
+        [&](int64_t p0, int64_t p1, uint32_t *bp) { pk.pack_quant(w8, w4, s24, N, K, p0, p1, bp); }, e);
+}
+} // namespace
+
 bool fgemm_quantized_weight(const void *x, DType x_dtype, int64_t ldx, int64_t M, const Int8Weight &w8,
                             const Int4Weight &w4, int64_t N, int64_t K, const float *bias, void *out, DType out_dtype) {
-    const PbKernels &pk = kernels().pb_f32;
-    if (pk.block && pk.pack_quant) { // the AVX-512 families
-        at::Tensor xf;
-        if (x_dtype == DType::BF16) { // widened once (exact): the pb kernel broadcasts fp32 x elements
-            xf = at::from_blob(const_cast<void *>(x), {M, K}, {ldx, 1}, at::TensorOptions().dtype(at::kBFloat16))
-                     .to(at::kFloat)
-                     .contiguous();
-            x = xf.data_ptr();
-            ldx = K;
-        }
-        Epilogue e;
-        e.bias = bias;
-        e.out = out;
-        e.ld_out = N;
-        e.out_dtype = out_dtype;
-        run_pb(
-            DType::F32, x, ldx, PbA::Rows, M, N, K,
-            [&](int64_t p0, int64_t p1, uint32_t *bp) { pk.pack_quant(w8, w4, N, K, p0, p1, bp); }, e);
+    if (kernels().pb_f32.pack_quant) { // the AVX-512 families
+        pb_held_weight(x, x_dtype, ldx, M, w8, w4, Sparse24Weight{}, N, K, bias, out, out_dtype);
         return true;
     }
     if (!kernels().fgemm.block)
@@ -334,6 +343,22 @@ bool fgemm_quantized_weight(const void *x, DType x_dtype, int64_t ldx, int64_t M
     e.ld_out = N;
     e.out_dtype = out_dtype;
     run_fgemm(g, e);
+    return true;
+}
+
+bool sparse24_pb_linear(const at::Tensor &x2, const at::Tensor &values, const at::Tensor &meta, const at::Tensor &bias,
+                        const at::Tensor &out2) {
+    const int64_t M = x2.size(0), K = x2.size(1), N = values.size(0);
+    if (!kernels().pb_f32.pack_quant || K % 16 != 0)
+        return false;
+    const DType xd = dtype_of(x2.scalar_type());
+    Sparse24Weight s;
+    s.values = values.data_ptr();
+    s.vdt = dtype_of(values.scalar_type());
+    s.meta = meta.data_ptr<uint8_t>();
+    s.round_bf16 = xd == DType::BF16 && s.vdt == DType::F32;
+    pb_held_weight(x2.data_ptr(), xd, K, M, Int8Weight{}, Int4Weight{}, s, N, K,
+                   bias.defined() ? bias.data_ptr<float>() : nullptr, out2.data_ptr(), xd);
     return true;
 }
 

@@ -112,6 +112,7 @@ struct GemmOperand {
     int64_t ld = 0;
     DType dtype = DType::BF16;
     bool trans = false;
+    bool round_bf16 = false; // pb_f32's pack_rows: an fp32 operand rounded to bf16 (RNE) as it is packed
 };
 // Size of the packed A buffer, in bf16 elements, and of a gemm_tile workspace (portable).
 int64_t gemm_packed_a_elems(int64_t M, int64_t K);
@@ -141,6 +142,7 @@ inline int64_t pb_kpt(int64_t K, DType compute = DType::BF16) { // k (pairs) per
 }
 struct Int8Weight; // (below, with fgemm)
 struct Int4Weight;
+struct Sparse24Weight;
 struct PbKernels {
     void (*pack_wt)(const void *w, DType w_dtype, bool round_bf16, int64_t ldw, int64_t N, int64_t K, int64_t panel0,
                     int64_t panel1, uint32_t *bp) = nullptr;
@@ -152,10 +154,10 @@ struct PbKernels {
     // ap[(panel * K + k) * 8 + r] (PbA::Packed).
     void (*pack_a)(const float *src, int64_t ld, int64_t rows, int64_t K, int64_t panel0, int64_t panel1,
                    float *ap) = nullptr;
-    // F32 only: as pack_wt for a quantized weight (Int8Weight or Int4Weight below, the other one empty), dequantized
-    // while packed exactly as fgemm dequantizes it.
-    void (*pack_quant)(const Int8Weight &w8, const Int4Weight &w4, int64_t N, int64_t K, int64_t panel0, int64_t panel1,
-                       uint32_t *bp) = nullptr;
+    // F32 only: as pack_wt for a weight held quantized or compressed (one of Int8Weight, Int4Weight, Sparse24Weight
+    // below set, the others empty), dequantized (as fgemm dequantizes it) or decompressed while packed.
+    void (*pack_quant)(const Int8Weight &w8, const Int4Weight &w4, const Sparse24Weight &s24, int64_t N, int64_t K,
+                       int64_t panel0, int64_t panel1, uint32_t *bp) = nullptr;
 };
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -222,6 +224,15 @@ struct Int4Weight {
     const uint16_t *scales = nullptr; // [N, K / group] fp16 bits
     const uint8_t *zeros = nullptr;   // [N, K / group] or null (8)
     int64_t group = 0;
+};
+//   s24 (pb_f32's pack_quant only): a 2:4 weight (sparse24_kernels.h's layout: values [N, K / 2] fp32 or bf16, meta
+//      [N, K / 8] bitmasks of the kept positions, valid, K a multiple of 16) decompressed while packed; round_bf16:
+//      fp32 values rounded to bf16 (RNE) first, as the contract rounds W to a bf16 x's dtype.
+struct Sparse24Weight {
+    const void *values = nullptr;
+    DType vdt = DType::F32;
+    const uint8_t *meta = nullptr;
+    bool round_bf16 = false;
 };
 struct FgemmArgs {
     GemmOperand a, b;

@@ -4,7 +4,7 @@
 //     per call, the rows' FMAs share each dequantized vector); up to tiles_max_rows, the tile kernel (the weight rows
 //     dequantized once per x chunk into a small buffer, register tiles of x rows x weight rows); above, fused_linear's
 //     fgemm with the int4 weight dequantized strip by strip while it is packed (the AVX-512 families: its fp32 pb
-//     kernel, chunk by chunk, from fused_linear::quantized_pb_min_rows rows on). No dense copy of the weight at any M.
+//     kernel, chunk by chunk, from fused_linear::held_pb_min_rows rows on). No dense copy of the weight at any M.
 //     The numbers behind each family's limits are beside its table (int4_avx512.cpp, int4_avx2.cpp).
 //   W4A8: x quantized per row and group, then the integer kernel: the dot-product form for few rows, the family's
 //     GEMM (AVX512-VNNI) from its a8_gemm_min_rows.
@@ -238,7 +238,7 @@ int64_t stream_max_rows() {
 
 // Float x: the bf16 route above, else the streaming kernel (for bf16 x in the family's stream_bf16 window its bf16
 // one), the tile kernel or fgemm by M (the family's limits; on the AVX-512 families fgemm_quantized_weight runs the pb
-// kernel, from the rows fused_linear::quantized_pb_min_rows gives).
+// kernel, from the rows fused_linear::held_pb_min_rows gives).
 at::Tensor weight_only_route(const at::Tensor &x, const Checked &c) {
     const Kernels &kr = kernels();
     const int64_t M = c.M, N = c.N, K = c.K;
@@ -248,7 +248,7 @@ at::Tensor weight_only_route(const at::Tensor &x, const Checked &c) {
                              M <= kr.stream_bf16_rows[1] && c.group >= kr.stream_bf16_min_group &&
                              fastdl::fused_linear::has_bf16_dot();
     const int64_t stream_rows = stream_max_rows();
-    const bool pb = M >= fastdl::fused_linear::quantized_pb_min_rows(true, c.group > 0);
+    const bool pb = M >= fastdl::fused_linear::held_pb_min_rows(fastdl::fused_linear::Held::Int4);
     const bool tiles = !bf16_stream && M > stream_rows && M <= kr.tiles_max_rows && kr.tiles && !pb;
     const bool fgemm = !bf16_stream && M > stream_rows && !tiles && x.scalar_type() != at::kHalf;
     if (fgemm) { // x fp32 / bf16 as it is

@@ -352,7 +352,7 @@ at::Tensor int8_linear_qat(const at::Tensor &x, const at::Tensor &weight, const 
 // weight): 512x4096^2 101.4 vs 81.3 (94.8) | 128x4096^2 23.4 vs 21.7 | 64x4096^2 12.5 vs 11.8 | 160x384x1536 1.41 vs
 // 1.03 | 4096x64x512 2.33 vs 1.50 (1.46) | 64x1024^2 1.05 vs 0.80 | 64x384x384 0.15 vs 0.13; kept below 64 rows:
 // 32x1024^2 0.42 vs 0.48 (the dot form reads int8 in its inner loop, and M is too small to amortise the packing).
-// The AVX-512 families: fused_linear's fp32 pb kernel from the rows fused_linear::quantized_pb_min_rows gives (its
+// The AVX-512 families: fused_linear's fp32 pb kernel from the rows fused_linear::held_pb_min_rows gives (its
 // numbers there; Intel: 32 rows). Before it, on Zen 4, the AVX2 fgemm from 128 rows, grouped weights only: the dot form
 // multiplies each group's code in its inner loop. Zen 4 (AVX-512), 1 thread (thread CPU time, shared machine), fp32 x,
 // groups of 16, ms, dot vs fgemm (Int8Linear's former kept-fp32-copy path, oneDNN): M = 128 2048x5632 35.5 vs 32.4
@@ -363,7 +363,8 @@ bool weight_only_fgemm(const Kernels &kr, int64_t M, bool grouped) {
     if (&kr == kernels_avx2())
         return M >= 64;
     return (&kr == kernels_avx512() || &kr == kernels_avx512_bf16()) &&
-           M >= fastdl::fused_linear::quantized_pb_min_rows(false, grouped);
+           M >= fastdl::fused_linear::held_pb_min_rows(grouped ? fastdl::fused_linear::Held::Int8Grouped
+                                                               : fastdl::fused_linear::Held::Int8);
 }
 
 at::Tensor int8_weight_only_linear(const at::Tensor &x, const at::Tensor &w_q, const at::Tensor &w_scale,

@@ -220,6 +220,9 @@ at::Tensor decompress_2_4(const at::Tensor &values_in, const at::Tensor &meta_in
 }
 
 // ------------------------------------------------------------------------------------------- dense route
+// (Before it, on the AVX-512 families: fused_linear's fp32 pb kernel with the weight decompressed per chunk of panels
+// while packed, from fused_linear::held_pb_min_rows rows on, K % 16 == 0; its numbers are there. It is taken first
+// where both apply.)
 // From dense_route_min_rows(...) rows of x on, sparse24_linear decompresses the weight in blocks of rows (4 MiB of it
 // in fp32, 8 MiB in bf16, or one row if a row is larger: a bounded workspace, freed with the call; never a kept copy)
 // and multiplies each block with fused_linear's CPU forward (fused_linear_api.h: oneDNN where it wins, fastdl's
@@ -330,6 +333,16 @@ at::Tensor sparse24_linear(const at::Tensor &x_in, const at::Tensor &values_in, 
     }
     const at::Tensor x = x_in.reshape({M, K}).contiguous();
     const Kernels &kr = kernels();
+    // the AVX-512 families from held_pb_min_rows rows (the numbers there): fused_linear's fp32 pb kernel with the
+    // weight decompressed per chunk of panels while packed (meta checked first, as the kernels do)
+    const auto held =
+        x.scalar_type() == at::kBFloat16 ? fused_linear::Held::Sparse24Bf16x : fused_linear::Held::Sparse24;
+    if (K % 16 == 0 && M >= fused_linear::held_pb_min_rows(held)) {
+        if (!meta_rows_valid(meta.data_ptr<uint8_t>(), K, 0, N))
+            raise_bad_meta(meta, N, K, "sparse24_linear");
+        if (fused_linear::sparse24_pb_linear(x, values_in.contiguous(), meta, bias, out.view({M, N})))
+            return out;
+    }
     if (M >= dense_route_min_rows(kr, N, K))
         return dense_route(kr, x, values_in, meta, bias, out);
     LinearArgs a;
