@@ -49,6 +49,15 @@ bool gx_f32_fgemm(int64_t M, int64_t N, int64_t K) {
 bool gw_f32_pb(int64_t M, int64_t N, int64_t K) {
     return M >= 2 || N * K >= (int64_t{1} << 20);
 }
+// fp32 on Intel cores, where MKL's sgemm (at::mm) runs near the FMA peak (on the AMD dev machines it ran 2-3x slower
+// than pb): grad_x always, grad_weight for weights of at most 1M elements. Intel Xeon (family 6 model 207, AVX-512),
+// us, MKL vs fastdl (pb, or fgemm for grad_x of large weights at M <= 64), (M, K, N), 2 threads: grad_x 64,512,512
+// 148 vs 174 | 16,512,512 37 vs 81 | 359,512,512 695 vs 730 | 128,1024,1024 1058 vs 1243 | 64,4096,4096 ms 10.4 vs
+// 19.4 | 128,4096,4096 ms 17.2 vs 20.7 | 1,4096,4096 ms 2.29 vs 2.56 | 512,4096,4096 ms 58.5 vs 65.1; grad_weight
+// 64,64,512 22 vs 55 | 64,512,512 147 vs 168 | 359,512,512 668 vs 713 | 128,1024,1024 975 vs 1073, kept (N * K = 16M)
+// 64,4096,4096 ms 22.4 vs 16.8 | 128,4096,4096 ms 30.3 vs 24.3 | 512,4096,4096 ms 71.6 vs 66.8; 1 thread the same
+// order (64,512,512 grad_x 214 vs 338, grad_weight 232 vs 296).
+constexpr int64_t kGwF32IntelMklMax = int64_t{1} << 20;
 // bf16 on the AVX-512 F family (no AVX512_BF16): from M = 33 (as the forward) both GEMMs on the fp32 pb kernels, dpre
 // written in fp32 (holding the bf16-rounded values) and x widened once, the weight widened (fp32 master weights
 // rounded to bf16) as it is packed, instead of fgemm's 8-lane tiles. Intel Xeon (family 6 model 207), 2 threads,
@@ -186,6 +195,8 @@ GradXPath choose_grad_x_path(const BackwardFamily &f, at::ScalarType c, int64_t 
         return GradXPath::Zeros;
     if (f.fast_bf16 && gx_bf16_pb(M, N, K))
         return GradXPath::PbBf16;
+    if (f.f32_pb && cpu::vendor_intel()) // MKL's sgemm on Intel cores (kGwF32IntelMklMax)
+        return GradXPath::AtenF32;
     if ((f.f32_pb && gx_f32_pb(M) && !f.fg_gx) || f.f32_pb_bf16)
         return GradXPath::PbF32;
     if (f.fast_bf16)
@@ -264,6 +275,8 @@ GradWPath choose_grad_weight_path(const BackwardFamily &f, at::ScalarType c, int
         return GradWPath::Zeros;
     if (f.fast_bf16)
         return M > kSmallGradXMax ? GradWPath::PbBf16 : GradWPath::SmallBf16;
+    if (f.f32_pb && cpu::vendor_intel() && N * K <= kGwF32IntelMklMax) // MKL's sgemm on Intel cores (kGwF32IntelMklMax)
+        return GradWPath::AtenF32;
     if ((f.f32_pb && gw_f32_pb(M, N, K)) || f.f32_pb_bf16)
         return GradWPath::PbF32;
     if (f.fg && !(f.avx2 && gw_aten_small_k(M, N, K)))
