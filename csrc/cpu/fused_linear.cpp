@@ -52,6 +52,7 @@
 #include "fused_linear_host.h"
 #include "fused_linear_kernels.h"
 #include "fused_linear_onednn.h"
+#include "route_env.h"
 
 namespace fastdl {
 namespace fused_linear {
@@ -368,10 +369,7 @@ bool has_bf16_dot() {
 int64_t held_pb_min_rows(Held kind) {
     if (!kernels().pb_f32.pack_quant)
         return INT64_MAX;
-    static const int64_t forced = [] {
-        const char *env = std::getenv("FASTDL_CPU_PB_ROWS");
-        return env && *env ? std::max<int64_t>(1, std::atoll(env)) : int64_t(0);
-    }();
+    static const int64_t forced = rows_or_env("FASTDL_CPU_PB_ROWS", 0);
     if (forced)
         return forced;
     if (!cpu::vendor_intel())
@@ -381,7 +379,6 @@ int64_t held_pb_min_rows(Held kind) {
     case Held::Int8Grouped:
         return 32;
     case Held::Int4:
-        return 64;
     case Held::Sparse24:
         return 64;
     default: // Sparse24Bf16x

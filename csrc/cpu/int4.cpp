@@ -24,6 +24,7 @@
 #include "fused_linear_api.h"
 #include "fused_linear_kernels.h"
 #include "parallel.h"
+#include "route_env.h"
 
 const char *fastdl_int4_cpu_kernels() {
     return fastdl::int4::kernels().name;
@@ -185,13 +186,6 @@ template <class F> void over_columns(int64_t M, int64_t N, int64_t K, const F &f
 //  * the block: fused_linear's bf16 forward over a 4096 x 4096 weight cut in blocks of 256 / 1024 rows, M = 128,
 //    12.2 / 10.5 ms (whole: 10.7); fp32 blocks (rounded in the kernel) 15.4 / 12.8. Blocks of 8 MiB of bf16.
 constexpr int64_t kBf16BlockBytes = int64_t{8} << 20;
-
-// A row-count threshold of the routes, overridden by the environment variable `name` when it is set (benchmarks
-// measure the crossovers with them; each caller reads its variable once per process).
-int64_t rows_or_env(const char *name, int64_t rows) {
-    const char *env = std::getenv(name);
-    return env && *env ? std::max<int64_t>(1, std::atoll(env)) : rows;
-}
 
 int64_t bf16_dense_min_rows() {
     static const int64_t rows = rows_or_env("FASTDL_INT4_BF16_DENSE_ROWS", kBf16DenseMinRows);

@@ -11,6 +11,7 @@
 #include "cpu_isa.h"
 #include "fused_linear_api.h"
 #include "parallel.h"
+#include "route_env.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -245,10 +246,7 @@ at::Tensor decompress_2_4(const at::Tensor &values_in, const at::Tensor &meta_in
 // overrides them (read once per process: the tests run both routes at every level, and benchmarks measure the
 // crossover with it).
 int64_t dense_route_min_rows(const Kernels &kr, int64_t N, int64_t K) {
-    static const int64_t forced = [] {
-        const char *env = std::getenv("FASTDL_SPARSE24_DENSE_ROWS");
-        return env && *env ? std::max<int64_t>(1, std::atoll(env)) : int64_t(0);
-    }();
+    static const int64_t forced = rows_or_env("FASTDL_SPARSE24_DENSE_ROWS", 0);
     if (forced)
         return forced;
     return N * K >= kr.dense_min_weight ? kr.dense_min_rows : INT64_MAX;
